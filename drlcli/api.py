@@ -1,0 +1,464 @@
+"""The library API behind every CLI command: one function per command, typed results.
+
+Each function takes explicit paths, options and a device, raises ``DrlError`` subclasses for
+anything a user can cause, and reports progress through an optional callback. Nothing here
+prints; ``cli.py`` renders the results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__, backbone
+from .backbone import PTMSource
+from .config import RunConfig
+from .data import ImageSet, scan_class_folders, validate_images
+from .errors import DataError, IntegrityError, PTMError, UsageError
+from .evaluate import AccuracyReport, HistorySummary, accuracy_report, summarize_history
+from .ipa import IPANetwork
+from .model import IncrementalModel, class_means, embed_images, empty_prototypes
+from .rundir import (
+    RUN_CONFIG_KIND,
+    RunDir,
+    init_files,
+    refuse_existing,
+    stage_files,
+)
+from .train import train_stage
+
+EVAL_BATCH_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the library reports while it works: a phase, a step count, and a short detail."""
+
+    phase: str  # "validate" | "train" | "prototypes" | "evaluate"
+    step: int
+    total: int
+    detail: str = ""
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise UsageError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device} requested but CUDA is not available; use --device cpu")
+    return resolved
+
+
+# ---------------------------------------------------------------------------------- init
+
+
+@dataclass(frozen=True)
+class InitResult:
+    run_dir: str
+    method: str
+    ptm: str
+    ptm_sha256: str
+    ptm_source: str
+    data_config: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def init_run(
+    run_dir: Path | str,
+    *,
+    ptm: str,
+    ptm_weights: Path | None = None,
+    random_init: bool = False,
+    ptm_kwargs: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+    seed: int = 0,
+) -> InitResult:
+    """Create a run directory for ``ptm``. Random-init weights are stored in the run."""
+    if ptm_weights is not None and random_init:
+        raise UsageError("--ptm-weights and --random-init exclude each other; pass one")
+    config = config or RunConfig()
+    run = RunDir(run_dir)
+    with run.writer(create=True) as writer:
+        refuse_existing(run.path)
+        source = PTMSource(weights_path=ptm_weights, random_init=random_init, seed=seed)
+        model = backbone.create_ptm(ptm, source=source, kwargs=ptm_kwargs)
+        kind = "random" if random_init else ("file" if ptm_weights is not None else "hub")
+        record = {
+            "kind": RUN_CONFIG_KIND,
+            "drl_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "ptm": {
+                "name": ptm,
+                "kwargs": dict(ptm_kwargs or {}),
+                "sha256": backbone.fingerprint(model),
+                "source": kind,
+                # relative to the run, so it survives moving run and weights together
+                "weights_hint": os.path.relpath(Path(ptm_weights).resolve(), run.path.resolve())
+                if ptm_weights is not None
+                else None,
+                "data_config": backbone.data_config(model),
+            },
+            "config": config.to_dict(),
+        }
+        writer.commit(init_files(record, model.state_dict() if random_init else None), manifest=None)
+    info = record["ptm"]
+    return InitResult(str(run.path), config.method, ptm, info["sha256"], kind, info["data_config"])
+
+
+# ------------------------------------------------------------------------- loading a run
+
+
+@dataclass
+class LoadedRun:
+    run: RunDir
+    manifest: dict[str, Any]
+    record: dict[str, Any]  # run.yaml
+    config: RunConfig
+    model: IncrementalModel
+    stage_metas: list[dict[str, Any]]
+
+
+def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, ptm_weights: Path | None):
+    """Rebuild the run's PTM and check it is bit-for-bit the one the run was created with."""
+    info = record["ptm"]
+    kwargs = info.get("kwargs") or {}
+    if run.has_ptm_weights(manifest):
+        model = backbone.create_ptm(info["name"], source=PTMSource(random_init=True), kwargs=kwargs)
+        backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / "ptm.safetensors"))
+    else:
+        path = ptm_weights
+        if path is None and info.get("weights_hint"):
+            hinted = run.path / info["weights_hint"]
+            path = hinted if hinted.is_file() else None
+        if path is None and info["source"] == "file":
+            raise PTMError(
+                f"run {run.path} was created from a local weights file for {info['name']} (sha256 "
+                f"{info['sha256'][:12]}...) that is not at its recorded place; pass --ptm-weights FILE"
+            )
+        model = backbone.create_ptm(info["name"], source=PTMSource(weights_path=path), kwargs=kwargs)
+    found = backbone.fingerprint(model)
+    if found != info["sha256"]:
+        raise IntegrityError(
+            f"PTM weights differ from the run's (sha256 {found[:12]}... vs {info['sha256'][:12]}...); "
+            "pass the weights the run was created with"
+        )
+    return model
+
+
+def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | None = None) -> LoadedRun:
+    run = RunDir(run_dir)
+    manifest = run.manifest()
+    record = run.run_config(manifest)
+    config = RunConfig.from_dict(record["config"])
+    ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
+    network = IPANetwork(ptm, config.ipa)
+    model = IncrementalModel(
+        network=network,
+        class_names=[],
+        class_stage=torch.zeros(0, dtype=torch.long),
+        real_prototypes=empty_prototypes(network.width),
+        score_cfg=config.score,
+        data_config=record["ptm"]["data_config"],
+    )
+    metas = []
+    for stage in run.stages(manifest):
+        if config.method == "drl":
+            adapters = network.new_stage(seed=0)
+            state = {k[4:]: v for k, v in stage.tensors.items() if k.startswith("ipa.")}
+            adapters.load_state_dict(state, strict=True)
+            adapters.requires_grad_(False)
+        model.add_classes(stage.meta["classes"], stage.index, stage.tensors["prototypes"])
+        metas.append(stage.meta)
+    return LoadedRun(run, manifest, record, config, model, metas)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A labelled image folder mapped onto the run's global class indices."""
+
+    images: ImageSet
+    label_map: list[int]
+
+
+def eval_set(images: ImageSet, model: IncrementalModel, *, what: str) -> EvalSet:
+    index = model.class_index()
+    unknown = [c for c in images.class_names if c not in index]
+    if unknown:
+        raise DataError(
+            f"{what} {images.root} has class(es) this run has not learned: {unknown[:5]}; "
+            "evaluate only learned classes (see `drl info`)"
+        )
+    return EvalSet(images, [index[c] for c in images.class_names])
+
+
+def evaluate_sets(
+    model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
+) -> AccuracyReport:
+    predictions, targets = [], []
+    for k, item in enumerate(sets, 1):
+        report_step = (
+            (lambda step, total, k=k: progress(Progress("evaluate", step, total, f"set {k}/{len(sets)}")))
+            if progress
+            else None
+        )
+        feats, labels = embed_images(
+            model.network, item.images, model.data_config, batch_size=EVAL_BATCH_SIZE, progress=report_step
+        )
+        predictions.append(model.scores(feats).argmax(1))
+        targets.append(torch.tensor(item.label_map)[labels])
+    return accuracy_report(torch.cat(predictions), torch.cat(targets), model.class_stage, num_stages=model.num_stages)
+
+
+def registered_eval_sets(loaded: LoadedRun) -> list[EvalSet]:
+    sets = []
+    for meta in loaded.stage_metas:
+        entry = meta.get("eval_data")
+        if not entry:
+            continue
+        path = loaded.run.path / entry["path"]
+        if not path.is_dir():
+            raise DataError(
+                f"eval data registered by stage {meta['stage']} is not at {path}; restore it or "
+                "evaluate with --data DIR"
+            )
+        sets.append(
+            eval_set(scan_class_folders(path, what="registered eval data"), loaded.model, what="registered eval data")
+        )
+    return sets
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    report: AccuracyReport
+    history: HistorySummary
+    num_stages: int
+    num_classes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "accuracy": self.report.to_dict(),
+            "history": self.history.to_dict(),
+            "num_stages": self.num_stages,
+            "num_classes": self.num_classes,
+        }
+
+
+def history_of(metas: list[dict[str, Any]]) -> HistorySummary:
+    reports = [AccuracyReport(**m["metrics"]["eval"]) if m["metrics"].get("eval") else None for m in metas]
+    return summarize_history(reports)
+
+
+def evaluate(
+    run_dir: Path | str,
+    *,
+    data_dir: Path | None = None,
+    all_seen: bool = False,
+    device: str = "auto",
+    ptm_weights: Path | None = None,
+    progress: ProgressFn | None = None,
+) -> EvalResult:
+    """Top-1 on a labelled folder (``data_dir``) or on every registered eval set (``all_seen``)."""
+    if (data_dir is None) == (not all_seen):
+        raise UsageError("pass exactly one of --all-seen or --data DIR")
+    loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
+    if not loaded.stage_metas:
+        raise UsageError(f"run {run_dir} has learned no stage yet; run `drl learn-stage` first")
+    if data_dir is not None:
+        images = scan_class_folders(data_dir)
+        validate_images(images)
+        sets = [eval_set(images, loaded.model, what="--data")]
+    else:
+        sets = registered_eval_sets(loaded)
+        if not sets:
+            raise UsageError("no eval data is registered; pass --eval-data to learn-stage, or use --data DIR")
+    report = evaluate_sets(loaded.model, sets, progress=progress)
+    return EvalResult(report, history_of(loaded.stage_metas), loaded.model.num_stages, len(loaded.model.class_names))
+
+
+# --------------------------------------------------------------------------- learn-stage
+
+
+@dataclass(frozen=True)
+class StageResult:
+    stage: int
+    classes: list[str]
+    num_images: int
+    train_seconds: float
+    total_seconds: float
+    epoch_losses: list[float]
+    scale: float | None
+    num_params: int
+    stage_bytes: int
+    eval: AccuracyReport | None
+    history: HistorySummary
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["eval"] = self.eval.to_dict() if self.eval else None
+        out["history"] = self.history.to_dict()
+        return out
+
+
+def learn_stage(
+    run_dir: Path | str,
+    *,
+    data_dir: Path,
+    eval_data_dir: Path | None = None,
+    train_overrides: dict[str, Any] | None = None,
+    device: str = "auto",
+    ptm_weights: Path | None = None,
+    progress: ProgressFn | None = None,
+) -> StageResult:
+    """Learn the classes in ``data_dir`` as a new stage and commit it atomically."""
+    start = time.perf_counter()
+    run = RunDir(run_dir)
+    with run.writer() as writer:
+        manifest = run.manifest()
+        record = run.run_config(manifest)
+        config = RunConfig.from_dict(record["config"]).with_train(**(train_overrides or {}))
+        images = scan_class_folders(data_dir)
+        eval_images = scan_class_folders(eval_data_dir, what="--eval-data") if eval_data_dir else None
+        loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
+        model = loaded.model
+        learned = {name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())}
+        for name in images.class_names:
+            if name in learned:
+                raise DataError(
+                    f"class {name!r} in --data was already learned in stage {learned[name]}; "
+                    "new stages bring new classes only: rename or remove that folder"
+                )
+        if eval_images is not None:
+            unknown = [c for c in eval_images.class_names if c not in learned and c not in images.class_names]
+            if unknown:
+                raise DataError(
+                    f"--eval-data {eval_images.root} has class(es) neither learned nor in --data: "
+                    f"{unknown[:5]}; remove them or add them to --data"
+                )
+        for item in (images, eval_images):
+            if item is not None:
+                if progress:
+                    progress(Progress("validate", 0, len(item), str(item.root)))
+                validate_images(item)
+        stage_index = max(loaded.run.stage_indices(manifest), default=0) + 1
+        network = model.network
+        train_result = None
+        if config.method == "drl":
+            network.new_stage(seed=config.train.seed + stage_index)
+            train_progress = (
+                (
+                    lambda p: progress(
+                        Progress("train", p.step, p.steps, f"epoch {p.epoch}/{p.epochs} loss {p.loss:.4f}")
+                    )
+                )
+                if progress
+                else None
+            )
+            train_result = train_stage(network, images, config.train, model.data_config, progress=train_progress)
+        feats, labels = embed_images(
+            network,
+            images,
+            model.data_config,
+            batch_size=EVAL_BATCH_SIZE,
+            progress=(lambda s, t: progress(Progress("prototypes", s, t))) if progress else None,
+        )
+        model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
+        sets = registered_eval_sets(loaded)
+        if eval_images is not None:
+            sets.append(eval_set(eval_images, model, what="--eval-data"))
+        report = evaluate_sets(model, sets, progress=progress) if sets else None
+        stage = network.stages[-1] if config.method == "drl" else None
+        tensors = {"prototypes": model.real_prototypes[-len(images.class_names) :]}
+        if stage is not None:
+            tensors.update({f"ipa.{k}": v for k, v in stage.state_dict().items()})
+        meta = {
+            "stage": stage_index,
+            "drl_version": __version__,
+            "classes": list(images.class_names),
+            "images_per_class": images.counts(),
+            "data_fingerprint": images.fingerprint(),
+            "train": asdict(config.train) if config.method == "drl" else None,
+            "device": str(next(network.ptm.parameters()).device),
+            "eval_data": {
+                "path": os.path.relpath(Path(eval_data_dir).resolve(), run.path.resolve()),
+                "classes": list(eval_images.class_names),
+                "fingerprint": eval_images.fingerprint(),
+            }
+            if eval_images is not None
+            else None,
+            "num_params": stage.num_params() if stage is not None else 0,
+            "metrics": {
+                "eval": report.to_dict() if report else None,
+                "train": asdict(train_result) if train_result else None,
+            },
+        }
+        files = stage_files(stage_index, meta, tensors)
+        writer.commit(files, manifest=manifest, new_stage=stage_index)
+    return StageResult(
+        stage=stage_index,
+        classes=list(images.class_names),
+        num_images=len(images),
+        train_seconds=train_result.seconds if train_result else 0.0,
+        total_seconds=time.perf_counter() - start,
+        epoch_losses=train_result.epoch_losses if train_result else [],
+        scale=train_result.scale if train_result else None,
+        num_params=meta["num_params"],
+        stage_bytes=sum(len(b) for b in files.values()),
+        eval=report,
+        history=history_of([*loaded.stage_metas, meta]),
+    )
+
+
+# ---------------------------------------------------------------------------------- info
+
+
+def info(run_dir: Path | str) -> dict[str, Any]:
+    """What the run holds: PTM, method, stages, classes, sizes, accuracy history (no PTM load)."""
+    run = RunDir(run_dir)
+    manifest = run.manifest()
+    record = run.run_config(manifest)
+    stages, metas = [], [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    for index, meta in zip(run.stage_indices(manifest), metas):
+        evaluation = meta["metrics"].get("eval")
+        stages.append(
+            {
+                "stage": index,
+                "num_classes": len(meta["classes"]),
+                "classes": meta["classes"],
+                "num_images": sum(meta["images_per_class"].values()),
+                "num_params": meta["num_params"],
+                "bytes": run.size_bytes(manifest, prefix=f"stages/{index:03d}/"),
+                "accuracy": evaluation["top1"] if evaluation else None,
+                "train_seconds": (meta["metrics"].get("train") or {}).get("seconds"),
+            }
+        )
+    return {
+        "run_dir": str(run.path),
+        "format_version": manifest["format_version"],
+        "generation": manifest["generation"],
+        "method": record["config"]["method"],
+        "ptm": {k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
+        "num_stages": len(stages),
+        "num_classes": sum(s["num_classes"] for s in stages),
+        "total_bytes": run.size_bytes(manifest),
+        "stages": stages,
+        "history": history_of(metas).to_dict(),
+        "config": record["config"],
+    }

@@ -1,0 +1,194 @@
+"""The frozen pre-trained ViT (PTM): building it, loading weights, fingerprinting it, and the
+explicit-attention forward that exposes each block's attention probabilities A^l.
+
+timm's fused attention hides A^l, so ``block_with_attention`` recomputes the block from the
+block's own modules (q/k/v, norms, layer scale, projection) and returns A^l next to its output;
+a test holds it to timm's own block output within 1e-5. The last block is only ever needed for
+the class token, so ``class_token_attention`` computes just that row of A^L.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import PTMError
+
+
+@dataclass(frozen=True)
+class PTMSource:
+    """Where weights come from: a local file, timm's hub download, or a seeded random init."""
+
+    weights_path: Path | None = None
+    random_init: bool = False
+    seed: int = 0
+
+
+def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """Build a frozen timm ViT (no classifier head) with weights from ``source``."""
+    import timm
+
+    kwargs = dict(kwargs or {})
+    if not timm.is_model(name):
+        raise PTMError(f"unknown PTM {name!r}; pass a timm ViT name such as deit_tiny_patch16_224")
+    try:
+        if source.weights_path is None and not source.random_init:
+            model = timm.create_model(name, pretrained=True, num_classes=0, **kwargs)
+        else:
+            with torch.random.fork_rng():
+                torch.manual_seed(source.seed)
+                model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+    except PTMError:
+        raise
+    except Exception as exc:  # timm/hub raise many kinds; all mean the same to the user
+        if source.weights_path is None and not source.random_init:
+            raise PTMError(
+                f"cannot get pretrained weights for {name} ({exc.__class__.__name__}); "
+                "offline? pass --ptm-weights FILE (a local .safetensors)"
+            ) from exc
+        raise PTMError(f"cannot build PTM {name} with {kwargs}: {exc}") from exc
+    check_supported(model, name)
+    if source.weights_path is not None:
+        load_weights(model, source.weights_path)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def check_supported(model: nn.Module, name: str) -> None:
+    from timm.models.vision_transformer import Attention, Block, VisionTransformer
+
+    if not isinstance(model, VisionTransformer) or getattr(model, "cls_token", None) is None:
+        raise PTMError(f"{name} is not a timm ViT with a class token; use a vit_* or deit_* model")
+    for block in model.blocks:
+        if type(block) is not Block or type(block.attn) is not Attention:
+            raise PTMError(f"{name} uses {type(block).__name__} blocks; only standard ViT blocks work")
+        if getattr(block.attn, "gate", None) is not None:
+            raise PTMError(f"{name} has gated attention, which the IPA network does not support")
+    if len(model.blocks) < 2:
+        raise PTMError(f"{name} has {len(model.blocks)} block(s); the IPA network needs at least 2")
+
+
+def read_weights_file(path: Path) -> dict[str, Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise PTMError(f"weights file {path} not found; pass an existing --ptm-weights FILE")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only, no code
+    except Exception as exc:
+        raise PTMError(f"cannot read weights file {path}: {exc}; pass a valid .safetensors") from exc
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]
+    return state
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    state = {k: v for k, v in read_weights_file(path).items() if not k.startswith("head.")}
+    load_state(model, state, origin=str(path))
+
+
+def load_state(model: nn.Module, state: dict[str, Tensor], *, origin: str) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise PTMError(
+            f"weights {origin} do not fit this PTM (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}); pass the weights of the model named by --ptm"
+        )
+    for key, value in state.items():
+        if value.shape != expected[key].shape:
+            raise PTMError(
+                f"weights {origin}: {key} has shape {tuple(value.shape)}, the PTM expects "
+                f"{tuple(expected[key].shape)}; pass the weights of the model named by --ptm"
+            )
+    model.load_state_dict(state, strict=True)
+
+
+def fingerprint(model: nn.Module) -> str:
+    """sha256 over the PTM's tensors (names, dtypes, shapes, bytes): independent of file format."""
+    digest = hashlib.sha256()
+    for key, value in sorted(model.state_dict().items()):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def data_config(model: nn.Module) -> dict[str, Any]:
+    """The PTM's resolved preprocessing (input size, interpolation, mean/std, crop), JSON-safe."""
+    from timm.data import resolve_data_config
+
+    cfg = resolve_data_config({}, model=model)
+    # the pretrained config names the checkpoint's size; the built model may have another
+    cfg["input_size"] = (cfg["input_size"][0], *model.patch_embed.img_size)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+
+
+def width(model: nn.Module) -> int:
+    return int(model.embed_dim)
+
+
+# ---------------------------------------------------------------- explicit-attention forward
+
+
+def embed_tokens(model: nn.Module, images: Tensor) -> Tensor:
+    """Patch embedding + class token + position embedding: f^0, shared by every stream. (B, N, d)"""
+    x = model.patch_embed(images)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    return model.norm_pre(x)
+
+
+def _heads(x: Tensor, num_heads: int) -> Tensor:
+    """(B, N, d) -> (B, H, N, d/H)"""
+    b, n, d = x.shape
+    return x.view(b, n, num_heads, d // num_heads).transpose(1, 2)
+
+
+def block_with_attention(block: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """One frozen ViT block; returns its output (B, N, d) and attention probabilities (B, H, N, N)."""
+    attn = block.attn
+    h = block.norm1(x)
+    q, k, v = attn.qkv(h).chunk(3, dim=-1)
+    q, k, v = (_heads(t, attn.num_heads) for t in (q, k, v))
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    probs = torch.softmax((q * attn.scale) @ k.transpose(-2, -1), dim=-1)  # (B, H, N, N)
+    out = (probs @ v).transpose(1, 2).flatten(2)  # (B, N, d)
+    x = x + block.ls1(attn.proj(attn.norm(out)))
+    x = x + block.ls2(block.mlp(block.norm2(x)))
+    return x, probs
+
+
+def class_token_attention(block: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The class-token row of a block's attention (B, H, N) and the values it mixes (B, H, N, d/H)."""
+    attn = block.attn
+    d = x.shape[-1]
+    h = block.norm1(x)
+    weight, bias = attn.qkv.weight, attn.qkv.bias
+    q = F.linear(h[:, :1], weight[:d], None if bias is None else bias[:d])  # (B, 1, d)
+    kv = F.linear(h, weight[d:], None if bias is None else bias[d:])  # (B, N, 2d)
+    k, v = kv.chunk(2, dim=-1)
+    q, k, v = (_heads(t, attn.num_heads) for t in (q, k, v))
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    probs = torch.softmax((q * attn.scale) @ k.transpose(-2, -1), dim=-1).squeeze(2)  # (B, H, N)
+    return probs, v
+
+
+def ptm_class_feature(model: nn.Module, x: Tensor, cls_probs: Tensor, values: Tensor) -> Tensor:
+    """Last PTM block for the class token only, then the final norm: f_0. (B, d)"""
+    block = model.blocks[-1]
+    mixed = (cls_probs.unsqueeze(2) @ values).squeeze(2).flatten(1)  # (B, d)
+    y = x[:, 0] + block.ls1(block.attn.proj(block.attn.norm(mixed)))
+    y = y + block.ls2(block.mlp(block.norm2(y)))
+    return model.fc_norm(model.norm(y))

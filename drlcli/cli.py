@@ -1,0 +1,330 @@
+"""The ``drl`` command line: a thin Typer layer over ``drlcli.api``.
+
+Each command parses options, makes one library call and prints the result: text or one JSON
+object (``--json``) on stdout; logs and progress on stderr. ``_execute`` is the one place that
+maps library errors to one-line messages and exit codes (see ``errors.EXIT_CODES``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+import yaml
+
+from . import api
+from .errors import EXIT_CODES, DrlError, UsageError
+
+EPILOG = "Exit codes: " + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items())
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Class-incremental learning on a frozen pre-trained ViT (DRL: IPA network + DAS).",
+    epilog=EPILOG,
+)
+log = logging.getLogger("drlcli")
+
+RunOpt = typer.Option(Path("."), "--run", envvar="DRL_RUN", help="Run directory (env DRL_RUN).")
+JsonOpt = typer.Option(False, "--json", help="Print one machine-readable JSON object on stdout.")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or log lines on stderr.")
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+WeightsOpt = typer.Option(
+    None, "--ptm-weights", envvar="DRL_PTM_WEIGHTS", help="Local PTM weights (.safetensors); env DRL_PTM_WEIGHTS."
+)
+
+
+# ------------------------------------------------------------------------ output plumbing
+
+
+class Reporter:
+    """Progress on stderr: a rich bar on a terminal, a plain log line every few seconds otherwise."""
+
+    def __init__(self, *, quiet: bool, interval: float = 10.0):
+        self.quiet = quiet
+        self.interactive = sys.stderr.isatty()
+        self.interval = interval
+        self._last = 0.0
+        self._phase = ""
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __call__(self, event: api.Progress) -> None:
+        if self.quiet:
+            return
+        if self.interactive:
+            self._rich(event)
+            return
+        now = time.monotonic()
+        if event.phase != self._phase or now - self._last >= self.interval or event.step == event.total:
+            self._phase, self._last = event.phase, now
+            log.info("%s %d/%d %s", event.phase, event.step, event.total, event.detail)
+
+    def _rich(self, event: api.Progress) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if self._bar is None:
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[detail]}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._bar.start()
+        if event.phase != self._phase or self._task is None:
+            self._phase = event.phase
+            self._task = self._bar.add_task(event.phase, total=event.total or None, detail="")
+        self._bar.update(self._task, completed=event.step, total=event.total or None, detail=event.detail)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
+    if as_json:
+        print(json.dumps({"ok": False, "error": {"kind": kind, "message": message, "exit_code": code}}))
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _execute(as_json: bool, quiet: bool, action: Callable[[Reporter], Any], render: Callable[[Any], None]) -> None:
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
+    reporter = Reporter(quiet=quiet)
+    try:
+        result = action(reporter)
+    except DrlError as exc:
+        reporter.close()
+        _fail(exc.kind, str(exc), exc.exit_code, as_json)
+    except KeyboardInterrupt:
+        reporter.close()
+        _fail("interrupted", "interrupted; the previous committed state is kept", 130, as_json)
+    except Exception as exc:  # a bug: keep the one-line contract, show the trace only when asked
+        reporter.close()
+        log.debug("internal error", exc_info=True)
+        _fail("internal", f"internal error {exc.__class__.__name__}: {exc} (please report it)", 1, as_json)
+    reporter.close()
+    payload = result if isinstance(result, dict) else result.to_dict()
+    if as_json:
+        print(json.dumps({"ok": True, **payload}))
+    else:
+        render(payload)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _history_lines(history: dict[str, Any]) -> list[str]:
+    acc = history["accuracy"]
+    lines = ["A_t by stage: " + "  ".join(f"A_{i + 1} {_pct(a)}" for i, a in enumerate(acc))]
+    lines.append(f"average A (Ā): {_pct(history['average'])}   last A_T: {_pct(history['last'])}")
+    if history["forgetting"]:
+        lines.append(
+            "forgetting by stage group: " + "  ".join(f"{g}: {v:.2f}" for g, v in history["forgetting"].items())
+        )
+    return lines
+
+
+def _accuracy_lines(acc: dict[str, Any]) -> list[str]:
+    lines = [f"top-1: {acc['top1']:.2f}% on {acc['num_images']} images"]
+    lines.append("by stage group: " + "  ".join(f"stage {g}: {v:.2f}" for g, v in acc["groups"].items()))
+    lines.append(f"old classes: {_pct(acc['old'])}   new classes: {_pct(acc['new'])}")
+    return lines
+
+
+def _parse_ptm_args(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--ptm-arg {item!r} must look like KEY=VALUE (e.g. img_size=32)")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+@app.command()
+def init(
+    ptm: str = typer.Option(..., "--ptm", help="timm ViT name, e.g. deit_tiny_patch16_224."),
+    ptm_weights: Path | None = WeightsOpt,
+    random_init: bool = typer.Option(False, "--random-init", help="Random PTM weights, stored in the run."),
+    ptm_arg: list[str] = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable)."),
+    method: str | None = typer.Option(None, "--method", help="drl (default) or simplecil."),
+    config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Create a run directory for a PTM (records its name, sha256 and data config)."""
+    from .config import RunConfig
+
+    def action(_: Reporter) -> Any:
+        cfg = RunConfig.from_yaml(config) if config else RunConfig()
+        if method:
+            cfg = RunConfig.from_dict({**cfg.to_dict(), "method": method})
+        return api.init_run(
+            run,
+            ptm=ptm,
+            ptm_weights=ptm_weights,
+            random_init=random_init,
+            ptm_kwargs=_parse_ptm_args(ptm_arg),
+            config=cfg,
+            seed=seed,
+        )
+
+    def render(r: dict[str, Any]) -> None:
+        print(
+            f"initialised {r['run_dir']}: method {r['method']}, PTM {r['ptm']} ({r['ptm_source']}, sha256 {r['ptm_sha256'][:12]}...)"
+        )
+
+    _execute(as_json, quiet, action, render)
+
+
+@app.command("learn-stage")
+def learn_stage(
+    data: Path = typer.Option(..., "--data", help="Folder with one sub-folder of images per new class."),
+    eval_data: Path | None = typer.Option(None, "--eval-data", help="Test folder, registered for later evals."),
+    epochs: int | None = typer.Option(None, "--epochs", min=1),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1),
+    lr: float | None = typer.Option(None, "--lr", min=0.0),
+    workers: int | None = typer.Option(None, "--workers", min=0, help="DataLoader worker processes."),
+    device: str = DeviceOpt,
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Learn the classes in --data as a new stage; commit it atomically."""
+    overrides = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "num_workers": workers}
+
+    def action(reporter: Reporter) -> Any:
+        return api.learn_stage(
+            run,
+            data_dir=data,
+            eval_data_dir=eval_data,
+            train_overrides=overrides,
+            device=device,
+            ptm_weights=ptm_weights,
+            progress=reporter,
+        )
+
+    def render(r: dict[str, Any]) -> None:
+        print(
+            f"stage {r['stage']}: learned {len(r['classes'])} classes from {r['num_images']} images "
+            f"in {r['total_seconds']:.1f}s (training {r['train_seconds']:.1f}s, {r['num_params']} parameters)"
+        )
+        if r["eval"]:
+            print("\n".join(_accuracy_lines(r["eval"]) + _history_lines(r["history"])))
+
+    _execute(as_json, quiet, action, render)
+
+
+@app.command("eval")
+def eval_(
+    all_seen: bool = typer.Option(False, "--all-seen", help="Every eval set registered by learn-stage."),
+    data: Path | None = typer.Option(None, "--data", help="A labelled folder of learned classes."),
+    device: str = DeviceOpt,
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Top-1 accuracy overall, per stage group and old/new, with the A_t history."""
+
+    def action(reporter: Reporter) -> Any:
+        return api.evaluate(
+            run, data_dir=data, all_seen=all_seen, device=device, ptm_weights=ptm_weights, progress=reporter
+        )
+
+    def render(r: dict[str, Any]) -> None:
+        print(f"{r['num_classes']} classes over {r['num_stages']} stages")
+        print("\n".join(_accuracy_lines(r["accuracy"]) + _history_lines(r["history"])))
+
+    _execute(as_json, quiet, action, render)
+
+
+@app.command()
+def export(
+    out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl)."),
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Write one self-contained inference file (weights, prototypes, classes, data config)."""
+    from .export import export_run
+
+    def render(r: dict[str, Any]) -> None:
+        print(
+            f"exported {r['num_classes']} classes, {r['num_stages']} stages to {r['path']} ({r['bytes'] / 2**20:.1f} MiB)"
+        )
+
+    _execute(as_json, quiet, lambda _: export_run(run, out, ptm_weights=ptm_weights), render)
+
+
+@app.command()
+def info(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
+    """Stages, classes, PTM and sizes of a run (does not load the PTM)."""
+
+    def render(r: dict[str, Any]) -> None:
+        ptm = r["ptm"]
+        print(f"run {r['run_dir']} (format v{r['format_version']}, generation {r['generation']}), method {r['method']}")
+        print(
+            f"PTM {ptm['name']} ({ptm['source']}, sha256 {ptm['sha256'][:12]}...), input {ptm['data_config']['input_size']}"
+        )
+        print(f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB")
+        for s in r["stages"]:
+            print(
+                f"  stage {s['stage']}: {s['num_classes']} classes, {s['num_images']} images, "
+                f"{s['num_params']} params, {s['bytes'] / 2**20:.2f} MiB, accuracy {_pct(s['accuracy'])}"
+            )
+        if r["stages"]:
+            print("\n".join(_history_lines(r["history"])))
+
+    _execute(as_json, True, lambda _: api.info(run), render)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("drl-demo"), "--out", help="Folder for generated data, run and export."),
+    epochs: int = typer.Option(3, "--epochs", min=1),
+    device: str = DeviceOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Offline end-to-end demo: generated images, a tiny random ViT, three stages."""
+    from .demo import run_demo
+
+    def render(r: dict[str, Any]) -> None:
+        for s in r["stages"]:
+            print(
+                f"stage {s['stage']}: +{s['classes']} classes, accuracy on all seen {s['accuracy']:.2f}% ({s['seconds']:.1f}s)"
+            )
+        print("\n".join(_accuracy_lines(r["accuracy"]) + _history_lines(r["history"])))
+        print(f"run directory: {r['run_dir']}\nexported model: {r['export']['path']}")
+
+    _execute(as_json, quiet, lambda rep: run_demo(out, epochs=epochs, device=device, progress=rep), render)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Typed, frozen hyper-parameters for a run, with strict YAML/dict round trips.
+
+Defaults are the paper's (§IV "Training details") unless SPEC.md says otherwise. Unknown keys
+and out-of-range values are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from .errors import UsageError
+
+METHODS = ("drl", "simplecil")
+
+
+@dataclass(frozen=True)
+class IPAConfig:
+    """Shape of each stage's Incremental Parallel Adapter (SPEC §2.1)."""
+
+    adapter_dim: int | None = None  # r; None: d // 16 (48 for ViT-B, 12 for DeiT-Tiny), at least 8
+    gamma: float = 0.9  # gate input mix: (1-γ)·previous stage + γ·PTM
+    activation: str = "relu"  # adapter and gate bottleneck activation: relu | gelu
+    gate: str = "adapt"  # adapt: (1-M)a + Mg | sum: a + g | part: a + Mg
+    attention: str = "reuse"  # reuse: A^l mixes the adapter output | none: no mixing
+    gate_bias_init: float = 3.0  # M starts at sigmoid(3) = 0.95: a new stream ≈ what it inherits
+    ffn_dim: int | None = None  # transfer block FFN hidden width; None: d (the paper's d→d→d)
+
+    def resolved_adapter_dim(self, width: int) -> int:
+        return self.adapter_dim if self.adapter_dim is not None else max(8, width // 16)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One stage's optimisation (SPEC §2.2)."""
+
+    epochs: int = 20
+    batch_size: int = 48
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    loss: str = "das"  # das | ce
+    anchor_pos: float = 1.0  # k for the positive term (k_+)
+    anchor_neg: float = 1.0  # k for the negative term (k_-)
+    lambda_pos: float = 3.0
+    lambda_neg: float = 1.0
+    kd_weight: float = 0.5  # α
+    scale_init: float = 16.0  # σ of the cosine classifier; must exceed the anchor to reach it
+    crop_scale_min: float = 0.08  # RandomResizedCrop lower scale bound for training images
+    hflip: bool = True
+    seed: int = 0
+    num_workers: int = 0  # DataLoader workers; 0 loads in the main process
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """How a sample is scored against the prototype bank (SPEC §2.3)."""
+
+    rule: str = "reweight"  # reweight (EASE) | concat (cosine over [f_0..f_t])
+    rho: float = 0.1  # weight of the other stages' subspaces (EASE's alpha)
+    beta: float = 1.0  # weight of the PTM subspace
+    tau: float = 1.0  # temperature of the semantic-guided prototype synthesis
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    method: str = "drl"
+    ipa: IPAConfig = field(default_factory=IPAConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        return _build(cls, data, "config")
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> RunConfig:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise UsageError(f"cannot read config {path}: {exc}; pass a readable YAML file") from exc
+        if not isinstance(data, dict):
+            raise UsageError(f"config {path} must be a YAML mapping of sections")
+        return cls.from_dict(data)
+
+    def with_train(self, **overrides: Any) -> RunConfig:
+        """A copy with some training options replaced (``None`` values are ignored)."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        merged = {**dataclasses.asdict(self.train), **given}
+        return dataclasses.replace(self, train=_build(TrainConfig, merged, "train"))
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise UsageError(f"{where} must be a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UsageError(f"unknown {where} key(s) {unknown}; known keys: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{where}.{name}")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{where}.{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    allowed = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
+    if value is None:
+        if type(None) in getattr(hint, "__args__", ()):
+            return None
+        raise UsageError(f"{where} must not be empty")
+    target = allowed[0]
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+    elif target is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif (
+        target is int
+        and isinstance(value, int)
+        and not isinstance(value, bool)
+        or target is str
+        and isinstance(value, str)
+    ):
+        return value
+    raise UsageError(f"{where} must be {target.__name__}, got {value!r}")
+
+
+_CHOICES = {
+    ("ipa", "activation"): ("relu", "gelu"),
+    ("ipa", "gate"): ("adapt", "sum", "part"),
+    ("ipa", "attention"): ("reuse", "none"),
+    ("train", "loss"): ("das", "ce"),
+    ("score", "rule"): ("reweight", "concat"),
+}
+
+
+def validate(cfg: RunConfig) -> None:
+    if cfg.method not in METHODS:
+        raise UsageError(f"unknown method {cfg.method!r}; choose one of {list(METHODS)}")
+    for (section, name), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise UsageError(f"{section}.{name} must be one of {list(choices)}, got {value!r}")
+    t, i = cfg.train, cfg.ipa
+    positive = {
+        "train.epochs": t.epochs,
+        "train.batch_size": t.batch_size,
+        "train.lr": t.lr,
+        "train.scale_init": t.scale_init,
+        "score.tau": cfg.score.tau,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise UsageError(f"{name} must be > 0, got {value}")
+    for name, value in {"ipa.adapter_dim": i.adapter_dim, "ipa.ffn_dim": i.ffn_dim}.items():
+        if value is not None and value <= 0:
+            raise UsageError(f"{name} must be > 0, got {value}")
+    if not 0.0 <= i.gamma <= 1.0:
+        raise UsageError(f"ipa.gamma must be in [0, 1], got {i.gamma}")
+    if not 0.0 < t.crop_scale_min <= 1.0:
+        raise UsageError(f"train.crop_scale_min must be in (0, 1], got {t.crop_scale_min}")
+    if t.num_workers < 0:
+        raise UsageError(f"train.num_workers must be >= 0, got {t.num_workers}")

@@ -1,0 +1,77 @@
+"""The DrlError hierarchy: every failure a user can cause, each with its exit code.
+
+The CLI maps these to one-line messages and exit codes in one place (``cli.main``); the library
+raises them and never prints. Exit codes are part of the public contract (README, "Exit codes").
+"""
+
+from __future__ import annotations
+
+
+class DrlError(Exception):
+    """Base class. ``exit_code`` is what the CLI exits with; ``kind`` names it in JSON output."""
+
+    exit_code = 1
+    kind = "error"
+
+
+class UsageError(DrlError):
+    """Options that contradict each other or the run (same code as a CLI parsing error)."""
+
+    exit_code = 2
+    kind = "usage"
+
+
+class DataError(DrlError):
+    """Bad training or evaluation data: empty, corrupt, unknown or duplicate classes."""
+
+    exit_code = 3
+    kind = "bad_data"
+
+
+class RunBusyError(DrlError):
+    """Another process holds the run directory's writer lock."""
+
+    exit_code = 4
+    kind = "busy"
+
+
+class IntegrityError(DrlError):
+    """The run directory or an exported file is damaged, of an unknown version, or mismatched."""
+
+    exit_code = 5
+    kind = "integrity"
+
+
+class PTMError(DrlError):
+    """The pre-trained model cannot be built or its weights cannot be found or loaded."""
+
+    exit_code = 6
+    kind = "ptm"
+
+
+class RunStateError(DrlError):
+    """The run directory is not in a state that allows the command (missing, not initialised)."""
+
+    exit_code = 7
+    kind = "run_state"
+
+
+class StorageError(DrlError):
+    """Writing failed (disk full, permissions); the previous committed state is intact."""
+
+    exit_code = 8
+    kind = "storage"
+
+
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    1: "unexpected internal error (a bug: please report it)",
+    2: "usage error: bad or contradictory options",
+    3: "bad data: empty/corrupt/unknown/duplicate classes or images",
+    4: "run busy: another process is writing to the run directory",
+    5: "integrity failure: damaged run or export, unknown format version, different PTM",
+    6: "PTM error: weights missing, not downloadable, or not loadable",
+    7: "run state: not a run directory, already initialised, or nothing learned yet",
+    8: "storage error: a write failed (e.g. disk full); the previous state is kept",
+    130: "interrupted (Ctrl-C); the previous committed state is kept",
+}

@@ -1,0 +1,140 @@
+"""The single-file inference artifact: PTM weights, stage weights, real prototypes, class names,
+data config and scoring options in one safetensors file, loadable without the run directory.
+
+The file's metadata holds ``format``/``format_version`` and a JSON ``spec``; ``payload_sha256``
+covers every tensor (name, dtype, shape, bytes), so a damaged file is refused, never used.
+It is written to a temporary name beside the target and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from . import __version__, backbone
+from .backbone import PTMSource
+from .config import IPAConfig, ScoreConfig
+from .errors import IntegrityError, StorageError
+from .ipa import IPANetwork
+from .model import IncrementalModel
+
+FORMAT = "drl-export"
+FORMAT_VERSION = "1"
+
+
+def _payload_sha256(tensors: dict[str, Tensor]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key].contiguous()
+        digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        if t.numel():
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: str
+    bytes: int
+    num_stages: int
+    num_classes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_export(model: IncrementalModel, ptm_record: dict[str, Any], method: str, out_path: Path) -> ExportResult:
+    network = model.network
+    tensors = {f"ptm.{k}": v for k, v in network.ptm.state_dict().items()}
+    for i, stage in enumerate(network.stages):
+        tensors.update({f"stage.{i}.{k}": v for k, v in stage.state_dict().items()})
+    tensors["prototypes"] = model.real_prototypes
+    tensors["class_stage"] = model.class_stage
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    spec = {
+        "drl_version": __version__,
+        "method": method,
+        "ptm": {k: ptm_record[k] for k in ("name", "kwargs", "sha256")},
+        "data_config": model.data_config,
+        "ipa": asdict(network.cfg),
+        "score": asdict(model.score_cfg),
+        "num_stages": network.num_stages,
+        "class_names": model.class_names,
+    }
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "spec": json.dumps(spec),
+        "payload_sha256": _payload_sha256(tensors),
+    }
+    out_path = Path(out_path)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, out_path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(
+            f"cannot write export {out_path}: {exc.strerror or exc}; free space or pick another --out"
+        ) from exc
+    return ExportResult(str(out_path), out_path.stat().st_size, network.num_stages, len(model.class_names))
+
+
+def export_run(run_dir: Path | str, out_path: Path, *, ptm_weights: Path | None = None) -> ExportResult:
+    """Write the run's current model as one file (see module docstring)."""
+    from .api import load_run
+
+    loaded = load_run(run_dir, device="cpu", ptm_weights=ptm_weights)
+    return write_export(loaded.model, loaded.record["ptm"], loaded.config.method, out_path)
+
+
+def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
+    """Rebuild the model from an exported file alone (checksums verified)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError, ValueError) as exc:
+        raise IntegrityError(f"{path} is not a readable drl export ({exc}); export it again") from exc
+    if metadata.get("format") != FORMAT:
+        raise IntegrityError(f"{path} is not a drl export; pass a file written by `drl export`")
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise IntegrityError(
+            f"{path} has export format {metadata.get('format_version')}, this drl reads {FORMAT_VERSION}; "
+            "use the drl release that wrote it"
+        )
+    if _payload_sha256(tensors) != metadata.get("payload_sha256"):
+        raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
+    spec = json.loads(metadata["spec"])
+    ptm = backbone.create_ptm(spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=spec["ptm"]["kwargs"])
+    backbone.load_state(ptm, {k[4:]: v for k, v in tensors.items() if k.startswith("ptm.")}, origin=str(path))
+    network = IPANetwork(ptm, IPAConfig(**spec["ipa"]))
+    for i in range(spec["num_stages"]):
+        stage = network.new_stage(seed=0)
+        prefix = f"stage.{i}."
+        stage.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+        stage.requires_grad_(False)
+    network.to(torch.device(device))
+    return IncrementalModel(
+        network=network,
+        class_names=list(spec["class_names"]),
+        class_stage=tensors["class_stage"],
+        real_prototypes=tensors["prototypes"],
+        score_cfg=ScoreConfig(**spec["score"]),
+        data_config=spec["data_config"],
+    )

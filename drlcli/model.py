@@ -1,0 +1,110 @@
+"""The incremental classifier: the IPA network plus the class list and its prototype bank.
+
+Shared by every method: a method only decides which subspaces the network produces (SimpleCIL:
+the PTM's alone; DRL: one per stage) and how a stage is trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from .config import ScoreConfig
+from .data import ImageDataset, ImageSet, eval_transform
+from .ipa import IPANetwork
+from .prototypes import score, synthesize
+
+
+@dataclass
+class IncrementalModel:
+    """Everything inference needs. ``real_prototypes`` (C, S, d) is zero where synthesised."""
+
+    network: IPANetwork
+    class_names: list[str]
+    class_stage: Tensor  # (C,) 1-based stage of each class
+    real_prototypes: Tensor  # (C, S, d)
+    score_cfg: ScoreConfig
+    data_config: dict[str, Any]
+    _bank: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_subspaces(self) -> int:
+        return 1 + self.network.num_stages
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.class_stage.max()) if self.class_stage.numel() else 0
+
+    def prototype_bank(self) -> Tensor:
+        """Real prototypes with the missing subspaces synthesised (cached)."""
+        if self._bank is None:
+            self._bank = synthesize(self.real_prototypes, self.class_stage, tau=self.score_cfg.tau)
+        return self._bank
+
+    def add_classes(self, names: list[str], stage: int, prototypes: Tensor) -> None:
+        """Append a stage's classes with their real prototypes (n, S, d) in every subspace."""
+        self.class_names = self.class_names + list(names)
+        new_stage = torch.full((len(names),), stage, dtype=torch.long)
+        self.class_stage = torch.cat([self.class_stage, new_stage])
+        old = self.real_prototypes
+        if old.shape[1] < prototypes.shape[1]:  # a new subspace appeared: old classes lack it
+            pad = old.new_zeros(old.shape[0], prototypes.shape[1] - old.shape[1], old.shape[2])
+            old = torch.cat([old, pad], dim=1)
+        self.real_prototypes = torch.cat([old, prototypes.to(old)])
+        self._bank = None
+
+    def scores(self, features: Tensor) -> Tensor:
+        """(B, C) class scores for subspace features (B, S, d)."""
+        bank = self.prototype_bank().to(features)
+        cfg = self.score_cfg
+        return score(features, bank, self.class_stage.to(features.device), rule=cfg.rule, rho=cfg.rho, beta=cfg.beta)
+
+    def class_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.class_names)}
+
+
+def empty_prototypes(width: int) -> Tensor:
+    return torch.zeros(0, 1, width)
+
+
+def _device_of(network: IPANetwork) -> torch.device:
+    return next(network.ptm.parameters()).device
+
+
+@torch.inference_mode()
+def embed_images(
+    network: IPANetwork,
+    images: ImageSet,
+    data_config: dict[str, Any],
+    *,
+    batch_size: int,
+    num_workers: int = 0,
+    progress: Any = None,
+) -> tuple[Tensor, Tensor]:
+    """Subspace features (N, S, d) of every image (eval transform) and their local labels (N,)."""
+    device = _device_of(network)
+    loader = DataLoader(
+        ImageDataset(images, eval_transform(data_config)),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+    )
+    feats, labels = [], []
+    for step, (batch, target) in enumerate(loader, 1):
+        feats.append(network(batch.to(device)).float().cpu())
+        labels.append(target)
+        if progress is not None:
+            progress(step, len(loader))
+    return torch.cat(feats), torch.cat(labels)
+
+
+def class_means(features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """Mean feature per class: (N, S, d) -> (num_classes, S, d)."""
+    sums = torch.zeros(num_classes, *features.shape[1:])
+    sums.index_add_(0, labels, features)
+    counts = torch.bincount(labels, minlength=num_classes).clamp_min(1)
+    return sums / counts[:, None, None]

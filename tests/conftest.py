@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny random timm ViT, generated class folders, an initialised run.
+
+Everything runs on CPU and offline (HF_HUB_OFFLINE=1), seeded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+from drlcli import backbone  # noqa: E402
+from drlcli.backbone import PTMSource  # noqa: E402
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders, make_stages  # noqa: E402
+
+SHARED_DATA = Path(os.environ.get("DRL_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The real data beside the repo (../shared/data); the test is skipped without it."""
+    if not (SHARED_DATA / "deit_tiny_patch16_224").is_dir():
+        pytest.skip("../shared/data is not available")
+    return SHARED_DATA
+
+
+@pytest.fixture
+def tiny_ptm() -> torch.nn.Module:
+    return backbone.create_ptm(TINY_PTM, source=PTMSource(random_init=True, seed=0), kwargs=TINY_PTM_KWARGS)
+
+
+@pytest.fixture
+def images() -> torch.Tensor:
+    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def stage_folders(tmp_path_factory) -> list[tuple[Path, Path]]:
+    """Three stages of 3 classes: (train, test) folders, 12 train and 4 test images per class."""
+    return make_stages(tmp_path_factory.mktemp("data"), num_stages=3, classes_per_stage=3, train=12, test=4)
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """A freshly initialised DRL run on the tiny random ViT."""
+    from drlcli import init_run
+
+    path = tmp_path / "run"
+    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    return path
+
+
+FAST = {"epochs": 2, "batch_size": 12}
+
+
+@pytest.fixture
+def make_folder(tmp_path):
+    def make(name: str, class_ids: list[int], n: int = 4) -> Path:
+        return make_class_folders(tmp_path / name, class_ids, images_per_class=n)
+
+    return make

@@ -1,0 +1,196 @@
+"""The CLI end to end through typer's CliRunner: outputs, files written, exit codes, bad input."""
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from drlcli import backbone
+from drlcli.cli import app
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+runner = CliRunner()
+TINY_ARGS = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
+FAST = ["--epochs", "2", "--batch-size", "12", "--device", "cpu"]
+
+
+def drl(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def drl_json(*args):
+    result = drl(*args, "--json")
+    return result, json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, stage_folders):
+    """A run with two learned stages (3 classes each), eval data registered."""
+    run = tmp_path_factory.mktemp("cli") / "run"
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
+    for train, test in stage_folders[:2]:
+        result = drl("learn-stage", "--run", run, "--data", train, "--eval-data", test, *FAST)
+        assert result.exit_code == 0, result.stderr
+    return run
+
+
+def _copy(run, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(run, target)
+    return target
+
+
+def test_full_flow_outputs(trained, stage_folders, tmp_path):
+    run = _copy(trained, tmp_path)
+    result, out = drl_json(
+        "learn-stage", "--run", run, "--data", stage_folders[2][0], "--eval-data", stage_folders[2][1], *FAST
+    )
+    assert result.exit_code == 0 and out["ok"] and out["stage"] == 3
+    assert out["classes"] == ["class_06", "class_07", "class_08"]
+    assert len(out["history"]["accuracy"]) == 3 and out["eval"]["num_images"] == 36
+    assert set(out["eval"]["groups"]) == {"1", "2", "3"}
+    result, ev = drl_json("eval", "--run", run, "--all-seen", "--device", "cpu")
+    assert result.exit_code == 0 and ev["accuracy"]["top1"] == out["eval"]["top1"]  # same model, same data
+    assert ev["accuracy"]["top1"] > 60  # well above chance (11%) on separable generated classes
+    result, info = drl_json("info", "--run", run)
+    assert info["num_stages"] == 3 and info["num_classes"] == 9
+    assert all(s["num_params"] > 0 and s["bytes"] > 0 for s in info["stages"])
+    text = drl("eval", "--run", run, "--all-seen")
+    assert text.exit_code == 0 and "A_t by stage" in text.stdout and "\x1b" not in text.stdout
+
+
+def test_export_and_eval_on_a_folder(trained, stage_folders, tmp_path):
+    result, out = drl_json("export", "--run", trained, "--out", tmp_path / "m.drl")
+    assert result.exit_code == 0 and out["num_classes"] == 6 and (tmp_path / "m.drl").is_file()
+    result, ev = drl_json("eval", "--run", trained, "--data", stage_folders[0][1])
+    assert result.exit_code == 0 and ev["accuracy"]["num_images"] == 12 and set(ev["accuracy"]["groups"]) == {"1"}
+
+
+def test_run_directory_holds_no_absolute_paths_and_moves(trained, tmp_path):
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(trained, moved)
+    for path in moved.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".yaml"):
+            assert str(trained) not in path.read_text() and str(tmp_path) not in path.read_text()
+    result, info = drl_json("info", "--run", moved)
+    assert result.exit_code == 0 and info["num_stages"] == 2
+
+
+def test_env_var_selects_the_run(trained):
+    result = runner.invoke(app, ["info", "--json"], env={"DRL_RUN": str(trained)})
+    assert result.exit_code == 0 and json.loads(result.stdout)["num_classes"] == 6
+
+
+def _unchanged(run, action):
+    before = (run / "manifest.json").read_bytes()
+    result, out = action()
+    assert (run / "manifest.json").read_bytes() == before
+    assert not out["ok"] and out["error"]["exit_code"] == result.exit_code
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
+    return result, out
+
+
+def test_class_already_learned_is_refused(trained, stage_folders):
+    result, out = _unchanged(
+        trained, lambda: drl_json("learn-stage", "--run", trained, "--data", stage_folders[0][0], *FAST)
+    )
+    assert result.exit_code == 3 and "already learned in stage 1" in out["error"]["message"]
+
+
+def test_bad_data_is_refused_and_changes_nothing(trained, make_folder, tmp_path):
+    empty = make_folder("empty", [20], n=2)
+    (empty / "class_21").mkdir()
+    corrupt = make_folder("corrupt", [22], n=2)
+    (corrupt / "class_22" / "x.jpg").write_bytes(b"\x00garbage")
+    unknown_eval = make_folder("unk", [40], n=2)
+    new = make_folder("new", [30], n=3)
+    (tmp_path / "none").mkdir()
+    cases = [
+        (["--data", empty], "class_21 is empty"),
+        (["--data", corrupt], "x.jpg cannot be decoded"),
+        (["--data", tmp_path / "none"], "no class folders"),
+        (["--data", new, "--eval-data", unknown_eval], "neither learned nor in --data"),
+    ]
+    for args, message in cases:
+        result, out = _unchanged(trained, lambda args=args: drl_json("learn-stage", "--run", trained, *args, *FAST))
+        assert result.exit_code == 3 and message in out["error"]["message"], out
+
+
+def test_eval_of_unknown_classes_is_refused(trained, make_folder):
+    result, out = _unchanged(trained, lambda: drl_json("eval", "--run", trained, "--data", make_folder("u", [50], n=2)))
+    assert result.exit_code == 3 and "not learned" in out["error"]["message"]
+
+
+def test_not_a_run_and_double_init(tmp_path, trained):
+    result, out = drl_json("info", "--run", tmp_path)
+    assert result.exit_code == 7 and "not a drl run directory" in out["error"]["message"]
+    result, out = _unchanged(trained, lambda: drl_json("init", "--run", trained, *TINY_ARGS, "--random-init"))
+    assert result.exit_code == 7 and "already holds a drl run" in out["error"]["message"]
+
+
+def test_missing_and_wrong_weights(tmp_path, tiny_ptm, stage_folders):
+    result, out = drl_json("init", "--run", tmp_path / "r", *TINY_ARGS, "--ptm-weights", tmp_path / "none.safetensors")
+    assert result.exit_code == 6 and "not found" in out["error"]["message"]
+    weights = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_ptm.state_dict().items()}, str(weights))
+    assert drl("init", "--run", tmp_path / "r", *TINY_ARGS, "--ptm-weights", weights).exit_code == 0
+    other = backbone.create_ptm(TINY_PTM, source=backbone.PTMSource(random_init=True, seed=5), kwargs=TINY_PTM_KWARGS)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / "other.safetensors"))
+    result, out = _unchanged(
+        tmp_path / "r",
+        lambda: drl_json(
+            "learn-stage",
+            "--run",
+            tmp_path / "r",
+            "--data",
+            stage_folders[0][0],
+            "--ptm-weights",
+            tmp_path / "other.safetensors",
+            *FAST,
+        ),
+    )
+    assert result.exit_code == 5 and "PTM weights differ" in out["error"]["message"]
+    weights.rename(tmp_path / "moved.safetensors")  # the recorded place is gone: say what to pass
+    result, out = _unchanged(
+        tmp_path / "r", lambda: drl_json("learn-stage", "--run", tmp_path / "r", "--data", stage_folders[0][0], *FAST)
+    )
+    assert result.exit_code == 6 and "--ptm-weights" in out["error"]["message"]
+
+
+def test_busy_run_exit_code(trained):
+    from drlcli.rundir import RunDir
+
+    with RunDir(trained).writer():
+        result, out = _unchanged(trained, lambda: drl_json("learn-stage", "--run", trained, "--data", trained, *FAST))
+    assert result.exit_code == 4 and "busy" in out["error"]["message"]
+
+
+def test_damaged_run_exit_code(trained, tmp_path):
+    run = _copy(trained, tmp_path)
+    path = run / "stages/001/weights.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    result, out = drl_json("eval", "--run", run, "--all-seen")
+    assert result.exit_code == 5 and "001/weights.safetensors is damaged" in out["error"]["message"]
+
+
+def test_usage_errors_exit_2(trained):
+    assert drl("eval", "--run", trained).exit_code == 2  # neither --all-seen nor --data
+    assert drl("learn-stage", "--run", trained).exit_code == 2  # --data missing (typer)
+    assert drl("init", "--run", trained, "--ptm", TINY_PTM, "--ptm-arg", "oops").exit_code == 2
+
+
+def test_simplecil_method(tmp_path, stage_folders):
+    run = tmp_path / "s"
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init", "--method", "simplecil").exit_code == 0
+    result, out = drl_json(
+        "learn-stage", "--run", run, "--data", stage_folders[0][0], "--eval-data", stage_folders[0][1]
+    )
+    assert result.exit_code == 0 and out["num_params"] == 0 and out["train_seconds"] == 0.0
+
+
+def test_demo_runs_offline(tmp_path):
+    result, out = drl_json("demo", "--out", tmp_path / "demo", "--epochs", "1", "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    assert len(out["history"]["accuracy"]) == 3 and (tmp_path / "demo" / "model.drl").is_file()

@@ -1,0 +1,28 @@
+import torch
+
+from drlcli.evaluate import AccuracyReport, accuracy_report, summarize_history
+
+
+def test_accuracy_report_groups_and_old_new():
+    class_stage = torch.tensor([1, 1, 2, 2])
+    targets = torch.tensor([0, 1, 2, 3, 0, 2])
+    preds = torch.tensor([0, 0, 2, 3, 0, 3])
+    report = accuracy_report(preds, targets, class_stage, num_stages=2)
+    assert report.top1 == round(100 * 4 / 6, 4)
+    assert report.groups == {"1": round(100 * 2 / 3, 4), "2": round(100 * 2 / 3, 4)}
+    assert report.old == report.groups["1"] and report.new == report.groups["2"]
+    assert report.num_images == 6
+
+
+def test_history_average_last_and_forgetting():
+    reports = [
+        AccuracyReport(top1=90.0, num_images=10, groups={"1": 90.0}),
+        AccuracyReport(top1=80.0, num_images=20, groups={"1": 85.0, "2": 75.0}),
+        None,  # a stage evaluated on nothing
+        AccuracyReport(top1=70.0, num_images=30, groups={"1": 60.0, "2": 80.0, "4": 70.0}),
+    ]
+    summary = summarize_history(reports)
+    assert summary.accuracy == [90.0, 80.0, None, 70.0]
+    assert summary.average == 80.0
+    assert summary.last == 70.0
+    assert summary.forgetting == {"1": 30.0, "2": -5.0}

@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from drlcli.config import IPAConfig, TrainConfig
+from drlcli.data import scan_class_folders
+from drlcli.errors import UsageError
+from drlcli.ipa import IPANetwork
+from drlcli.train import CosineClassifier, train_stage
+
+CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
+
+
+def _snapshot(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_training_changes_only_the_new_stage(tiny_ptm, make_folder):
+    net = IPANetwork(tiny_ptm, IPAConfig())
+    old = net.new_stage(seed=0)
+    old.requires_grad_(False)
+    net.new_stage(seed=1)
+    ptm_before, old_before, new_before = _snapshot(tiny_ptm), _snapshot(old), _snapshot(net.stages[-1])
+    images = scan_class_folders(make_folder("d", [0, 1], n=6))
+    result = train_stage(net, images, TrainConfig(epochs=2, batch_size=6), CFG)
+    assert all(torch.equal(v, tiny_ptm.state_dict()[k]) for k, v in ptm_before.items())  # bit-identical
+    assert all(torch.equal(v, old.state_dict()[k]) for k, v in old_before.items())
+    assert any(not torch.equal(v, net.stages[-1].state_dict()[k]) for k, v in new_before.items())
+    assert len(result.epoch_losses) == 2 and result.steps == 4
+    assert not any(p.requires_grad for p in net.stages[-1].parameters())  # frozen once trained
+
+
+def test_single_class_stage_trains_with_das(tiny_ptm, make_folder):
+    net = IPANetwork(tiny_ptm, IPAConfig())
+    net.new_stage(seed=0)
+    before = _snapshot(net.stages[-1])
+    images = scan_class_folders(make_folder("one", [3], n=8))
+    result = train_stage(net, images, TrainConfig(epochs=3, batch_size=8, lr=0.05), CFG)
+    assert result.epoch_losses[-1] < result.epoch_losses[0]
+    assert any(not torch.equal(v, net.stages[-1].state_dict()[k]) for k, v in before.items())
+
+
+def test_single_class_stage_with_ce_is_refused(tiny_ptm, make_folder):
+    net = IPANetwork(tiny_ptm, IPAConfig())
+    net.new_stage(seed=0)
+    images = scan_class_folders(make_folder("one", [3], n=4))
+    with pytest.raises(UsageError, match="single class"):
+        train_stage(net, images, TrainConfig(epochs=1, loss="ce"), CFG)
+
+
+def test_training_is_reproducible(tiny_ptm, make_folder):
+    images = scan_class_folders(make_folder("d", [0, 1], n=4))
+    states = []
+    for _ in range(2):
+        net = IPANetwork(tiny_ptm, IPAConfig())
+        net.new_stage(seed=0)
+        train_stage(net, images, TrainConfig(epochs=1, batch_size=4, seed=3), CFG)
+        states.append(_snapshot(net.stages[-1]))
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_cosine_classifier_scale_lets_logits_pass_the_anchor():
+    clf = CosineClassifier(8, 3, scale_init=16.0)
+    feats = clf.weight.detach()[:1] * 5
+    assert clf(feats)[0, 0].item() == pytest.approx(16.0, rel=1e-5)
