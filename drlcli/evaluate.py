@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch import Tensor
 
 
@@ -79,10 +78,3 @@ def summarize_history(reports: list[AccuracyReport | None]) -> HistorySummary:
         forgetting=forgetting,
     )
 
-
-def top1(scores: Tensor) -> Tensor:
-    return scores.argmax(dim=1)
-
-
-def stack_predictions(chunks: list[Tensor]) -> Tensor:
-    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.long)
