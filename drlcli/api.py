@@ -22,7 +22,7 @@ from .config import RunConfig
 from .data import ImageSet, scan_class_folders, validate_images
 from .errors import DataError, IntegrityError, PTMError, UsageError
 from .evaluate import AccuracyReport, HistorySummary, accuracy_report, summarize_history
-from .ipa import IPANetwork
+from .methods import method_of
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .rundir import (
     RUN_CONFIG_KIND,
@@ -165,22 +165,26 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
     record = run.run_config(manifest)
     config = RunConfig.from_dict(record["config"])
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
-    network = IPANetwork(ptm, config.ipa)
+    method = method_of(config)
+    network = method.build(ptm, config)
     model = IncrementalModel(
         network=network,
         class_names=[],
         class_stage=torch.zeros(0, dtype=torch.long),
-        real_prototypes=empty_prototypes(network.width),
+        real_prototypes=empty_prototypes(network.width, method.offset),
         score_cfg=config.score,
         data_config=record["ptm"]["data_config"],
+        offset=method.offset,
     )
     metas = []
     for stage in run.stages(manifest):
-        if config.method == "drl":
+        if method.trains:
             adapters = network.new_stage(seed=0)
-            state = {k[4:]: v for k, v in stage.tensors.items() if k.startswith("ipa.")}
+            prefix = method.tensor_prefix
+            state = {k[len(prefix) :]: v for k, v in stage.tensors.items() if k.startswith(prefix)}
             adapters.load_state_dict(state, strict=True)
             adapters.requires_grad_(False)
+            adapters.eval()
         model.add_classes(stage.meta["classes"], stage.index, stage.tensors["prototypes"])
         metas.append(stage.meta)
     return LoadedRun(run, manifest, record, config, model, metas)
@@ -359,8 +363,9 @@ def learn_stage(
                 validate_images(item)
         stage_index = max(loaded.run.stage_indices(manifest), default=0) + 1
         network = model.network
+        method = method_of(config)
         train_result = None
-        if config.method == "drl":
+        if method.trains:
             network.new_stage(seed=config.train.seed + stage_index)
             train_progress = (
                 (
@@ -384,17 +389,17 @@ def learn_stage(
         if eval_images is not None:
             sets.append(eval_set(eval_images, model, what="--eval-data"))
         report = evaluate_sets(model, sets, progress=progress) if sets else None
-        stage = network.stages[-1] if config.method == "drl" else None
+        stage = network.stages[-1] if method.trains else None
         tensors = {"prototypes": model.real_prototypes[-len(images.class_names) :]}
         if stage is not None:
-            tensors.update({f"ipa.{k}": v for k, v in stage.state_dict().items()})
+            tensors.update({f"{method.tensor_prefix}{k}": v for k, v in stage.state_dict().items()})
         meta = {
             "stage": stage_index,
             "drl_version": __version__,
             "classes": list(images.class_names),
             "images_per_class": images.counts(),
             "data_fingerprint": images.fingerprint(),
-            "train": asdict(config.train) if config.method == "drl" else None,
+            "train": asdict(config.train) if method.trains else None,
             "device": str(next(network.ptm.parameters()).device),
             "eval_data": {
                 "path": os.path.relpath(Path(eval_data_dir).resolve(), run.path.resolve()),

@@ -55,6 +55,7 @@ class Reporter:
         self._phase = ""
         self._bar: Any = None
         self._task: Any = None
+        self._phase_start = 0.0
 
     def __call__(self, event: api.Progress) -> None:
         if self.quiet:
@@ -63,9 +64,23 @@ class Reporter:
             self._rich(event)
             return
         now = time.monotonic()
+        if event.phase != self._phase or event.step <= 1:
+            self._phase_start = now
         if event.phase != self._phase or now - self._last >= self.interval or event.step == event.total:
             self._phase, self._last = event.phase, now
-            log.info("%s %d/%d %s", event.phase, event.step, event.total, event.detail)
+            left = ""
+            if 0 < event.step < event.total:
+                left = f", ~{(now - self._phase_start) / event.step * (event.total - event.step):.0f}s left"
+            log.info("%s %d/%d %s%s", event.phase, event.step, event.total, event.detail, left)
+
+    def log(self, message: str) -> None:
+        """A milestone line (e.g. the benchmark's variant/stage), above any progress bar."""
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.console.print(message)
+        else:
+            log.info("%s", message)
 
     def _rich(self, event: api.Progress) -> None:
         from rich.console import Console
@@ -83,6 +98,8 @@ class Reporter:
             )
             self._bar.start()
         if event.phase != self._phase or self._task is None:
+            if self._task is not None:
+                self._bar.remove_task(self._task)
             self._phase = event.phase
             self._task = self._bar.add_task(event.phase, total=event.total or None, detail="")
         self._bar.update(self._task, completed=event.step, total=event.total or None, detail=event.detail)
@@ -164,7 +181,7 @@ def init(
     ptm_weights: Path | None = WeightsOpt,
     random_init: bool = typer.Option(False, "--random-init", help="Random PTM weights, stored in the run."),
     ptm_arg: list[str] = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable)."),
-    method: str | None = typer.Option(None, "--method", help="drl (default) or simplecil."),
+    method: str | None = typer.Option(None, "--method", help="drl (default), ease or simplecil."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
     run: Path = RunOpt,
@@ -175,9 +192,7 @@ def init(
     from .config import RunConfig
 
     def action(_: Reporter) -> Any:
-        cfg = RunConfig.from_yaml(config) if config else RunConfig()
-        if method:
-            cfg = RunConfig.from_dict({**cfg.to_dict(), "method": method})
+        cfg = RunConfig.from_yaml(config, method=method) if config else RunConfig.for_method(method or "drl")
         return api.init_run(
             run,
             ptm=ptm,
@@ -298,6 +313,68 @@ def info(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
             print("\n".join(_history_lines(r["history"])))
 
     _execute(as_json, True, lambda _: api.info(run), render)
+
+
+@app.command()
+def benchmark(
+    data: Path = typer.Option(
+        ..., "--data", help="Folder with train/ and test/ class folders, or train.txt + test.txt + one image tree."
+    ),
+    out: Path = typer.Option(..., "--out", help="Folder for stage data, one run per variant, results."),
+    ptm: str = typer.Option("deit_tiny_patch16_224", "--ptm", help="timm ViT name."),
+    ptm_weights: Path | None = WeightsOpt,
+    random_init: bool = typer.Option(False, "--random-init", help="Random PTM weights (tests, smoke runs)."),
+    ptm_arg: list[str] = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable)."),
+    methods: str = typer.Option(
+        "drl,ease,simplecil",
+        "--methods",
+        help="Comma-separated variants method[/key=value...], e.g. drl,drl/loss=ce,ease/epochs=3,simplecil.",
+    ),
+    split: str = typer.Option("B0Inc10", "--split", help="B<m>Inc<n>: m classes first (0: n), then n per stage."),
+    seed: int = typer.Option(1993, "--seed", help="Class-order permutation seed (PILOT's), also the train seed."),
+    no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Sorted class order."),
+    epochs: int | None = typer.Option(None, "--epochs", min=1, help="Epochs for every trained variant."),
+    max_train: int | None = typer.Option(None, "--max-train-per-class", min=1, help="First N train images/class."),
+    max_test: int | None = typer.Option(None, "--max-test-per-class", min=1, help="First N test images/class."),
+    val_fraction: float | None = typer.Option(
+        None, "--val-fraction", help="Evaluate on this held-out fraction of train (for tuning), not on test."
+    ),
+    skip_class: list[str] = typer.Option(["BACKGROUND_Google"], "--skip-class", help="Class to leave out."),
+    device: str = DeviceOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Run B-m Inc-n for several methods/variants; write results.json, results.md and a plot."""
+    from .benchmark import BenchmarkSettings, parse_methods, run_benchmark
+
+    def action(reporter: Reporter) -> Any:
+        settings = BenchmarkSettings(
+            data_dir=data,
+            out_dir=out,
+            ptm=ptm,
+            ptm_weights=ptm_weights,
+            random_init=random_init,
+            ptm_kwargs=_parse_ptm_args(ptm_arg),
+            split=split,
+            seed=seed,
+            shuffle=not no_shuffle,
+            epochs=epochs,
+            max_train_per_class=max_train,
+            max_test_per_class=max_test,
+            val_fraction=val_fraction,
+            skip_classes=tuple(skip_class),
+            device=device,
+        )
+        return run_benchmark(settings, parse_methods(methods), progress=reporter, log=reporter.log)
+
+    def render(r: dict[str, Any]) -> None:
+        from .benchmark import markdown_table
+
+        print(markdown_table(r), end="")
+        for name, path in r["artifacts"].items():
+            print(f"{name}: {path if path else 'skipped (pip install drl[plot] for the plot)'}")
+
+    _execute(as_json, quiet, action, render)
 
 
 @app.command()

@@ -15,7 +15,7 @@ import yaml
 
 from .errors import UsageError
 
-METHODS = ("drl", "simplecil")
+METHODS = ("drl", "simplecil", "ease")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,15 @@ class IPAConfig:
 
     def resolved_adapter_dim(self, width: int) -> int:
         return self.adapter_dim if self.adapter_dim is not None else max(8, width // 16)
+
+
+@dataclass(frozen=True)
+class EaseConfig:
+    """The EASE baseline's per-stage AdaptFormer adapter (SPEC §3): x + MLP(LN(x)) + s·Up(ReLU(Down(x)))."""
+
+    adapter_dim: int = 64  # r
+    scale: float = 0.1  # s
+    dropout: float = 0.1  # on the bottleneck, training only (as in the public EASE code)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class ScoreConfig:
 class RunConfig:
     method: str = "drl"
     ipa: IPAConfig = field(default_factory=IPAConfig)
+    ease: EaseConfig = field(default_factory=EaseConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
 
@@ -84,14 +94,30 @@ class RunConfig:
         return _build(cls, data, "config")
 
     @classmethod
-    def from_yaml(cls, path: Path) -> RunConfig:
+    def for_method(cls, method: str, data: dict[str, Any] | None = None) -> RunConfig:
+        """``method``'s defaults (EASE trains with its own recipe), overlaid by ``data``'s sections."""
+        if method not in METHODS:
+            raise UsageError(f"unknown method {method!r}; choose one of {list(METHODS)}")
+        base = cls(method=method, train=METHOD_TRAIN_DEFAULTS.get(method, TrainConfig())).to_dict()
+        for section, values in (data or {}).items():
+            if section == "method":
+                continue
+            if isinstance(values, dict) and isinstance(base.get(section), dict):
+                base[section] = {**base[section], **values}
+            else:
+                base[section] = values
+        return cls.from_dict(base)
+
+    @classmethod
+    def from_yaml(cls, path: Path, *, method: str | None = None) -> RunConfig:
+        """A config file's sections over ``method``'s defaults (``method`` overrides the file's)."""
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise UsageError(f"cannot read config {path}: {exc}; pass a readable YAML file") from exc
         if not isinstance(data, dict):
             raise UsageError(f"config {path} must be a YAML mapping of sections")
-        return cls.from_dict(data)
+        return cls.for_method(method or data.get("method", "drl"), data)
 
     def with_train(self, **overrides: Any) -> RunConfig:
         """A copy with some training options replaced (``None`` values are ignored)."""
@@ -141,6 +167,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     raise UsageError(f"{where} must be {target.__name__}, got {value!r}")
 
 
+# EASE's published recipe (the EASE paper / LAMDA-PILOT ease.json): CE through a cosine head whose
+# scale starts at 1, no feature distillation.
+METHOD_TRAIN_DEFAULTS = {
+    "ease": TrainConfig(loss="ce", kd_weight=0.0, scale_init=1.0, lr=0.025, epochs=20, batch_size=48),
+}
+
 _CHOICES = {
     ("ipa", "activation"): ("relu", "gelu"),
     ("ipa", "gate"): ("adapt", "sum", "part"),
@@ -175,5 +207,11 @@ def validate(cfg: RunConfig) -> None:
         raise UsageError(f"ipa.gamma must be in [0, 1], got {i.gamma}")
     if not 0.0 < t.crop_scale_min <= 1.0:
         raise UsageError(f"train.crop_scale_min must be in (0, 1], got {t.crop_scale_min}")
+    if cfg.method == "ease" and t.kd_weight:
+        raise UsageError("train.kd_weight must be 0 for method ease (it has no PTM stream to distil from)")
+    if not 0.0 <= cfg.ease.dropout < 1.0:
+        raise UsageError(f"ease.dropout must be in [0, 1), got {cfg.ease.dropout}")
+    if cfg.ease.adapter_dim <= 0:
+        raise UsageError(f"ease.adapter_dim must be > 0, got {cfg.ease.adapter_dim}")
     if t.num_workers < 0:
         raise UsageError(f"train.num_workers must be >= 0, got {t.num_workers}")

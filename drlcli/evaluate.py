@@ -77,4 +77,3 @@ def summarize_history(reports: list[AccuracyReport | None]) -> HistorySummary:
         last=accuracy[-1] if accuracy else None,
         forgetting=forgetting,
     )
-

@@ -22,9 +22,9 @@ from torch import Tensor
 
 from . import __version__, backbone
 from .backbone import PTMSource
-from .config import IPAConfig, ScoreConfig
+from .config import RunConfig
 from .errors import IntegrityError, StorageError
-from .ipa import IPANetwork
+from .methods import method_of
 from .model import IncrementalModel
 
 FORMAT = "drl-export"
@@ -52,7 +52,9 @@ class ExportResult:
         return asdict(self)
 
 
-def write_export(model: IncrementalModel, ptm_record: dict[str, Any], method: str, out_path: Path) -> ExportResult:
+def write_export(
+    model: IncrementalModel, ptm_record: dict[str, Any], config: RunConfig, out_path: Path
+) -> ExportResult:
     network = model.network
     tensors = {f"ptm.{k}": v for k, v in network.ptm.state_dict().items()}
     for i, stage in enumerate(network.stages):
@@ -62,11 +64,10 @@ def write_export(model: IncrementalModel, ptm_record: dict[str, Any], method: st
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     spec = {
         "drl_version": __version__,
-        "method": method,
+        "method": config.method,
+        "config": config.to_dict(),
         "ptm": {k: ptm_record[k] for k in ("name", "kwargs", "sha256")},
         "data_config": model.data_config,
-        "ipa": asdict(network.cfg),
-        "score": asdict(model.score_cfg),
         "num_stages": network.num_stages,
         "class_names": model.class_names,
     }
@@ -97,7 +98,7 @@ def export_run(run_dir: Path | str, out_path: Path, *, ptm_weights: Path | None 
     from .api import load_run
 
     loaded = load_run(run_dir, device="cpu", ptm_weights=ptm_weights)
-    return write_export(loaded.model, loaded.record["ptm"], loaded.config.method, out_path)
+    return write_export(loaded.model, loaded.record["ptm"], loaded.config, out_path)
 
 
 def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
@@ -123,18 +124,22 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
     spec = json.loads(metadata["spec"])
     ptm = backbone.create_ptm(spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=spec["ptm"]["kwargs"])
     backbone.load_state(ptm, {k[4:]: v for k, v in tensors.items() if k.startswith("ptm.")}, origin=str(path))
-    network = IPANetwork(ptm, IPAConfig(**spec["ipa"]))
+    config = RunConfig.from_dict(spec["config"])
+    method = method_of(config)
+    network = method.build(ptm, config)
     for i in range(spec["num_stages"]):
         stage = network.new_stage(seed=0)
         prefix = f"stage.{i}."
         stage.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
         stage.requires_grad_(False)
+        stage.eval()
     network.to(torch.device(device))
     return IncrementalModel(
         network=network,
         class_names=list(spec["class_names"]),
         class_stage=tensors["class_stage"],
         real_prototypes=tensors["prototypes"],
-        score_cfg=ScoreConfig(**spec["score"]),
+        score_cfg=config.score,
         data_config=spec["data_config"],
+        offset=method.offset,
     )

@@ -1,7 +1,8 @@
 """The incremental classifier: the IPA network plus the class list and its prototype bank.
 
 Shared by every method: a method only decides which subspaces the network produces (SimpleCIL:
-the PTM's alone; DRL: one per stage) and how a stage is trained.
+the PTM's alone; DRL: the PTM's and one per stage in one pass; EASE: one per stage, one pass
+each) and how a stage is trained (see ``methods.py``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from .config import ScoreConfig
 from .data import ImageDataset, ImageSet, eval_transform
-from .ipa import IPANetwork
 from .prototypes import score, synthesize
 
 
@@ -23,17 +23,18 @@ from .prototypes import score, synthesize
 class IncrementalModel:
     """Everything inference needs. ``real_prototypes`` (C, S, d) is zero where synthesised."""
 
-    network: IPANetwork
+    network: nn.Module  # IPANetwork or EaseNetwork: forward(images) -> (B, S, d)
     class_names: list[str]
     class_stage: Tensor  # (C,) 1-based stage of each class
     real_prototypes: Tensor  # (C, S, d)
     score_cfg: ScoreConfig
     data_config: dict[str, Any]
+    offset: int = 1  # 1 when subspace 0 is the PTM's (drl, simplecil); 0 for ease
     _bank: Tensor | None = field(default=None, repr=False)
 
     @property
     def num_subspaces(self) -> int:
-        return 1 + self.network.num_stages
+        return self.offset + self.network.num_stages
 
     @property
     def num_stages(self) -> int:
@@ -42,7 +43,7 @@ class IncrementalModel:
     def prototype_bank(self) -> Tensor:
         """Real prototypes with the missing subspaces synthesised (cached)."""
         if self._bank is None:
-            self._bank = synthesize(self.real_prototypes, self.class_stage, tau=self.score_cfg.tau)
+            self._bank = synthesize(self.real_prototypes, self.class_stage, tau=self.score_cfg.tau, offset=self.offset)
         return self._bank
 
     def add_classes(self, names: list[str], stage: int, prototypes: Tensor) -> None:
@@ -61,23 +62,31 @@ class IncrementalModel:
         """(B, C) class scores for subspace features (B, S, d)."""
         bank = self.prototype_bank().to(features)
         cfg = self.score_cfg
-        return score(features, bank, self.class_stage.to(features.device), rule=cfg.rule, rho=cfg.rho, beta=cfg.beta)
+        return score(
+            features,
+            bank,
+            self.class_stage.to(features.device),
+            rule=cfg.rule,
+            rho=cfg.rho,
+            beta=cfg.beta,
+            offset=self.offset,
+        )
 
     def class_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.class_names)}
 
 
-def empty_prototypes(width: int) -> Tensor:
-    return torch.zeros(0, 1, width)
+def empty_prototypes(width: int, offset: int = 1) -> Tensor:
+    return torch.zeros(0, offset, width)
 
 
-def _device_of(network: IPANetwork) -> torch.device:
+def _device_of(network: nn.Module) -> torch.device:
     return next(network.ptm.parameters()).device
 
 
 @torch.inference_mode()
 def embed_images(
-    network: IPANetwork,
+    network: nn.Module,
     images: ImageSet,
     data_config: dict[str, Any],
     *,

@@ -1,6 +1,7 @@
 """Training one DRL stage (paper §III-C, SPEC §2.2).
 
-Trainable: the new stage's adapters, gates and transfer FFN, and a cosine classifier over the
+Shared by the trained methods (drl; ease with loss ce and no KD). Trainable: the new stage's
+parameters (drl: adapters, gates and transfer FFN), and a cosine classifier over the
 stage's own classes, z_i = σ·cos(w_i, f_s(x)) with a learnable scale σ. Loss: DAS (or CE for
 the ablation) + α·(1 - cos(f_s, f_0)). SGD with momentum, cosine learning-rate schedule over
 epochs. The PTM and every older stage stay frozen (they run under no_grad).
@@ -20,8 +21,6 @@ from torch.utils.data import DataLoader
 
 from .config import TrainConfig
 from .data import ImageDataset, ImageSet, train_transform
-from .errors import UsageError
-from .ipa import IPANetwork
 from .losses import ce_loss, das_loss, kd_loss
 
 
@@ -56,7 +55,7 @@ class CosineClassifier(nn.Module):
         return self.scale * F.normalize(features, dim=-1) @ F.normalize(self.weight, dim=-1).T
 
 
-def stage_loss(logits: Tensor, targets: Tensor, feats: Tensor, ptm_feats: Tensor, cfg: TrainConfig) -> Tensor:
+def stage_loss(logits: Tensor, targets: Tensor, feats: Tensor, ptm_feats: Tensor | None, cfg: TrainConfig) -> Tensor:
     if cfg.loss == "das":
         loss = das_loss(
             logits,
@@ -68,23 +67,27 @@ def stage_loss(logits: Tensor, targets: Tensor, feats: Tensor, ptm_feats: Tensor
         )
     else:
         loss = ce_loss(logits, targets)
-    if cfg.kd_weight:
+    if cfg.kd_weight and ptm_feats is not None:
         loss = loss + cfg.kd_weight * kd_loss(feats, ptm_feats)
     return loss
 
 
 def train_stage(
-    network: IPANetwork,
+    network: nn.Module,
     images: ImageSet,
     cfg: TrainConfig,
     data_config: dict[str, Any],
     *,
     progress: Callable[[TrainProgress], None] | None = None,
 ) -> TrainResult:
-    """Train the network's newest stage on ``images`` (labels local to the stage)."""
+    """Train the network's newest stage on ``images`` (labels local to the stage).
+
+    ``network`` is any method's network (``IPANetwork``, ``EaseNetwork``): ``forward_train`` gives
+    (PTM feature or None, newest stage's feature) with gradients only for the newest stage.
+    """
     num_classes = len(images.class_names)
-    if cfg.loss == "ce" and num_classes == 1:
-        raise UsageError("loss ce cannot learn a stage with a single class (its loss is 0); use loss das")
+    # loss ce on a single class is identically 0: the stage then keeps its initialisation, which
+    # is what CE-trained methods (EASE) do on such a stage. DAS trains it (SPEC §2.2).
     device = next(network.ptm.parameters()).device
     stage = network.stages[-1]
     generator = torch.Generator().manual_seed(cfg.seed)

@@ -51,3 +51,19 @@ def test_score_reweight_and_concat_by_hand():
     expected = F.normalize(feats.flatten(1), dim=-1) @ F.normalize(bank.flatten(1), dim=-1).T
     assert torch.allclose(concat, expected)
     assert torch.allclose(concat, torch.tensor([[0.5, 0.5]]))
+
+
+def test_without_ptm_subspace_stage_k_uses_subspace_k_minus_1():
+    # ease layout (offset 0): S = 3 stage subspaces, no PTM subspace, no β term
+    weights = score_weights(torch.tensor([1, 2, 3]), 3, rho=0.1, beta=0.5, offset=0)
+    assert torch.allclose(weights[0], torch.tensor([1.0, 0.05, 0.05]))
+    assert torch.allclose(weights[2], torch.tensor([0.05, 0.05, 1.0]))
+    assert torch.allclose(score_weights(torch.tensor([1, 1]), 1, rho=0.1, beta=0.5, offset=0), torch.ones(2, 1))
+    # synthesis with offset 0 equals synthesis with a PTM subspace prepended (and dropped again)
+    real = torch.randn(5, 3, 4)
+    stage = torch.tensor([1, 1, 2, 3, 3])
+    for c, k in enumerate(stage.tolist()):
+        real[c, k:] = 0.0  # not seen: to be synthesised
+    with_ptm = torch.cat([torch.randn(5, 1, 4), real], dim=1)
+    assert torch.allclose(synthesize(real, stage, offset=0), synthesize(with_ptm, stage, offset=1)[:, 1:])
+    assert torch.count_nonzero(synthesize(real, stage, offset=0)[0, 2]) > 0

@@ -3,7 +3,6 @@ import torch
 
 from drlcli.config import IPAConfig, TrainConfig
 from drlcli.data import scan_class_folders
-from drlcli.errors import UsageError
 from drlcli.ipa import IPANetwork
 from drlcli.train import CosineClassifier, train_stage
 
@@ -39,12 +38,14 @@ def test_single_class_stage_trains_with_das(tiny_ptm, make_folder):
     assert any(not torch.equal(v, net.stages[-1].state_dict()[k]) for k, v in before.items())
 
 
-def test_single_class_stage_with_ce_is_refused(tiny_ptm, make_folder):
+def test_single_class_stage_with_ce_has_zero_loss_and_keeps_its_adapter(tiny_ptm, make_folder):
+    # the failure DAS exists to fix: CE over one class gives no gradient to the stage
     net = IPANetwork(tiny_ptm, IPAConfig())
     net.new_stage(seed=0)
     images = scan_class_folders(make_folder("one", [3], n=4))
-    with pytest.raises(UsageError, match="single class"):
-        train_stage(net, images, TrainConfig(epochs=1, loss="ce"), CFG)
+    result = train_stage(net, images, TrainConfig(epochs=2, batch_size=4, loss="ce", kd_weight=0.0), CFG)
+    assert result.epoch_losses == [0.0, 0.0]
+    assert torch.count_nonzero(net.stages[-1].up) == 0
 
 
 def test_training_is_reproducible(tiny_ptm, make_folder):

@@ -1,0 +1,107 @@
+"""``drl benchmark``: variant parsing, protocol (class order, stages, data layouts), end to end."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from drlcli.benchmark import class_order, load_data, parse_methods, parse_split, parse_variant, stage_classes
+from drlcli.cli import app
+from drlcli.errors import DataError, UsageError
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
+
+TINY_ARGS = ["--ptm", TINY_PTM, "--random-init"] + [
+    a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")
+]
+
+
+def test_variants_resolve_short_and_dotted_keys():
+    v = parse_variant("drl/loss=ce/gate=sum/rule=concat/kd_weight=0")
+    cfg = v.config(epochs=4, seed=7)
+    assert (cfg.train.loss, cfg.ipa.gate, cfg.score.rule, cfg.train.kd_weight) == ("ce", "sum", "concat", 0.0)
+    assert (cfg.train.epochs, cfg.train.seed) == (4, 7)
+    assert parse_variant("drl/epochs=2").config(epochs=4, seed=0).train.epochs == 2  # variant wins
+    ease = parse_variant("ease/ease.adapter_dim=16/lr=0.05").config(epochs=None, seed=0)
+    assert (ease.ease.adapter_dim, ease.train.lr, ease.train.loss) == (16, 0.05, "ce")
+    with pytest.raises(UsageError, match="ambiguous"):
+        parse_variant("drl/adapter_dim=8")  # ipa.adapter_dim or ease.adapter_dim
+    with pytest.raises(UsageError, match="unknown variant option"):
+        parse_variant("drl/bogus=1")
+    with pytest.raises(UsageError, match="unknown method"):
+        parse_variant("l2p")
+    with pytest.raises(UsageError, match="gate must be one of"):
+        parse_variant("drl/gate=wide")
+    with pytest.raises(UsageError, match="twice"):
+        parse_methods("drl,drl")
+
+
+def test_split_and_class_order_follow_the_protocol():
+    assert parse_split("B0Inc10") == (0, 10) and parse_split("b50inc5") == (50, 5)
+    with pytest.raises(UsageError, match="B<m>Inc<n>"):
+        parse_split("10x10")
+    names = [f"c{i:03d}" for i in range(101)]
+    order = class_order(names, seed=1993, shuffle=True)
+    assert order == [sorted(names)[i] for i in np.random.RandomState(1993).permutation(101)]  # PILOT's order
+    assert class_order(names, seed=1993, shuffle=False) == sorted(names)
+    stages = stage_classes(order, 0, 10)
+    assert [len(s) for s in stages] == [10] * 10 + [1]
+    assert [len(s) for s in stage_classes(order, 51, 10)] == [51] + [10] * 5
+
+
+def test_list_file_layout_skips_background_and_reports_missing_images(tmp_path):
+    root = tmp_path / "cal"
+    make_class_folders(root / "Objects", [0, 1], images_per_class=3)
+    lines = ["class_00/img_000.png", "class_00/img_001.png", "BACKGROUND_Google/x.jpg", "class_01/img_000.png"]
+    (root / "train.txt").write_text("\n".join(lines) + "\n")
+    (root / "test.txt").write_text("class_00/img_002.png\nclass_01/img_002.png\n")
+    data = load_data(root, skip_classes={"BACKGROUND_Google"})
+    assert {c: len(v) for c, v in data.train.items()} == {"class_00": 2, "class_01": 1}
+    assert data.test["class_01"][0] == root / "Objects" / "class_01" / "img_002.png"
+    (root / "test.txt").write_text("class_00/img_002.png\nclass_01/img_009.png\n")
+    with pytest.raises(DataError, match="missing"):
+        load_data(root, skip_classes=set())
+    with pytest.raises(DataError, match="neither"):
+        load_data(root / "Objects", skip_classes=set())
+
+
+def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
+    data = tmp_path / "data"
+    make_class_folders(data / "train", list(range(5)), images_per_class=8)
+    make_class_folders(data / "test", list(range(5)), images_per_class=3, offset=8)
+    out = tmp_path / "out"
+    args = ["benchmark", "--data", data, "--out", out, *TINY_ARGS, "--split", "B0Inc2", "--epochs", "1"]
+    args += ["--methods", "drl,ease/batch_size=8,simplecil,drl/loss=ce", "--device", "cpu", "--json"]
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [r["label"] for r in report["results"]] == ["drl", "ease/batch_size=8", "simplecil", "drl/loss=ce"]
+    assert report["protocol"]["stages"] == [2, 2, 1]
+    for r in report["results"]:
+        assert len(r["accuracy"]) == 3 and r["average"] == pytest.approx(sum(r["accuracy"]) / 3, abs=1e-3)
+        assert r["inference_ms_per_image"] > 0
+    by_label = {r["label"]: r for r in report["results"]}
+    assert by_label["simplecil"]["params_per_stage"] == [0, 0, 0]
+    assert by_label["drl"]["params_per_stage"][0] > 0
+    assert json.loads((out / "results.json").read_text())["results"] == report["results"]
+    table = (out / "results.md").read_text()
+    assert "| `ease/batch_size=8` |" in table
+    # the same command again reuses every finished run: same numbers, no new stage
+    again = json.loads(CliRunner().invoke(app, [str(a) for a in args]).stdout)
+    assert [r["accuracy"] for r in again["results"]] == [r["accuracy"] for r in report["results"]]
+    # other settings for an existing run are refused, not mixed in
+    changed = CliRunner().invoke(app, [str(a) for a in args[:-1]] + ["--epochs", "2"])
+    assert changed.exit_code == 2 and "other settings" in changed.stderr
+
+
+def test_validation_split_holds_out_train_images(tmp_path):
+    from drlcli.benchmark import split_validation
+
+    make_class_folders(tmp_path / "d" / "train", [0, 1], images_per_class=10)
+    make_class_folders(tmp_path / "d" / "test", [0, 1], images_per_class=2)
+    data = load_data(tmp_path / "d", skip_classes=set())
+    held = split_validation(data, 0.2, seed=1)
+    for cls in data.train:
+        assert len(held.test[cls]) == 2 and len(held.train[cls]) == 8
+        assert not set(held.test[cls]) & set(held.train[cls])
+        assert set(held.test[cls]) | set(held.train[cls]) == set(data.train[cls])
