@@ -20,7 +20,7 @@ from . import __version__, backbone
 from .backbone import PTMSource
 from .config import RunConfig
 from .data import ImageSet, scan_class_folders, validate_images
-from .errors import DataError, IntegrityError, PTMError, UsageError
+from .errors import DataError, IntegrityError, PTMError, RunStateError, UsageError
 from .evaluate import AccuracyReport, HistorySummary, accuracy_report, summarize_history
 from .methods import method_of
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
@@ -31,7 +31,7 @@ from .rundir import (
     refuse_existing,
     stage_files,
 )
-from .train import train_stage
+from .train import TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
 
@@ -230,7 +230,9 @@ def evaluate_sets(
     return accuracy_report(torch.cat(predictions), torch.cat(targets), model.class_stage, num_stages=model.num_stages)
 
 
-def registered_eval_sets(loaded: LoadedRun) -> list[EvalSet]:
+def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None) -> list[EvalSet]:
+    """The eval sets earlier stages registered. A missing folder is an error, or, when a
+    ``missing`` list is given, appended to it as a warning and skipped."""
     sets = []
     for meta in loaded.stage_metas:
         entry = meta.get("eval_data")
@@ -238,10 +240,14 @@ def registered_eval_sets(loaded: LoadedRun) -> list[EvalSet]:
             continue
         path = loaded.run.path / entry["path"]
         if not path.is_dir():
-            raise DataError(
+            message = (
                 f"eval data registered by stage {meta['stage']} is not at {path}; restore it or "
                 "evaluate with --data DIR"
             )
+            if missing is None:
+                raise DataError(message)
+            missing.append(message.replace("; restore it or evaluate with --data DIR", ": left out of this evaluation"))
+            continue
         sets.append(
             eval_set(scan_class_folders(path, what="registered eval data"), loaded.model, what="registered eval data")
         )
@@ -301,6 +307,8 @@ def evaluate(
 
 @dataclass(frozen=True)
 class StageResult:
+    status: str  # "learned" | "unchanged" (the same data was already committed as this stage)
+    resumed_from_epoch: int | None  # epochs reused from an interrupted run's checkpoint
     stage: int
     classes: list[str]
     num_images: int
@@ -312,7 +320,7 @@ class StageResult:
     stage_bytes: int
     eval: AccuracyReport | None
     history: HistorySummary
-    extra: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -329,9 +337,15 @@ def learn_stage(
     train_overrides: dict[str, Any] | None = None,
     device: str = "auto",
     ptm_weights: Path | None = None,
+    restart: bool = False,
     progress: ProgressFn | None = None,
 ) -> StageResult:
-    """Learn the classes in ``data_dir`` as a new stage and commit it atomically."""
+    """Learn the classes in ``data_dir`` as a new stage and commit it atomically.
+
+    Each finished epoch is checkpointed; an interrupted call resumes from its last epoch when run
+    again with the same data and options (``restart`` discards it instead). Running again after
+    the stage committed, with the same data, changes nothing.
+    """
     start = time.perf_counter()
     run = RunDir(run_dir)
     with run.writer() as writer:
@@ -343,6 +357,9 @@ def learn_stage(
         loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
         model = loaded.model
         learned = {name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())}
+        unchanged = _already_committed(images, learned, loaded)
+        if unchanged is not None:
+            return unchanged
         for name in images.class_names:
             if name in learned:
                 raise DataError(
@@ -365,6 +382,7 @@ def learn_stage(
         network = model.network
         method = method_of(config)
         train_result = None
+        resumed_from = None
         if method.trains:
             network.new_stage(seed=config.train.seed + stage_index)
             train_progress = (
@@ -376,7 +394,22 @@ def learn_stage(
                 if progress
                 else None
             )
-            train_result = train_stage(network, images, config.train, model.data_config, progress=train_progress)
+            key = _checkpoint_key(manifest, stage_index, config, images)
+            resume = None if restart else _resumable(run, key)
+            if restart:
+                writer.discard_checkpoint()
+            resumed_from = resume.epoch if resume else None
+            if resume and progress:
+                progress(Progress("resume", resume.epoch, config.train.epochs, "from the last finished epoch"))
+            train_result = train_stage(
+                network,
+                images,
+                config.train,
+                model.data_config,
+                progress=train_progress,
+                resume=resume,
+                on_epoch=lambda state: writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors),
+            )
         feats, labels = embed_images(
             network,
             images,
@@ -385,7 +418,11 @@ def learn_stage(
             progress=(lambda s, t: progress(Progress("prototypes", s, t))) if progress else None,
         )
         model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
-        sets = registered_eval_sets(loaded)
+        warnings: list[str] = []
+        sets = registered_eval_sets(loaded, missing=warnings)
+        for message in warnings:
+            if progress:
+                progress(Progress("warning", 0, 0, message))
         if eval_images is not None:
             sets.append(eval_set(eval_images, model, what="--eval-data"))
         report = evaluate_sets(model, sets, progress=progress) if sets else None
@@ -409,6 +446,7 @@ def learn_stage(
             if eval_images is not None
             else None,
             "num_params": stage.num_params() if stage is not None else 0,
+            "eval_missing": warnings,
             "metrics": {
                 "eval": report.to_dict() if report else None,
                 "train": asdict(train_result) if train_result else None,
@@ -416,7 +454,10 @@ def learn_stage(
         }
         files = stage_files(stage_index, meta, tensors)
         writer.commit(files, manifest=manifest, new_stage=stage_index)
+        writer.discard_checkpoint()
     return StageResult(
+        status="learned",
+        resumed_from_epoch=resumed_from,
         stage=stage_index,
         classes=list(images.class_names),
         num_images=len(images),
@@ -428,6 +469,113 @@ def learn_stage(
         stage_bytes=sum(len(b) for b in files.values()),
         eval=report,
         history=history_of([*loaded.stage_metas, meta]),
+        warnings=warnings,
+    )
+
+
+def _already_committed(images: ImageSet, learned: dict[str, int], loaded: LoadedRun) -> StageResult | None:
+    """The committed stage that learned exactly these images, as a no-op result (or None)."""
+    stages = {learned.get(name) for name in images.class_names}
+    if len(stages) != 1 or None in stages:
+        return None
+    (index,) = stages
+    meta = next(m for m in loaded.stage_metas if m["stage"] == index)
+    if meta["classes"] != list(images.class_names) or meta["data_fingerprint"] != images.fingerprint():
+        return None
+    train = meta["metrics"].get("train") or {}
+    evaluation = meta["metrics"].get("eval")
+    return StageResult(
+        status="unchanged",
+        resumed_from_epoch=None,
+        stage=index,
+        classes=list(meta["classes"]),
+        num_images=len(images),
+        train_seconds=0.0,
+        total_seconds=0.0,
+        epoch_losses=[],
+        scale=train.get("scale"),
+        num_params=meta["num_params"],
+        stage_bytes=loaded.run.size_bytes(loaded.manifest, prefix=f"stages/{index:03d}/"),
+        eval=AccuracyReport(**evaluation) if evaluation else None,
+        history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
+    )
+
+
+def _checkpoint_key(manifest: dict[str, Any], stage: int, config: RunConfig, images: ImageSet) -> dict[str, Any]:
+    """What must match for a checkpoint to be resumed: base state, stage, data, options."""
+    train = asdict(config.train)
+    train.pop("num_workers")  # loader processes do not change the result
+    return {
+        "generation": manifest["generation"],
+        "stage": stage,
+        "data_fingerprint": images.fingerprint(),
+        "train": train,
+    }
+
+
+def _state_meta(state: TrainState) -> dict[str, Any]:
+    return {"epoch": state.epoch, "epoch_losses": state.epoch_losses, "seconds": state.seconds, "steps": state.steps}
+
+
+def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
+    """The checkpoint to resume, None when there is none; an error when it needs other options."""
+    found = run.checkpoint()
+    if found is None:
+        return None
+    meta, tensors = found
+    if meta.get("generation") != key["generation"] or meta.get("stage") != key["stage"]:
+        return None  # left behind by a stage that no longer applies; the next save replaces it
+    differs = ["--data images"] if meta.get("data_fingerprint") != key["data_fingerprint"] else []
+    differs += [
+        f"{name} {meta['train'].get(name)!r} -> {value!r}"
+        for name, value in key["train"].items()
+        if meta.get("train", {}).get(name) != value
+    ]
+    if differs:
+        raise RunStateError(
+            f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} with other data or options "
+            f"({', '.join(differs)}); re-run with the same ones to resume, or pass --restart to discard it"
+        )
+    return TrainState(meta["epoch"], tensors, list(meta["epoch_losses"]), float(meta["seconds"]), int(meta["steps"]))
+
+
+# -------------------------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    run_dir: str
+    format_version: int
+    generation: int
+    num_stages: int
+    files_checked: int
+    bytes_checked: int
+    interrupted_stage: dict[str, Any] | None  # a resumable checkpoint, if one is waiting
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verify(run_dir: Path | str) -> VerifyResult:
+    """Check every file the manifest lists (size, sha256) and the format; raise naming each damage."""
+    run = RunDir(run_dir)
+    manifest = run.manifest()
+    problems = run.verify()
+    if problems:
+        raise IntegrityError(f"run {run.path} is damaged: {'; '.join(problems)}" if len(problems) > 1 else problems[0])
+    checkpoint = run.checkpoint()
+    waiting = None
+    if checkpoint is not None and checkpoint[0].get("generation") == manifest["generation"]:
+        meta = checkpoint[0]
+        waiting = {"stage": meta["stage"], "epoch": meta["epoch"], "epochs": meta["train"]["epochs"]}
+    return VerifyResult(
+        str(run.path),
+        manifest["format_version"],
+        manifest["generation"],
+        len(manifest["stages"]),
+        len(manifest["files"]),
+        run.size_bytes(manifest),
+        waiting,
     )
 
 

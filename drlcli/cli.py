@@ -58,6 +58,9 @@ class Reporter:
         self._phase_start = 0.0
 
     def __call__(self, event: api.Progress) -> None:
+        if event.phase == "warning":  # shown even with --quiet: the user must know
+            self.warn(event.detail)
+            return
         if self.quiet:
             return
         if self.interactive:
@@ -72,6 +75,12 @@ class Reporter:
             if 0 < event.step < event.total:
                 left = f", ~{(now - self._phase_start) / event.step * (event.total - event.step):.0f}s left"
             log.info("%s %d/%d %s%s", event.phase, event.step, event.total, event.detail, left)
+
+    def warn(self, message: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(f"warning: {message}")
+        else:
+            print(f"warning: {message}", file=sys.stderr)
 
     def log(self, message: str) -> None:
         """A milestone line (e.g. the benchmark's variant/stage), above any progress bar."""
@@ -127,7 +136,12 @@ def _execute(as_json: bool, quiet: bool, action: Callable[[Reporter], Any], rend
         _fail(exc.kind, str(exc), exc.exit_code, as_json)
     except KeyboardInterrupt:
         reporter.close()
-        _fail("interrupted", "interrupted; the previous committed state is kept", 130, as_json)
+        _fail(
+            "interrupted",
+            "interrupted; the previous committed state is kept (re-run learn-stage to resume from its last finished epoch)",
+            130,
+            as_json,
+        )
     except Exception as exc:  # a bug: keep the one-line contract, show the trace only when asked
         reporter.close()
         log.debug("internal error", exc_info=True)
@@ -219,13 +233,19 @@ def learn_stage(
     batch_size: int | None = typer.Option(None, "--batch-size", min=1),
     lr: float | None = typer.Option(None, "--lr", min=0.0),
     workers: int | None = typer.Option(None, "--workers", min=0, help="DataLoader worker processes."),
+    restart: bool = typer.Option(
+        False, "--restart", help="Discard an interrupted run's epoch checkpoint instead of resuming it."
+    ),
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ) -> None:
-    """Learn the classes in --data as a new stage; commit it atomically."""
+    """Learn the classes in --data as a new stage; commit it atomically.
+
+    An interrupted run resumes from its last finished epoch when re-run with the same data and
+    options; re-running a committed stage with the same data does nothing."""
     overrides = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "num_workers": workers}
 
     def action(reporter: Reporter) -> Any:
@@ -236,10 +256,16 @@ def learn_stage(
             train_overrides=overrides,
             device=device,
             ptm_weights=ptm_weights,
+            restart=restart,
             progress=reporter,
         )
 
     def render(r: dict[str, Any]) -> None:
+        if r["status"] == "unchanged":
+            print(f"stage {r['stage']} already learned exactly these images; nothing to do")
+            return
+        if r["resumed_from_epoch"]:
+            print(f"resumed from the checkpoint after epoch {r['resumed_from_epoch']}")
         print(
             f"stage {r['stage']}: learned {len(r['classes'])} classes from {r['num_images']} images "
             f"in {r['total_seconds']:.1f}s (training {r['train_seconds']:.1f}s, {r['num_params']} parameters)"
@@ -291,6 +317,25 @@ def export(
         )
 
     _execute(as_json, quiet, lambda _: export_run(run, out, ptm_weights=ptm_weights), render)
+
+
+@app.command()
+def verify(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
+    """Check every file of a run against its manifest (sizes, sha256, format); exit 5 naming any damage."""
+
+    def render(r: dict[str, Any]) -> None:
+        print(
+            f"run {r['run_dir']} is intact: format v{r['format_version']}, generation {r['generation']}, "
+            f"{r['num_stages']} stages, {r['files_checked']} files ({r['bytes_checked'] / 2**20:.2f} MiB) verified"
+        )
+        if r["interrupted_stage"]:
+            w = r["interrupted_stage"]
+            print(
+                f"stage {w['stage']} was interrupted after epoch {w['epoch']}/{w['epochs']}: re-run the same "
+                "learn-stage to resume it, or add --restart"
+            )
+
+    _execute(as_json, True, lambda _: api.verify(run), render)
 
 
 @app.command()

@@ -9,6 +9,8 @@ Layout (format version 1)::
     stages/NNN/weights.safetensors   stage parameters + real prototypes of its classes
     .lock                      writer lock (flock) with the holder's pid, host and start time
     .staging/                  files being written; never trusted, cleaned by the next writer
+    .checkpoint/               the last finished epoch of an interrupted learn-stage (not part
+                               of the model; checksummed; resumed or discarded by the next one)
 
 Every file is immutable once listed in the manifest. A commit writes new files into
 ``.staging``, fsyncs them, renames them into place under names no committed file uses, then
@@ -49,6 +51,8 @@ PTM_WEIGHTS = "ptm.safetensors"
 STAGES = "stages"
 LOCK = ".lock"
 STAGING = ".staging"
+CHECKPOINT = ".checkpoint"
+CHECKPOINT_META = "checkpoint.json"
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -156,6 +160,19 @@ class RunDir:
                 problems.append(str(exc))
         return problems
 
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """The interrupted stage's last epoch (meta, tensors), or None if absent or damaged."""
+        folder = self.path / CHECKPOINT
+        try:
+            meta = json.loads((folder / CHECKPOINT_META).read_text())
+            name = PurePosixPath(meta["tensors"]["file"]).name
+            data = (folder / name).read_bytes()
+            if sha256_bytes(data) != meta["tensors"]["sha256"]:
+                return None
+            return meta, st_load(data)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def size_bytes(self, manifest: dict[str, Any] | None = None, prefix: str = "") -> int:
         files = (manifest or self.manifest())["files"]
         return sum(e["bytes"] for n, e in files.items() if n.startswith(prefix))
@@ -238,6 +255,31 @@ class RunWriter:
             for child in stages_root.iterdir():
                 if f"{STAGES}/{child.name}" not in listed:
                     shutil.rmtree(child, ignore_errors=True)
+
+    def save_checkpoint(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        """Replace the checkpoint atomically: tensors under a fresh name, then the meta by rename."""
+        folder = self.run.path / CHECKPOINT
+        data = encode_tensors(tensors)
+        name = f"{uuid.uuid4().hex}.safetensors"
+        try:
+            folder.mkdir(exist_ok=True)
+            _write_durable(folder / name, data)
+            full = {**meta, "tensors": {"file": name, "sha256": sha256_bytes(data)}}
+            tmp = folder / f".{CHECKPOINT_META}.tmp"
+            _write_durable(tmp, encode_json(full))
+            os.replace(tmp, folder / CHECKPOINT_META)
+            _fsync_dir(folder)
+        except OSError as exc:
+            raise StorageError(
+                f"writing the epoch checkpoint in {folder} failed ({exc.strerror or exc}); the committed "
+                "state is intact" + ("; free some disk space" if exc.errno == errno.ENOSPC else "")
+            ) from exc
+        for old in folder.iterdir():  # superseded tensors and temp files
+            if old.name not in (CHECKPOINT_META, name):
+                old.unlink(missing_ok=True)
+
+    def discard_checkpoint(self) -> None:
+        shutil.rmtree(self.run.path / CHECKPOINT, ignore_errors=True)
 
     def commit(
         self,

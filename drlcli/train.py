@@ -10,6 +10,7 @@ epochs. The PTM and every older stage stay frozen (they run under no_grad).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,17 @@ class TrainProgress:
     step: int
     steps: int
     loss: float
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Everything needed to continue training after ``epoch`` finished epochs, bit for bit."""
+
+    epoch: int
+    tensors: dict[str, Tensor]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.loader
+    epoch_losses: list[float]
+    seconds: float
+    steps: int
 
 
 @dataclass(frozen=True)
@@ -79,11 +91,15 @@ def train_stage(
     data_config: dict[str, Any],
     *,
     progress: Callable[[TrainProgress], None] | None = None,
+    resume: TrainState | None = None,
+    on_epoch: Callable[[TrainState], None] | None = None,
 ) -> TrainResult:
     """Train the network's newest stage on ``images`` (labels local to the stage).
 
     ``network`` is any method's network (``IPANetwork``, ``EaseNetwork``): ``forward_train`` gives
     (PTM feature or None, newest stage's feature) with gradients only for the newest stage.
+    ``on_epoch`` receives the state after each epoch; ``resume`` continues from such a state and
+    gives the same parameters as an uninterrupted run.
     """
     num_classes = len(images.class_names)
     # loss ce on a single class is identically 0: the stage then keeps its initialisation, which
@@ -111,13 +127,29 @@ def train_stage(
         momentum=cfg.momentum,
     )
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     stage.train()
     start = time.perf_counter()
     epoch_losses: list[float] = []
-    steps = 0
+    steps, first_epoch, earlier_seconds = 0, 1, 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)  # the transforms' randomness
-        for epoch in range(1, cfg.epochs + 1):
+        if resume is not None:
+            t = resume.tensors
+            stage.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("stage.")})
+            classifier.load_state_dict({k[11:]: v for k, v in t.items() if k.startswith("classifier.")})
+            for i, p in enumerate(params):
+                if f"momentum.{i}" in t:
+                    optimizer.state[p]["momentum_buffer"] = t[f"momentum.{i}"].to(p.device).clone()
+            with warnings.catch_warnings():  # replaying the schedule, no optimizer step is due
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(resume.epoch):
+                    schedule.step()
+            torch.set_rng_state(t["rng.torch"])
+            generator.set_state(t["rng.loader"])
+            epoch_losses, steps = list(resume.epoch_losses), resume.steps
+            first_epoch, earlier_seconds = resume.epoch + 1, resume.seconds
+        for epoch in range(first_epoch, cfg.epochs + 1):
             total, count = 0.0, 0
             for step, (batch, targets) in enumerate(loader, 1):
                 batch, targets = batch.to(device), targets.to(device)
@@ -133,9 +165,20 @@ def train_stage(
                     progress(TrainProgress(epoch, cfg.epochs, step, len(loader), loss.item()))
             schedule.step()
             epoch_losses.append(total / max(count, 1))
+            if on_epoch is not None:
+                tensors = {f"stage.{k}": v for k, v in stage.state_dict().items()}
+                tensors.update({f"classifier.{k}": v for k, v in classifier.state_dict().items()})
+                for i, p in enumerate(params):
+                    if "momentum_buffer" in optimizer.state[p]:
+                        tensors[f"momentum.{i}"] = optimizer.state[p]["momentum_buffer"]
+                tensors["rng.torch"] = torch.get_rng_state()
+                tensors["rng.loader"] = generator.get_state()
+                elapsed = earlier_seconds + time.perf_counter() - start
+                on_epoch(TrainState(epoch, tensors, list(epoch_losses), elapsed, steps))
     stage.eval()
     stage.requires_grad_(False)
-    return TrainResult(epoch_losses, float(classifier.scale.item()), time.perf_counter() - start, steps)
+    seconds = earlier_seconds + time.perf_counter() - start
+    return TrainResult(epoch_losses, float(classifier.scale.item()), seconds, steps)
 
 
 def _seed_worker(worker_id: int) -> None:

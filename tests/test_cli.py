@@ -68,7 +68,7 @@ def test_export_and_eval_on_a_folder(trained, stage_folders, tmp_path):
     assert result.exit_code == 0 and ev["accuracy"]["num_images"] == 12 and set(ev["accuracy"]["groups"]) == {"1"}
 
 
-def test_run_directory_holds_no_absolute_paths_and_moves(trained, tmp_path):
+def test_run_directory_holds_no_absolute_paths_and_moves(trained, tmp_path, stage_folders):
     moved = tmp_path / "elsewhere" / "run"
     shutil.copytree(trained, moved)
     for path in moved.rglob("*"):
@@ -92,11 +92,29 @@ def _unchanged(run, action):
     return result, out
 
 
-def test_class_already_learned_is_refused(trained, stage_folders):
-    result, out = _unchanged(
-        trained, lambda: drl_json("learn-stage", "--run", trained, "--data", stage_folders[0][0], *FAST)
-    )
+def test_same_data_again_is_a_no_op_and_other_data_for_a_learned_class_is_refused(trained, stage_folders, tmp_path):
+    before = (trained / "manifest.json").read_bytes()
+    result = drl("learn-stage", "--run", trained, "--data", stage_folders[0][0], *FAST)
+    assert result.exit_code == 0 and "stage 1 already learned exactly these images; nothing to do" in result.stdout
+    assert (trained / "manifest.json").read_bytes() == before
+    changed = tmp_path / "changed"
+    shutil.copytree(stage_folders[0][0], changed)
+    shutil.copy(next((changed / "class_00").iterdir()), changed / "class_00" / "extra.png")
+    result, out = _unchanged(trained, lambda: drl_json("learn-stage", "--run", trained, "--data", changed, *FAST))
     assert result.exit_code == 3 and "already learned in stage 1" in out["error"]["message"]
+
+
+def test_verify_names_the_damaged_file(trained, tmp_path):
+    result, out = drl_json("verify", "--run", trained)
+    assert result.exit_code == 0 and out["ok"] and out["num_stages"] == 2 and out["interrupted_stage"] is None
+    assert "is intact" in drl("verify", "--run", trained).stdout
+    run = _copy(trained, tmp_path)
+    path = run / "stages/002/weights.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    result, out = drl_json("verify", "--run", run)
+    assert result.exit_code == 5 and "stages/002/weights.safetensors is damaged" in out["error"]["message"]
 
 
 def test_bad_data_is_refused_and_changes_nothing(trained, make_folder, tmp_path):

@@ -1,0 +1,84 @@
+"""Resume from epoch checkpoints, --restart, option changes, and the no-op re-run (api level)."""
+
+import pytest
+import torch
+
+from drlcli import learn_stage, load_run
+from drlcli.api import verify
+from drlcli.errors import RunStateError
+from drlcli.rundir import RunDir
+
+OPTS = {"epochs": 3, "batch_size": 12}
+
+
+class Interrupt(Exception):
+    pass
+
+
+def _stop_at_epoch(n):
+    def progress(event):
+        if event.phase == "train" and event.detail.startswith(f"epoch {n}/"):
+            raise Interrupt
+
+    return progress
+
+
+def _weights(run):
+    return RunDir(run).stage(1).tensors
+
+
+def _interrupted(run, data):
+    with pytest.raises(Interrupt):
+        learn_stage(run, data_dir=data, train_overrides=OPTS, device="cpu", progress=_stop_at_epoch(3))
+    assert RunDir(run).stage_indices() == []  # nothing committed
+    assert verify(run).interrupted_stage == {"stage": 1, "epoch": 2, "epochs": 3}
+
+
+def test_resume_gives_the_same_stage_as_an_uninterrupted_run(tmp_path, stage_folders):
+    from drlcli import init_run
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    runs = []
+    for name in ("straight", "resumed"):
+        init_run(tmp_path / name, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+        runs.append(tmp_path / name)
+    train = stage_folders[0][0]
+    straight = learn_stage(runs[0], data_dir=train, train_overrides=OPTS, device="cpu")
+    _interrupted(runs[1], train)
+    resumed = learn_stage(runs[1], data_dir=train, train_overrides=OPTS, device="cpu")
+    assert resumed.resumed_from_epoch == 2 and straight.resumed_from_epoch is None
+    assert resumed.epoch_losses == straight.epoch_losses
+    a, b = _weights(runs[0]), _weights(runs[1])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (runs[1] / ".checkpoint").exists()  # the commit consumed it
+
+
+def test_other_options_on_resume_are_refused_and_restart_discards(run_dir, stage_folders):
+    train = stage_folders[0][0]
+    _interrupted(run_dir, train)
+    with pytest.raises(RunStateError, match=r"epochs 3 -> 2.*--restart"):
+        learn_stage(run_dir, data_dir=train, train_overrides={**OPTS, "epochs": 2}, device="cpu")
+    with pytest.raises(RunStateError, match="--data images"):
+        learn_stage(run_dir, data_dir=stage_folders[1][0], train_overrides=OPTS, device="cpu")
+    fresh = learn_stage(run_dir, data_dir=train, train_overrides={**OPTS, "epochs": 2}, device="cpu", restart=True)
+    assert fresh.resumed_from_epoch is None and len(fresh.epoch_losses) == 2
+    assert load_run(run_dir, device="cpu").model.num_stages == 1
+
+
+def test_damaged_checkpoint_is_ignored_not_trusted(run_dir, stage_folders):
+    train = stage_folders[0][0]
+    _interrupted(run_dir, train)
+    for path in (run_dir / ".checkpoint").glob("*.safetensors"):
+        path.write_bytes(path.read_bytes()[:-3])
+    assert RunDir(run_dir).checkpoint() is None
+    result = learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
+    assert result.resumed_from_epoch is None and result.status == "learned"
+
+
+def test_rerun_of_a_committed_stage_is_a_no_op(run_dir, stage_folders):
+    train, test = stage_folders[0]
+    first = learn_stage(run_dir, data_dir=train, eval_data_dir=test, train_overrides=OPTS, device="cpu")
+    generation = RunDir(run_dir).manifest()["generation"]
+    again = learn_stage(run_dir, data_dir=train, eval_data_dir=test, train_overrides=OPTS, device="cpu")
+    assert again.status == "unchanged" and again.stage == 1 and again.eval.top1 == first.eval.top1
+    assert RunDir(run_dir).manifest()["generation"] == generation
