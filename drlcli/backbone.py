@@ -39,6 +39,7 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
         raise PTMError(f"unknown PTM {name!r}; pass a timm ViT name such as deit_tiny_patch16_224")
     try:
         if source.weights_path is None and not source.random_init:
+            _require_hub(name)
             model = timm.create_model(name, pretrained=True, num_classes=0, **kwargs)
         else:
             with torch.random.fork_rng():
@@ -59,6 +60,23 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _require_hub(name: str, timeout: float = 3.0) -> None:
+    """Fail in seconds, not after a minute of hub retries, when the hub cannot be reached."""
+    import os
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return  # the hub library fails fast itself (or uses its local cache)
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
+    except OSError as exc:
+        raise PTMError(
+            f"cannot reach {host} to download {name} weights ({exc.__class__.__name__}); pass "
+            "--ptm-weights FILE (a local .safetensors), or set HF_HUB_OFFLINE=1 to use the local hub cache"
+        ) from None
 
 
 def check_supported(model: nn.Module, name: str) -> None:

@@ -101,3 +101,19 @@ def test_real_deit_tiny_weights_load_and_match_timm(shared_data):
     ours, _ = backbone.block_with_attention(model.blocks[0], x)
     assert torch.allclose(ours, model.blocks[0](x), atol=1e-5)
     assert backbone.data_config(model)["input_size"] == [3, 224, 224]
+
+
+def test_unreachable_hub_fails_fast_with_the_fix(monkeypatch):
+    import socket
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1")
+    monkeypatch.setattr(socket, "create_connection", _refuse)
+    start = time.monotonic()
+    with pytest.raises(PTMError, match=r"cannot reach 127.0.0.1.*--ptm-weights FILE"):
+        backbone.create_ptm("deit_tiny_patch16_224", source=PTMSource())
+    assert time.monotonic() - start < 5
+
+
+def _refuse(*args, **kwargs):
+    raise ConnectionRefusedError("refused")
