@@ -7,6 +7,8 @@ prints; ``cli.py`` renders the results.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, backbone
+from . import __version__, backbone, distributed
 from .backbone import PTMSource
 from .config import RunConfig
 from .data import ImageSet, scan_class_folders, validate_images
@@ -50,14 +52,17 @@ ProgressFn = Callable[[Progress], None]
 
 
 def resolve_device(device: str) -> torch.device:
+    """auto: CUDA if present; under torchrun each process takes the GPU of its LOCAL_RANK."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         resolved = torch.device(device)
     except RuntimeError as exc:
         raise UsageError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device {device} requested but CUDA is not available; use --device cpu")
+    if resolved.type == "cuda" and distributed.launched():
+        resolved = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return resolved
 
 
@@ -223,11 +228,22 @@ def evaluate_sets(
             else None
         )
         feats, labels = embed_images(
-            model.network, item.images, model.data_config, batch_size=EVAL_BATCH_SIZE, progress=report_step
+            model.network,
+            item.images,
+            model.data_config,
+            batch_size=EVAL_BATCH_SIZE,
+            indices=distributed.shard(len(item.images)) if distributed.world_size() > 1 else None,
+            progress=report_step,
         )
-        predictions.append(model.scores(feats).argmax(1))
-        targets.append(torch.tensor(item.label_map)[labels])
-    return accuracy_report(torch.cat(predictions), torch.cat(targets), model.class_stage, num_stages=model.num_stages)
+        predictions.append(model.scores(feats).argmax(1).cpu())
+        targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
+    pairs = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets)))  # every rank's shard
+    return accuracy_report(
+        torch.cat([p for p, _ in pairs]),
+        torch.cat([t for _, t in pairs]),
+        model.class_stage,
+        num_stages=model.num_stages,
+    )
 
 
 def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None) -> list[EvalSet]:
@@ -348,7 +364,9 @@ def learn_stage(
     """
     start = time.perf_counter()
     run = RunDir(run_dir)
-    with run.writer() as writer:
+    # under torchrun only rank 0 locks and writes; the others read the same committed state
+    with run.writer() if distributed.is_main() else contextlib.nullcontext() as writer:
+        distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
         manifest = run.manifest()
         record = run.run_config(manifest)
         config = RunConfig.from_dict(record["config"]).with_train(**(train_overrides or {}))
@@ -395,9 +413,12 @@ def learn_stage(
                 else None
             )
             key = _checkpoint_key(manifest, stage_index, config, images)
-            resume = None if restart else _resumable(run, key)
-            if restart:
-                writer.discard_checkpoint()
+            resume = None
+            if writer is not None:
+                resume = None if restart else _resumable(run, key)
+                if restart:
+                    writer.discard_checkpoint()
+            resume = distributed.broadcast_object(resume)
             resumed_from = resume.epoch if resume else None
             if resume and progress:
                 progress(Progress("resume", resume.epoch, config.train.epochs, "from the last finished epoch"))
@@ -408,13 +429,17 @@ def learn_stage(
                 model.data_config,
                 progress=train_progress,
                 resume=resume,
-                on_epoch=lambda state: writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors),
+                on_epoch=(lambda state: writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors))
+                if writer is not None
+                else None,
             )
+            _check_ranks_agree(network.stages[-1])
         feats, labels = embed_images(
             network,
             images,
             model.data_config,
             batch_size=EVAL_BATCH_SIZE,
+            indices=distributed.shard(len(images)) if distributed.world_size() > 1 else None,
             progress=(lambda s, t: progress(Progress("prototypes", s, t))) if progress else None,
         )
         model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
@@ -438,6 +463,7 @@ def learn_stage(
             "data_fingerprint": images.fingerprint(),
             "train": asdict(config.train) if method.trains else None,
             "device": str(next(network.ptm.parameters()).device),
+            "world_size": distributed.world_size(),
             "eval_data": {
                 "path": os.path.relpath(Path(eval_data_dir).resolve(), run.path.resolve()),
                 "classes": list(eval_images.class_names),
@@ -453,8 +479,10 @@ def learn_stage(
             },
         }
         files = stage_files(stage_index, meta, tensors)
-        writer.commit(files, manifest=manifest, new_stage=stage_index)
-        writer.discard_checkpoint()
+        if writer is not None:
+            writer.commit(files, manifest=manifest, new_stage=stage_index)
+            writer.discard_checkpoint()
+        distributed.barrier()  # every rank returns only once the stage is committed
     return StageResult(
         status="learned",
         resumed_from_epoch=resumed_from,
@@ -499,6 +527,22 @@ def _already_committed(images: ImageSet, learned: dict[str, int], loaded: Loaded
         eval=AccuracyReport(**evaluation) if evaluation else None,
         history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
     )
+
+
+def _check_ranks_agree(stage: torch.nn.Module) -> None:
+    """All processes must hold bit-identical stage parameters before rank 0 commits them."""
+    if distributed.world_size() == 1:
+        return
+    digest = hashlib.sha256()
+    for name, value in sorted(stage.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests = distributed.all_gather_objects(digest.hexdigest())
+    if len(set(digests)) != 1:
+        raise IntegrityError(
+            f"the {len(digests)} processes ended training with different stage parameters; nothing was "
+            "committed. Re-run; if it persists, report it with your torchrun command"
+        )
 
 
 def _checkpoint_key(manifest: dict[str, Any], stage: int, config: RunConfig, images: ImageSet) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import yaml
 
-from . import api
+from . import api, distributed
 from .config import EaseConfig, IPAConfig, RunConfig, ScoreConfig, TrainConfig
 from .data import ImageDataset, eval_transform, scan_class_folders
 from .errors import DataError, UsageError
@@ -213,15 +213,23 @@ def split_validation(data: BenchmarkData, fraction: float, seed: int) -> Benchma
 
 
 def materialise(
-    stages: list[list[str]], data: BenchmarkData, out: Path, *, max_train: int | None, max_test: int | None
-):
-    """Symlink each stage's images into OUT/data/stage_NN/{train,test}/<class>/ (idempotent)."""
+    stages: list[list[str]],
+    data: BenchmarkData,
+    out: Path,
+    *,
+    max_train: int | None,
+    max_test: int | None,
+    write: bool = True,
+) -> list[tuple[Path, Path]]:
+    """Symlink each stage's images into OUT/data/stage_NN/{train,test}/<class>/ (idempotent);
+    with ``write`` False only the folder names are returned."""
     folders = []
     for k, classes in enumerate(stages, 1):
         pair = []
         for split, source, cap in (("train", data.train, max_train), ("test", data.test, max_test)):
             root = out / f"stage_{k:02d}" / split
-            for cls in classes:
+            pair.append(root)
+            for cls in classes if write else []:
                 folder = root / cls
                 folder.mkdir(parents=True, exist_ok=True)
                 wanted = {f"{i:05d}_{p.name}": p.resolve() for i, p in enumerate(source[cls][:cap])}
@@ -234,7 +242,6 @@ def materialise(
                 for stale in folder.iterdir():
                     if stale.name not in wanted:
                         stale.unlink()
-            pair.append(root)
         folders.append(tuple(pair))
     return folders
 
@@ -326,19 +333,23 @@ def run_benchmark(
     order = class_order(list(data.train), seed=settings.seed, shuffle=settings.shuffle)
     stages = stage_classes(order, base, inc)
     out = Path(settings.out_dir)
+    main = distributed.is_main()  # under torchrun rank 0 alone writes files; all ranks train
     folders = materialise(
         stages,
         data,
         out / "data",
         max_train=settings.max_train_per_class,
         max_test=settings.max_test_per_class,
+        write=main,
     )
+    distributed.barrier()
     results = []
     started = time.perf_counter()
     for v_index, variant in enumerate(variants, 1):
         config = variant.config(epochs=settings.epochs, seed=settings.seed)
         run_dir = out / "runs" / variant.dirname
         done = 0
+        distributed.barrier()  # a run rank 0 is about to create is not looked at half-made
         if (run_dir / "manifest.json").exists():
             run = RunDir(run_dir)
             stored = RunConfig.from_dict(run.run_config()["config"])
@@ -347,7 +358,7 @@ def run_benchmark(
                     f"{run_dir} was run with other settings for {variant.label}; pass another --out or remove it"
                 )
             done = len(run.stage_indices())
-        else:
+        elif main:
             api.init_run(
                 run_dir,
                 ptm=settings.ptm,
@@ -380,9 +391,11 @@ def run_benchmark(
             )
             acc = result.eval.top1 if result.eval else float("nan")
             say(f"[{variant.label}] stage {k + 1}: A = {acc:.2f}% ({result.total_seconds:.0f}s)")
-        loaded = api.load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
-        per_image = _timing(loaded, folders[-1][1], settings.timing_batch)
-        results.append(_summary(variant.label, variant, run_dir, config, per_image))
+        distributed.barrier()
+        if main:
+            loaded = api.load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
+            per_image = _timing(loaded, folders[-1][1], settings.timing_batch)
+            results.append(_summary(variant.label, variant, run_dir, config, per_image))
     report = {
         "protocol": {
             "split": settings.split,
@@ -406,8 +419,7 @@ def run_benchmark(
         "results": results,
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
-    paths = write_reports(report, out)
-    report["artifacts"] = paths
+    report["artifacts"] = write_reports(report, out) if main else {}
     return report
 
 

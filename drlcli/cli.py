@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import typer
 import yaml
 
-from . import api
+from . import api, distributed
 from .errors import EXIT_CODES, DrlError, UsageError
 
 EPILOG = "Exit codes: " + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items())
@@ -32,7 +32,9 @@ app = typer.Typer(
 )
 log = logging.getLogger("drlcli")
 
-RunOpt = typer.Option(Path("."), "--run", envvar="DRL_RUN", help="Run directory (env DRL_RUN).")
+RunOpt = typer.Option(
+    Path("."), "--run", "--run-dir", envvar="DRL_RUN", help="Run directory (env DRL_RUN; --run-dir under torchrun)."
+)
 JsonOpt = typer.Option(False, "--json", help="Print one machine-readable JSON object on stdout.")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or log lines on stderr.")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
@@ -127,6 +129,8 @@ def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
 
 
 def _execute(as_json: bool, quiet: bool, action: Callable[[Reporter], Any], render: Callable[[Any], None]) -> None:
+    main_rank = distributed.is_main()
+    quiet = quiet or not main_rank  # under torchrun only rank 0 reports and prints results
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
     reporter = Reporter(quiet=quiet)
     try:
@@ -147,6 +151,8 @@ def _execute(as_json: bool, quiet: bool, action: Callable[[Reporter], Any], rend
         log.debug("internal error", exc_info=True)
         _fail("internal", f"internal error {exc.__class__.__name__}: {exc} (please report it)", 1, as_json)
     reporter.close()
+    if not main_rank:
+        return
     payload = result if isinstance(result, dict) else result.to_dict()
     if as_json:
         print(json.dumps({"ok": True, **payload}))
@@ -445,7 +451,17 @@ def demo(
 
 
 def main() -> None:
-    app()
+    """Entry point; under torchrun (WORLD_SIZE > 1) every process joins the group first."""
+    if distributed.launched():
+        args = sys.argv[1:]
+        cpu = (
+            "--device" in args and args.index("--device") + 1 < len(args) and args[args.index("--device") + 1] == "cpu"
+        )
+        distributed.setup("cpu" if cpu else "auto")
+    try:
+        app()
+    finally:
+        distributed.teardown()
 
 
 if __name__ == "__main__":

@@ -57,6 +57,11 @@ class EaseNetwork(nn.Module):
     def num_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def num_subspaces(self) -> int:
+        """Width of ``forward``'s subspace axis."""
+        return len(self.stages)
+
     def new_stage(self, *, seed: int) -> EaseAdapters:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -87,6 +87,11 @@ class IPANetwork(nn.Module):
     def num_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def num_subspaces(self) -> int:
+        """Width of ``forward``'s subspace axis."""
+        return 1 + len(self.stages)
+
     def new_stage(self, *, seed: int) -> StageAdapters:
         """Append a freshly initialised stage (seeded, on the PTM's device) and return it."""
         with torch.random.fork_rng(devices=[]):

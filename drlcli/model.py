@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
+from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, ImageSet, eval_transform
 from .prototypes import score, synthesize
@@ -92,17 +93,22 @@ def embed_images(
     *,
     batch_size: int,
     num_workers: int = 0,
+    indices: list[int] | None = None,
     progress: Any = None,
 ) -> tuple[Tensor, Tensor]:
-    """Subspace features (N, S, d) of every image (eval transform) and their local labels (N,)."""
+    """Subspace features (N, S, d) of every image (eval transform) and their local labels (N,);
+    only the images at ``indices`` when given (a process's shard)."""
     device = _device_of(network)
+    dataset = ImageDataset(images, eval_transform(data_config))
     loader = DataLoader(
-        ImageDataset(images, eval_transform(data_config)),
+        dataset if indices is None else Subset(dataset, indices),
         batch_size=batch_size,
         shuffle=False,
         num_workers=num_workers,
     )
     feats, labels = [], []
+    if len(loader.dataset) == 0:  # an empty shard
+        return torch.zeros(0, network.num_subspaces, network.width), torch.zeros(0, dtype=torch.long)
     for step, (batch, target) in enumerate(loader, 1):
         feats.append(network(batch.to(device)).float().cpu())
         labels.append(target)
@@ -112,8 +118,10 @@ def embed_images(
 
 
 def class_means(features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
-    """Mean feature per class: (N, S, d) -> (num_classes, S, d)."""
+    """Mean feature per class: (N, S, d) -> (num_classes, S, d); sums and counts are added up
+    over all processes when several run (each holding a shard of the images)."""
     sums = torch.zeros(num_classes, *features.shape[1:])
     sums.index_add_(0, labels, features)
-    counts = torch.bincount(labels, minlength=num_classes).clamp_min(1)
-    return sums / counts[:, None, None]
+    counts = torch.bincount(labels, minlength=num_classes).float()
+    sums, counts = distributed.all_reduce_sum(sums), distributed.all_reduce_sum(counts)
+    return sums / counts.clamp_min(1)[:, None, None]

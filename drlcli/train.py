@@ -18,8 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Sampler
 
+from . import distributed
 from .config import TrainConfig
 from .data import ImageDataset, ImageSet, train_transform
 from .losses import ce_loss, das_loss, kd_loss
@@ -111,15 +113,26 @@ def train_stage(
         torch.manual_seed(cfg.seed)
         classifier = CosineClassifier(network.width, num_classes, scale_init=cfg.scale_init).to(device)
     dataset = ImageDataset(images, train_transform(data_config, crop_scale_min=cfg.crop_scale_min, hflip=cfg.hflip))
+    world = distributed.world_size()
+    global_batch = min(cfg.batch_size, len(dataset))
+    drop_last = len(dataset) > cfg.batch_size  # no tiny last batch, unless it is the only one
+    sampler = None
+    if world > 1:  # --batch-size is the global batch: each of the K processes takes 1/K of it
+        global_batch = len(dataset) // world * world if global_batch == len(dataset) else global_batch
+        sampler = GlobalBatchShard(len(dataset), global_batch, generator)
     loader = DataLoader(
         dataset,
-        batch_size=min(cfg.batch_size, len(dataset)),
-        shuffle=True,
-        drop_last=len(dataset) > cfg.batch_size,  # no tiny last batch, unless it is the only one
+        batch_size=distributed.local_batch_size(global_batch),
+        shuffle=sampler is None,
+        sampler=sampler,
+        drop_last=drop_last if sampler is None else False,
         num_workers=cfg.num_workers,
-        generator=generator,
+        generator=generator,  # also draws the workers' base seed, in both modes alike
         worker_init_fn=_seed_worker,
     )
+    step_module: nn.Module = _StageStep(network, classifier, cfg)
+    if world > 1:  # gradients of the trainable parameters averaged over ranks
+        step_module = DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
     decay = [p for p in stage.parameters()] + [classifier.weight]
     optimizer = torch.optim.SGD(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": [classifier.scale], "weight_decay": 0.0}],
@@ -150,11 +163,12 @@ def train_stage(
             epoch_losses, steps = list(resume.epoch_losses), resume.steps
             first_epoch, earlier_seconds = resume.epoch + 1, resume.seconds
         for epoch in range(first_epoch, cfg.epochs + 1):
+            if sampler is not None:  # each process reseeds its augmentations every epoch
+                torch.manual_seed(cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank())
             total, count = 0.0, 0
             for step, (batch, targets) in enumerate(loader, 1):
                 batch, targets = batch.to(device), targets.to(device)
-                ptm_feats, feats = network.forward_train(batch)
-                loss = stage_loss(classifier(feats), targets, feats, ptm_feats, cfg)
+                loss = step_module(batch, targets)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -164,6 +178,10 @@ def train_stage(
                 if progress is not None:
                     progress(TrainProgress(epoch, cfg.epochs, step, len(loader), loss.item()))
             schedule.step()
+            if world > 1:  # the epoch's loss over every process's images
+                total, count = distributed.all_reduce_sum(
+                    torch.tensor([total, float(count)], dtype=torch.float64)
+                ).tolist()
             epoch_losses.append(total / max(count, 1))
             if on_epoch is not None:
                 tensors = {f"stage.{k}": v for k, v in stage.state_dict().items()}
@@ -179,6 +197,42 @@ def train_stage(
     stage.requires_grad_(False)
     seconds = earlier_seconds + time.perf_counter() - start
     return TrainResult(epoch_losses, float(classifier.scale.item()), seconds, steps)
+
+
+class GlobalBatchShard(Sampler[int]):
+    """This process's share of the batches one process would draw from the same generator.
+
+    Every rank holds the same generator state, so all draw the same permutation; global batch b
+    is perm[b·B : (b+1)·B] (full batches only) and rank r takes its every K-th sample. With the
+    gradients averaged over ranks, a step sees the same images as the one-process step.
+    """
+
+    def __init__(self, size: int, global_batch: int, generator: torch.Generator):
+        self.size, self.global_batch, self.generator = size, global_batch, generator
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+
+    def __iter__(self):
+        perm = torch.randperm(self.size, generator=self.generator).tolist()
+        for start in range(0, self.size - self.global_batch + 1, self.global_batch):
+            yield from perm[start + self.rank : start + self.global_batch : self.world]
+        # torch's RandomSampler draws one more permutation (for its remainder) when exhausted;
+        # do the same so the next epoch's order matches too (tests/test_distributed.py)
+        torch.randperm(self.size, generator=self.generator)
+
+    def __len__(self) -> int:
+        return self.size // self.global_batch * (self.global_batch // self.world)
+
+
+class _StageStep(nn.Module):
+    """One training step's loss as a module, so DistributedDataParallel can wrap it."""
+
+    def __init__(self, network: nn.Module, classifier: CosineClassifier, cfg: TrainConfig):
+        super().__init__()
+        self.network, self.classifier, self.cfg = network, classifier, cfg
+
+    def forward(self, images: Tensor, targets: Tensor) -> Tensor:
+        ptm_feats, feats = self.network.forward_train(images)
+        return stage_loss(self.classifier(feats), targets, feats, ptm_feats, self.cfg)
 
 
 def _seed_worker(worker_id: int) -> None:

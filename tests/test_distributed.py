@@ -1,0 +1,72 @@
+"""torchrun with 2 CPU processes (gloo): the stage commits, ranks agree, and it matches one process."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from drlcli import init_run, learn_stage
+from drlcli.config import RunConfig
+from drlcli.rundir import RunDir
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+OPTS = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cpu"]
+
+
+def _torchrun(*args):
+    cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "drlcli", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_two_processes_match_one(tmp_path, stage_folders):
+    # deterministic transforms (full-image crops, no flip): the runs then differ only in how the
+    # same global batches are split over processes and in float summation order
+    config = RunConfig.for_method("drl", {"train": {"crop_scale_min": 1.0, "hflip": False}})
+    runs = {}
+    for name in ("one", "two"):
+        runs[name] = tmp_path / name
+        init_run(runs[name], ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    train, test = stage_folders[0]
+    single = learn_stage(
+        runs["one"],
+        data_dir=train,
+        eval_data_dir=test,
+        device="cpu",
+        train_overrides={"epochs": 2, "batch_size": 12, "lr": 0.05},
+    )
+    done = _torchrun("learn-stage", "--run-dir", runs["two"], "--data", train, "--eval-data", test, *OPTS, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)  # rank 0 alone printed: one JSON object
+    assert out["ok"] and out["stage"] == 1 and out["num_params"] == single.num_params
+    # the commit happened only after every rank's stage parameters were bit-identical
+    meta = RunDir(runs["two"]).stage_meta(1)
+    assert meta["world_size"] == 2
+    # the same global batches in one process: the same stage up to float summation order
+    assert out["eval"]["top1"] == single.eval.top1
+    assert out["epoch_losses"] == pytest.approx(single.epoch_losses, rel=1e-4)
+    a, b = RunDir(runs["one"]).stage(1).tensors, RunDir(runs["two"]).stage(1).tensors
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a), max((a[k] - b[k]).abs().max() for k in a)
+    # eval under torchrun reduces counts over ranks: same number of images, same accuracy as one process
+    evaluated = _torchrun("eval", "--run-dir", runs["two"], "--all-seen", "--device", "cpu", "--json")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    result = json.loads(evaluated.stdout)
+    assert result["accuracy"]["num_images"] == out["eval"]["num_images"] == 12
+    assert result["accuracy"]["top1"] == out["eval"]["top1"]
+
+
+def test_a_failure_fails_every_rank_and_changes_nothing(tmp_path, make_folder):
+    run = tmp_path / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    before = (run / "manifest.json").read_bytes()
+    bad = make_folder("bad", [0, 1])
+    (bad / "class_00" / "broken.png").write_bytes(b"not an image")
+    done = _torchrun("learn-stage", "--run-dir", run, "--data", bad, *OPTS)
+    assert done.returncode != 0
+    assert "cannot be decoded" in done.stderr
+    assert (run / "manifest.json").read_bytes() == before
