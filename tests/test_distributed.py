@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,12 +13,12 @@ from drlcli.config import RunConfig
 from drlcli.rundir import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 OPTS = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cpu"]
 
 
 def _torchrun(*args):
-    cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "drlcli", *map(str, args)]
+    # `python -m torch.distributed.run` is the torchrun command, found wherever torch is installed
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "drlcli", *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
