@@ -326,6 +326,50 @@ def export(
 
 
 @app.command()
+def predict(
+    sources: list[str] = typer.Argument(..., help="Image files, folders, .txt lists of paths, or - (paths on stdin)."),
+    model: Path | None = typer.Option(None, "--model", help="An exported .drl file (instead of --run)."),
+    top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1),
+    workers: int = typer.Option(0, "--workers", min=0, help="DataLoader worker processes."),
+    device: str = DeviceOpt,
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = typer.Option(False, "--json", help="JSON lines (one object per image) even on a terminal."),
+    quiet: bool = QuietOpt,
+) -> None:
+    """Top-k classes per image: JSON lines on stdout (a table on a terminal); exit 3 if any image failed."""
+    from .export import load_export
+    from .predict import PredictStats, expand_sources, timed
+    from .predict import predict as run_predict
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
+    lines = as_json or not sys.stdout.isatty()
+    stats = PredictStats()
+    try:
+        paths = expand_sources(sources)
+        loaded = (
+            load_export(model, device=str(api.resolve_device(device)))
+            if model is not None
+            else api.load_run(run, device=device, ptm_weights=ptm_weights).model
+        )
+        for p in timed(run_predict(loaded, paths, top_k=top_k, batch_size=batch_size, num_workers=workers), stats):
+            if lines:
+                print(json.dumps(p.to_dict()), flush=False)
+            elif p.error:
+                print(f"{p.path}: error: {p.error}")
+            else:
+                print(f"{p.path}: " + ", ".join(f"{t['class']} {t['score']:.3f}" for t in p.top))
+    except DrlError as exc:
+        _fail(exc.kind, str(exc), exc.exit_code, as_json)
+    except KeyboardInterrupt:
+        _fail("interrupted", "interrupted", 130, as_json)
+    log.info("%d images, %d failed, %.1f images/s", stats.images, stats.failed, stats.images_per_second)
+    if stats.failed:
+        raise typer.Exit(3)
+
+
+@app.command()
 def verify(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
     """Check every file of a run against its manifest (sizes, sha256, format); exit 5 naming any damage."""
 

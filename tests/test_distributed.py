@@ -18,7 +18,17 @@ OPTS = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cpu"
 
 def _torchrun(*args):
     # `python -m torch.distributed.run` is the torchrun command, found wherever torch is installed
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "drlcli", *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "drlcli",
+        *map(str, args),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 

@@ -1,0 +1,158 @@
+"""``drl predict``: top-k classes for images, from a run directory or an exported ``.drl`` file.
+
+Sources are image files, folders (every image below them, sorted), list files (``.txt``, one
+path per line, relative paths taken from the list's folder) or ``-`` (paths on stdin). Results
+stream in input order, one per image; an image that cannot be read gives an error entry and the
+batch goes on.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from .data import IMAGE_EXTENSIONS, _hidden, eval_transform, load_rgb
+from .errors import DataError, UsageError
+from .model import IncrementalModel
+
+
+@dataclass(frozen=True)
+class Prediction:
+    path: str
+    top: list[dict[str, Any]] = field(default_factory=list)  # [{"class", "score"}], best first
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path}
+        if self.error is not None:
+            out["error"] = self.error
+        else:
+            out["top"] = self.top
+        return out
+
+
+def expand_sources(sources: Iterable[str], *, stdin: Iterable[str] | None = None) -> list[Path]:
+    """Image paths from files, folders, list files and ``-`` (stdin), in the order given."""
+    paths: list[Path] = []
+    for source in sources:
+        if source == "-":
+            lines = stdin if stdin is not None else sys.stdin
+            paths.extend(Path(line.strip()) for line in lines if line.strip())
+            continue
+        path = Path(source)
+        if path.is_dir():
+            paths.extend(
+                sorted(
+                    p
+                    for p in path.rglob("*")
+                    if p.is_file()
+                    and p.suffix.lower() in IMAGE_EXTENSIONS
+                    and not any(_hidden(Path(q)) for q in p.relative_to(path).parts)
+                )
+            )
+        elif path.suffix.lower() == ".txt" and path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    entry = Path(line.strip())
+                    paths.append(entry if entry.is_absolute() else path.parent / entry)
+        else:
+            paths.append(path)  # an image (a missing one is reported in its own result line)
+    if not paths:
+        raise UsageError("no images to predict; pass image files, folders, a .txt list or - for stdin")
+    return paths
+
+
+class _PathDataset(Dataset):
+    def __init__(self, paths: list[Path], transform: Any):
+        self.paths, self.transform = paths, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
+        path = self.paths[index]
+        if not path.is_file():
+            return index, None, "no such file"
+        try:
+            return index, self.transform(load_rgb(path)), None
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            return index, None, f"cannot be decoded ({exc.__class__.__name__}: {exc})"
+
+
+def _collate(
+    items: list[tuple[int, torch.Tensor | None, str | None]],
+) -> list[tuple[int, torch.Tensor | None, str | None]]:
+    return items
+
+
+def predict(
+    model: IncrementalModel,
+    paths: list[Path],
+    *,
+    top_k: int = 5,
+    batch_size: int = 64,
+    num_workers: int = 0,
+) -> Iterator[Prediction]:
+    """Yield one ``Prediction`` per path, in order."""
+    if top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {top_k}")
+    if not model.class_names:
+        raise DataError("the model has learned no class yet; run `drl learn-stage` first")
+    k = min(top_k, len(model.class_names))
+    device = next(model.network.ptm.parameters()).device
+    loader = DataLoader(
+        _PathDataset(paths, eval_transform(model.data_config)),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=_collate,
+    )
+    with torch.inference_mode():
+        for items in loader:
+            good = [(i, x) for i, x, err in items if err is None]
+            scores = None
+            if good:
+                batch = torch.stack([x for _, x in good]).to(device)
+                scores = model.scores(model.network(batch)).float().cpu()
+            row = {i: r for r, (i, _) in enumerate(good)}
+            for index, _, err in items:
+                path = str(paths[index])
+                if err is not None:
+                    yield Prediction(path, error=err)
+                    continue
+                values, classes = scores[row[index]].topk(k)
+                yield Prediction(
+                    path,
+                    top=[
+                        {"class": model.class_names[c], "score": round(float(v), 6)}
+                        for v, c in zip(values.tolist(), classes.tolist())
+                    ],
+                )
+
+
+@dataclass
+class PredictStats:
+    images: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+    @property
+    def images_per_second(self) -> float:
+        return self.images / self.seconds if self.seconds else 0.0
+
+
+def timed(predictions: Iterator[Prediction], stats: PredictStats) -> Iterator[Prediction]:
+    start = time.perf_counter()
+    for p in predictions:
+        stats.images += 1
+        stats.failed += p.error is not None
+        stats.seconds = time.perf_counter() - start
+        yield p

@@ -1,0 +1,69 @@
+"""`drl predict`: every source kind, per-image errors without stopping, run vs exported file."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from drlcli import export_run, learn_stage
+from drlcli.cli import app
+from drlcli.errors import UsageError
+from drlcli.predict import expand_sources
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory, stage_folders):
+    from drlcli import init_run
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    run = tmp_path_factory.mktemp("predict") / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    for train, _ in stage_folders[:2]:
+        learn_stage(run, data_dir=train, train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    return run
+
+
+def _lines(result):
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_sources_of_every_kind_and_errors_per_line(learned, stage_folders, tmp_path):
+    test_dir = stage_folders[0][1]
+    one = sorted((test_dir / "class_01").iterdir())[0]
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{one}\n\n{test_dir / 'class_02' / 'img_012.png'}\n")
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"junk")
+    args = ["predict", str(test_dir / "class_00"), str(listing), str(broken), str(tmp_path / "gone.png"), "-"]
+    result = runner.invoke(app, [*args, "--run", str(learned), "--top-k", "3", "--device", "cpu"], input=f"{one}\n")
+    assert result.exit_code == 3  # some images failed; every line was still printed
+    lines = _lines(result)
+    assert len(lines) == 4 + 2 + 2 + 1
+    assert all(len(x["top"]) == 3 for x in lines if "top" in x)
+    assert lines[6]["path"] == str(broken) and "cannot be decoded" in lines[6]["error"]
+    assert lines[7]["error"] == "no such file"
+    assert lines[8]["path"] == str(one) and lines[8]["top"] == lines[4]["top"]
+    scores = [t["score"] for t in lines[0]["top"]]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_exported_file_predicts_like_the_run(learned, stage_folders, tmp_path):
+    export_run(learned, tmp_path / "m.drl")
+    folder = str(stage_folders[1][1])
+    from_run = runner.invoke(app, ["predict", folder, "--run", str(learned), "--json", "--device", "cpu"])
+    from_file = runner.invoke(app, ["predict", folder, "--model", str(tmp_path / "m.drl"), "--json", "--device", "cpu"])
+    assert from_run.exit_code == from_file.exit_code == 0
+    a, b = _lines(from_run), _lines(from_file)
+    assert [x["top"][0]["class"] for x in a] == [x["top"][0]["class"] for x in b]
+    assert all(abs(p["score"] - q["score"]) <= 1e-5 for x, y in zip(a, b) for p, q in zip(x["top"], y["top"]))
+
+
+def test_bad_invocations(learned, tmp_path):
+    with pytest.raises(UsageError, match="no images"):
+        expand_sources([str(tmp_path)])
+    result = runner.invoke(app, ["predict", str(tmp_path), "--run", str(learned), "--json"])
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage"
+    result = runner.invoke(app, ["predict", str(tmp_path), "--run", str(tmp_path / "none")])
+    assert result.exit_code in (2, 7)
