@@ -14,6 +14,7 @@ keys are config fields (``train.lr`` or just ``lr`` when the name is unique acro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -31,6 +32,10 @@ from . import api, distributed
 from .config import EaseConfig, IPAConfig, RunConfig, ScoreConfig, TrainConfig
 from .data import ImageDataset, eval_transform, scan_class_folders
 from .errors import DataError, UsageError
+from .evaluate import AccuracyReport, accuracy_report, summarize_history
+from .methods import method_of
+from .model import embed_images
+from .prototypes import score, synthesize
 from .rundir import RunDir
 
 SECTIONS = {"ipa": IPAConfig, "ease": EaseConfig, "train": TrainConfig, "score": ScoreConfig}
@@ -99,6 +104,25 @@ def parse_methods(text: str) -> list[Variant]:
     if not variants:
         raise UsageError("--methods is empty; use e.g. drl,ease,simplecil")
     return variants
+
+
+def parse_score(text: str) -> dict[str, Any]:
+    """``key=value[/key=value]`` over the score section, e.g. ``beta=0/rule=concat``."""
+    out = {}
+    for part in [p for p in text.split("/") if p]:
+        if "=" not in part:
+            raise UsageError(f"--rescore {text!r}: {part!r} is not KEY=VALUE; use e.g. beta=0 or rule=concat")
+        key, raw = part.split("=", 1)
+        section, name = _resolve_key(key if "." in key else f"score.{key}")
+        if section != "score":
+            raise UsageError(f"--rescore takes score options (rule, rho, beta, tau), not {key!r}")
+        out[name] = yaml.safe_load(raw)
+    RunConfig.for_method("drl", {"score": out})  # validate the values now
+    return out
+
+
+def _mean(forgetting: dict[str, float]) -> float | None:
+    return round(sum(forgetting.values()) / len(forgetting), 4) if forgetting else None
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -267,6 +291,7 @@ class BenchmarkSettings:
     skip_classes: tuple[str, ...] = ("BACKGROUND_Google",)
     device: str = "auto"
     timing_batch: int = 32
+    rescore: tuple[str, ...] = ()  # score options (e.g. "beta=0/rule=concat") also evaluated per run
 
 
 def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
@@ -288,6 +313,50 @@ def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
     return sorted(times[1:])[len(times[1:]) // 2] / n
 
 
+def rescore(
+    loaded: api.LoadedRun, test_dirs: list[Path], scores: list[dict[str, Any]]
+) -> list[tuple[dict[str, Any], list[AccuracyReport]]]:
+    """A_t after every stage under other scoring options, without retraining.
+
+    Stage t's model is the final one restricted to the classes of stages 1..t and their
+    subspaces: a subspace never depends on later stages, so this is exact (with the run's own
+    options it reproduces the recorded A_t). One pass of the final network over the test images.
+    """
+    model = loaded.model
+    index = model.class_index()
+    feats, targets = [], []
+    for test_dir in test_dirs[: model.num_stages]:
+        images = scan_class_folders(test_dir, what="test data")
+        f, y = embed_images(model.network, images, model.data_config, batch_size=api.EVAL_BATCH_SIZE)
+        feats.append(f)
+        targets.append(torch.tensor([index[name] for name in images.class_names])[y])
+    features, target = torch.cat(feats), torch.cat(targets)
+    stage_of = model.class_stage
+    out = []
+    for options in scores:
+        cfg = dataclasses.replace(model.score_cfg, **options)
+        reports = []
+        for t in range(1, model.num_stages + 1):
+            classes = stage_of <= t
+            width = min(model.num_subspaces, model.offset + t)
+            real = model.real_prototypes[classes][:, :width]
+            bank = synthesize(real, stage_of[classes], tau=cfg.tau, offset=model.offset)
+            rows = stage_of[target] <= t
+            logits = score(
+                features[rows][:, :width],
+                bank,
+                stage_of[classes],
+                rule=cfg.rule,
+                rho=cfg.rho,
+                beta=cfg.beta,
+                offset=model.offset,
+            )
+            # classes of stages <= t come first in the class list, so indices are unchanged
+            reports.append(accuracy_report(logits.argmax(1), target[rows], stage_of, num_stages=t))
+        out.append((options, reports))
+    return out
+
+
 def _summary(label: str, variant: Variant, run_dir: Path, config: RunConfig, seconds_per_image: float) -> dict:
     run = RunDir(run_dir)
     manifest = run.manifest()
@@ -304,7 +373,7 @@ def _summary(label: str, variant: Variant, run_dir: Path, config: RunConfig, sec
         "average": history.average,
         "last": history.last,
         "forgetting": forgetting,
-        "mean_forgetting": round(sum(forgetting.values()) / len(forgetting), 4) if forgetting else None,
+        "mean_forgetting": _mean(forgetting),
         "final_groups": (metas[-1]["metrics"]["eval"] or {}).get("groups", {}),
         "params_per_stage": [m["num_params"] for m in metas],
         "bytes_per_stage": [run.size_bytes(manifest, prefix=f"stages/{i:03d}/") for i in run.stage_indices(manifest)],
@@ -343,6 +412,7 @@ def run_benchmark(
         write=main,
     )
     distributed.barrier()
+    score_options = [parse_score(text) for text in settings.rescore]
     results = []
     started = time.perf_counter()
     for v_index, variant in enumerate(variants, 1):
@@ -395,7 +465,28 @@ def run_benchmark(
         if main:
             loaded = api.load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
             per_image = _timing(loaded, folders[-1][1], settings.timing_batch)
-            results.append(_summary(variant.label, variant, run_dir, config, per_image))
+            row = _summary(variant.label, variant, run_dir, config, per_image)
+            results.append(row)
+            if score_options and method_of(config).trains:
+                say(f"[{variant.label}] rescoring with {list(settings.rescore)}")
+                for text, (_, reports) in zip(
+                    settings.rescore, rescore(loaded, [f[1] for f in folders], score_options)
+                ):
+                    history = summarize_history(reports)
+                    results.append(
+                        {
+                            **row,
+                            "label": f"{variant.label} [score {text}]",
+                            "rescored_from": variant.label,
+                            "config": {**row["config"], "score": {**row["config"]["score"], **parse_score(text)}},
+                            "accuracy": history.accuracy,
+                            "average": history.average,
+                            "last": history.last,
+                            "forgetting": history.forgetting,
+                            "mean_forgetting": _mean(history.forgetting),
+                            "final_groups": reports[-1].groups,
+                        }
+                    )
     report = {
         "protocol": {
             "split": settings.split,

@@ -435,6 +435,9 @@ def benchmark(
         None, "--val-fraction", help="Evaluate on this held-out fraction of train (for tuning), not on test."
     ),
     skip_class: list[str] = typer.Option(["BACKGROUND_Google"], "--skip-class", help="Class to leave out."),
+    rescore: list[str] = typer.Option(
+        [], "--rescore", help="Also score each trained run with these options, no retraining (e.g. beta=0)."
+    ),
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -459,6 +462,7 @@ def benchmark(
             val_fraction=val_fraction,
             skip_classes=tuple(skip_class),
             device=device,
+            rescore=tuple(rescore),
         )
         return run_benchmark(settings, parse_methods(methods), progress=reporter, log=reporter.log)
 
