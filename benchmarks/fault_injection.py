@@ -110,7 +110,12 @@ def run_fault_injection(work: Path, *, kills: int, seed: int = 0, log: Any = pri
         "landed": {},
         "problems": [],
     }
+    rounds = 0
     while report["kills"] < kills:
+        rounds += 1
+        if rounds > 5 * kills:
+            report["problems"].append(f"gave up after {rounds - 1} rounds: runs keep ending before the kill")
+            break
         committed = len(RunDir(run).stage_indices())
         train, test = _stage_data(work, committed + 1)
         proc = subprocess.Popen(_command(run, train, test), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -547,8 +547,8 @@ def _check_ranks_agree(stage: torch.nn.Module) -> None:
 
 def _checkpoint_key(manifest: dict[str, Any], stage: int, config: RunConfig, images: ImageSet) -> dict[str, Any]:
     """What must match for a checkpoint to be resumed: base state, stage, data, options."""
-    train = asdict(config.train)
-    train.pop("num_workers")  # loader processes do not change the result
+    train = asdict(config.train)  # num_workers included: worker seeding changes the augmentations
+    train["world_size"] = distributed.world_size()
     return {
         "generation": manifest["generation"],
         "stage": stage,

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -304,13 +305,13 @@ def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
     x = torch.stack([dataset[i][0] for i in range(n)]).to(device)
     times = []
     with torch.inference_mode():
-        for _ in range(3):
+        for _ in range(6):  # the first is a warm-up
             start = time.perf_counter()
             model.scores(model.network(x))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2] / n
+    return statistics.median(times[1:]) / n
 
 
 def rescore(
@@ -355,6 +356,24 @@ def rescore(
             reports.append(accuracy_report(logits.argmax(1), target[rows], stage_of, num_stages=t))
         out.append((options, reports))
     return out
+
+
+def _check_protocol(path: Path, protocol: dict[str, Any], *, write: bool) -> None:
+    """An --out folder holds one protocol: continuing it with other data or split would mix them."""
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path} is unreadable ({exc}); pass another --out") from exc
+        changed = sorted(k for k in protocol if stored.get(k) != protocol[k])
+        if changed:
+            raise UsageError(
+                f"--out {path.parent} holds a benchmark with other {', '.join(changed)}; "
+                "pass another --out or the same options"
+            )
+    elif write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, json.dumps(protocol, indent=2) + "\n")
 
 
 def _summary(label: str, variant: Variant, run_dir: Path, config: RunConfig, seconds_per_image: float) -> dict:
@@ -403,6 +422,18 @@ def run_benchmark(
     stages = stage_classes(order, base, inc)
     out = Path(settings.out_dir)
     main = distributed.is_main()  # under torchrun rank 0 alone writes files; all ranks train
+    protocol = {
+        "data": str(Path(settings.data_dir).resolve()),
+        "split": settings.split,
+        "seed": settings.seed,
+        "shuffle": settings.shuffle,
+        "max_train_per_class": settings.max_train_per_class,
+        "max_test_per_class": settings.max_test_per_class,
+        "val_fraction": settings.val_fraction,
+        "skip_classes": sorted(settings.skip_classes),
+        "ptm": settings.ptm,
+    }
+    _check_protocol(out / "protocol.json", protocol, write=main)
     folders = materialise(
         stages,
         data,

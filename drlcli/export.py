@@ -121,7 +121,11 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
         )
     if _payload_sha256(tensors) != metadata.get("payload_sha256"):
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
-    spec = json.loads(metadata["spec"])
+    try:
+        spec = json.loads(metadata["spec"])
+        spec["config"], spec["ptm"], spec["class_names"]  # noqa: B018 (keys this format writes)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise IntegrityError(f"{path} has an incomplete spec ({exc}); export it again with this drl") from exc
     ptm = backbone.create_ptm(spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=spec["ptm"]["kwargs"])
     backbone.load_state(ptm, {k[4:]: v for k, v in tensors.items() if k.startswith("ptm.")}, origin=str(path))
     config = RunConfig.from_dict(spec["config"])

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 from . import distributed
 from .config import TrainConfig
 from .data import ImageDataset, ImageSet, train_transform
+from .errors import UsageError
 from .losses import ce_loss, das_loss, kd_loss
 
 
@@ -118,6 +119,8 @@ def train_stage(
     drop_last = len(dataset) > cfg.batch_size  # no tiny last batch, unless it is the only one
     sampler = None
     if world > 1:  # --batch-size is the global batch: each of the K processes takes 1/K of it
+        if len(dataset) < world:
+            raise UsageError(f"the stage has {len(dataset)} images, fewer than the {world} processes; use fewer")
         global_batch = len(dataset) // world * world if global_batch == len(dataset) else global_batch
         sampler = GlobalBatchShard(len(dataset), global_batch, generator)
     loader = DataLoader(
@@ -132,7 +135,12 @@ def train_stage(
     )
     step_module: nn.Module = _StageStep(network, classifier, cfg)
     if world > 1:  # gradients of the trainable parameters averaged over ranks
-        step_module = DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
+        step_module = DistributedDataParallel(
+            step_module,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            # the "sum" gate ablation computes a gate it never uses: its parameters get no gradient
+            find_unused_parameters=getattr(getattr(network, "cfg", None), "gate", None) == "sum",
+        )
     decay = [p for p in stage.parameters()] + [classifier.weight]
     optimizer = torch.optim.SGD(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": [classifier.scale], "weight_decay": 0.0}],
@@ -159,6 +167,8 @@ def train_stage(
                 for _ in range(resume.epoch):
                     schedule.step()
             torch.set_rng_state(t["rng.torch"])
+            if device.type == "cuda" and "rng.cuda" in t:
+                torch.cuda.set_rng_state(t["rng.cuda"], device)
             generator.set_state(t["rng.loader"])
             epoch_losses, steps = list(resume.epoch_losses), resume.steps
             first_epoch, earlier_seconds = resume.epoch + 1, resume.seconds
@@ -190,6 +200,8 @@ def train_stage(
                     if "momentum_buffer" in optimizer.state[p]:
                         tensors[f"momentum.{i}"] = optimizer.state[p]["momentum_buffer"]
                 tensors["rng.torch"] = torch.get_rng_state()
+                if device.type == "cuda":  # EASE's dropout draws on the GPU
+                    tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
                 tensors["rng.loader"] = generator.get_state()
                 elapsed = earlier_seconds + time.perf_counter() - start
                 on_epoch(TrainState(epoch, tensors, list(epoch_losses), elapsed, steps))
@@ -236,7 +248,10 @@ class _StageStep(nn.Module):
 
 
 def _seed_worker(worker_id: int) -> None:
+    import os
     import random
 
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: different augmentations per process
+    if rank:
+        torch.manual_seed(torch.initial_seed() + 7919 * rank)
+    random.seed(torch.initial_seed() % 2**32)

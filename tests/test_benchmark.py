@@ -99,6 +99,9 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     # other settings for an existing run are refused, not mixed in
     changed = CliRunner().invoke(app, [str(a) for a in args[:-1]] + ["--epochs", "2"])
     assert changed.exit_code == 2 and "other settings" in changed.stderr
+    # and another protocol in the same --out is refused before anything is touched
+    other = CliRunner().invoke(app, [str(a) for a in args[:-1]] + ["--split", "B0Inc3"])
+    assert other.exit_code == 2 and "other split" in other.stderr
 
 
 def test_validation_split_holds_out_train_images(tmp_path):
