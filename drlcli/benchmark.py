@@ -445,6 +445,7 @@ def run_benchmark(
     distributed.barrier()
     score_options = [parse_score(text) for text in settings.rescore]
     results = []
+    stages_run = 0
     started = time.perf_counter()
     for v_index, variant in enumerate(variants, 1):
         config = variant.config(epochs=settings.epochs, seed=settings.seed)
@@ -472,10 +473,15 @@ def run_benchmark(
         for k in range(done, len(stages)):
             train_dir, test_dir = folders[k]
             elapsed = time.perf_counter() - started
+            left = ""
+            if stages_run:  # a rough whole-benchmark estimate from the stages run so far
+                remaining = (len(stages) - k) + (len(variants) - v_index) * len(stages)
+                left = f", about {elapsed / stages_run * remaining / 60:.0f} min left"
             say(
                 f"[{variant.label}] stage {k + 1}/{len(stages)} ({len(stages[k])} classes); "
-                f"variant {v_index}/{len(variants)}, {elapsed / 60:.1f} min so far"
+                f"variant {v_index}/{len(variants)}, {elapsed / 60:.1f} min so far{left}"
             )
+            stages_run += 1
             tag = f"{variant.label} stage {k + 1}/{len(stages)}"
 
             def relay(event: api.Progress, tag: str = tag) -> None:
