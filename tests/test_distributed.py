@@ -79,3 +79,13 @@ def test_a_failure_fails_every_rank_and_changes_nothing(tmp_path, make_folder):
     assert done.returncode != 0
     assert "cannot be decoded" in done.stderr
     assert (run / "manifest.json").read_bytes() == before
+
+
+def test_sum_gate_ablation_trains_under_ddp(tmp_path, stage_folders):
+    # its gate parameters get no gradient; DDP must be told, or the second step fails
+    run = tmp_path / "run"
+    config = RunConfig.for_method("drl", {"ipa": {"gate": "sum"}})
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    done = _torchrun("learn-stage", "--run-dir", run, "--data", stage_folders[0][0], *OPTS)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert RunDir(run).stage_indices() == [1]
