@@ -8,7 +8,6 @@ prints; ``cli.py`` renders the results.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -232,7 +231,7 @@ def evaluate_sets(
             item.images,
             model.data_config,
             batch_size=EVAL_BATCH_SIZE,
-            indices=distributed.shard(len(item.images)) if distributed.world_size() > 1 else None,
+            indices=distributed.shard(len(item.images)),
             progress=report_step,
         )
         predictions.append(model.scores(feats).argmax(1).cpu())
@@ -256,13 +255,10 @@ def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None)
             continue
         path = loaded.run.path / entry["path"]
         if not path.is_dir():
-            message = (
-                f"eval data registered by stage {meta['stage']} is not at {path}; restore it or "
-                "evaluate with --data DIR"
-            )
+            what = f"eval data registered by stage {meta['stage']} is not at {path}"
             if missing is None:
-                raise DataError(message)
-            missing.append(message.replace("; restore it or evaluate with --data DIR", ": left out of this evaluation"))
+                raise DataError(f"{what}; restore it or evaluate with --data DIR")
+            missing.append(f"{what}: left out of this evaluation")
             continue
         sets.append(
             eval_set(scan_class_folders(path, what="registered eval data"), loaded.model, what="registered eval data")
@@ -375,7 +371,8 @@ def learn_stage(
         loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
         model = loaded.model
         learned = {name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())}
-        unchanged = _already_committed(images, learned, loaded)
+        fingerprint = images.fingerprint()  # stats every file: once
+        unchanged = _already_committed(images, fingerprint, learned, loaded)
         if unchanged is not None:
             return unchanged
         for name in images.class_names:
@@ -412,7 +409,7 @@ def learn_stage(
                 if progress
                 else None
             )
-            key = _checkpoint_key(manifest, stage_index, config, images)
+            key = _checkpoint_key(manifest, stage_index, config, fingerprint)
             resume = None
             if writer is not None:
                 resume = None if restart else _resumable(run, key)
@@ -439,7 +436,7 @@ def learn_stage(
             images,
             model.data_config,
             batch_size=EVAL_BATCH_SIZE,
-            indices=distributed.shard(len(images)) if distributed.world_size() > 1 else None,
+            indices=distributed.shard(len(images)),
             progress=(lambda s, t: progress(Progress("prototypes", s, t))) if progress else None,
         )
         model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
@@ -460,7 +457,7 @@ def learn_stage(
             "drl_version": __version__,
             "classes": list(images.class_names),
             "images_per_class": images.counts(),
-            "data_fingerprint": images.fingerprint(),
+            "data_fingerprint": fingerprint,
             "train": asdict(config.train) if method.trains else None,
             "device": str(next(network.ptm.parameters()).device),
             "world_size": distributed.world_size(),
@@ -501,14 +498,16 @@ def learn_stage(
     )
 
 
-def _already_committed(images: ImageSet, learned: dict[str, int], loaded: LoadedRun) -> StageResult | None:
+def _already_committed(
+    images: ImageSet, fingerprint: str, learned: dict[str, int], loaded: LoadedRun
+) -> StageResult | None:
     """The committed stage that learned exactly these images, as a no-op result (or None)."""
     stages = {learned.get(name) for name in images.class_names}
     if len(stages) != 1 or None in stages:
         return None
     (index,) = stages
     meta = next(m for m in loaded.stage_metas if m["stage"] == index)
-    if meta["classes"] != list(images.class_names) or meta["data_fingerprint"] != images.fingerprint():
+    if meta["classes"] != list(images.class_names) or meta["data_fingerprint"] != fingerprint:
         return None
     train = meta["metrics"].get("train") or {}
     evaluation = meta["metrics"].get("eval")
@@ -533,11 +532,7 @@ def _check_ranks_agree(stage: torch.nn.Module) -> None:
     """All processes must hold bit-identical stage parameters before rank 0 commits them."""
     if distributed.world_size() == 1:
         return
-    digest = hashlib.sha256()
-    for name, value in sorted(stage.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    digests = distributed.all_gather_objects(digest.hexdigest())
+    digests = distributed.all_gather_objects(backbone.fingerprint(stage))
     if len(set(digests)) != 1:
         raise IntegrityError(
             f"the {len(digests)} processes ended training with different stage parameters; nothing was "
@@ -545,14 +540,14 @@ def _check_ranks_agree(stage: torch.nn.Module) -> None:
         )
 
 
-def _checkpoint_key(manifest: dict[str, Any], stage: int, config: RunConfig, images: ImageSet) -> dict[str, Any]:
+def _checkpoint_key(manifest: dict[str, Any], stage: int, config: RunConfig, fingerprint: str) -> dict[str, Any]:
     """What must match for a checkpoint to be resumed: base state, stage, data, options."""
     train = asdict(config.train)  # num_workers included: worker seeding changes the augmentations
     train["world_size"] = distributed.world_size()
     return {
         "generation": manifest["generation"],
         "stage": stage,
-        "data_fingerprint": images.fingerprint(),
+        "data_fingerprint": fingerprint,
         "train": train,
     }
 

@@ -134,9 +134,14 @@ def load_state(model: nn.Module, state: dict[str, Tensor], *, origin: str) -> No
 
 
 def fingerprint(model: nn.Module) -> str:
-    """sha256 over the PTM's tensors (names, dtypes, shapes, bytes): independent of file format."""
+    """sha256 over a module's tensors (names, dtypes, shapes, bytes): independent of file format."""
+    return tensors_sha256(model.state_dict())
+
+
+def tensors_sha256(tensors: dict[str, Tensor]) -> str:
+    """sha256 over named tensors (names, dtypes, shapes, bytes), in name order."""
     digest = hashlib.sha256()
-    for key, value in sorted(model.state_dict().items()):
+    for key, value in sorted(tensors.items()):
         tensor = value.detach().cpu().contiguous()
         digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")

@@ -506,7 +506,7 @@ def run_benchmark(
             results.append(row)
             if score_options and method_of(config).trains:
                 say(f"[{variant.label}] rescoring with {list(settings.rescore)}")
-                for text, (_, reports) in zip(
+                for text, (options, reports) in zip(
                     settings.rescore, rescore(loaded, [f[1] for f in folders], score_options)
                 ):
                     history = summarize_history(reports)
@@ -515,7 +515,7 @@ def run_benchmark(
                             **row,
                             "label": f"{variant.label} [score {text}]",
                             "rescored_from": variant.label,
-                            "config": {**row["config"], "score": {**row["config"]["score"], **parse_score(text)}},
+                            "config": {**row["config"], "score": {**row["config"]["score"], **options}},
                             "accuracy": history.accuracy,
                             "average": history.average,
                             "last": history.last,
@@ -526,19 +526,12 @@ def run_benchmark(
                     )
     report = {
         "protocol": {
-            "split": settings.split,
-            "seed": settings.seed,
-            "shuffle": settings.shuffle,
+            **protocol,
             "class_order": order,
             "stages": [len(s) for s in stages],
-            "data": str(settings.data_dir),
             "data_source": data.source,
-            "max_train_per_class": settings.max_train_per_class,
-            "max_test_per_class": settings.max_test_per_class,
-            "val_fraction": settings.val_fraction,
             "train_images": sum(len(v[: settings.max_train_per_class]) for v in data.train.values()),
             "test_images": sum(len(v[: settings.max_test_per_class]) for v in data.test.values()),
-            "ptm": settings.ptm,
             "epochs": settings.epochs,
             "device": str(api.resolve_device(settings.device)),
             "torch": torch.__version__,

@@ -42,6 +42,8 @@ WeightsOpt = typer.Option(
     None, "--ptm-weights", envvar="DRL_PTM_WEIGHTS", help="Local PTM weights (.safetensors); env DRL_PTM_WEIGHTS."
 )
 
+RandomInitOpt = typer.Option(False, "--random-init", help="Random PTM weights, stored in the run (tests, demos).")
+PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable).")
 
 # ------------------------------------------------------------------------ output plumbing
 
@@ -199,8 +201,8 @@ def _parse_ptm_args(items: list[str]) -> dict[str, Any]:
 def init(
     ptm: str = typer.Option(..., "--ptm", help="timm ViT name, e.g. deit_tiny_patch16_224."),
     ptm_weights: Path | None = WeightsOpt,
-    random_init: bool = typer.Option(False, "--random-init", help="Random PTM weights, stored in the run."),
-    ptm_arg: list[str] = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable)."),
+    random_init: bool = RandomInitOpt,
+    ptm_arg: list[str] = PtmArgOpt,
     method: str | None = typer.Option(None, "--method", help="drl (default), ease or simplecil."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
@@ -355,7 +357,7 @@ def predict(
         )
         for p in timed(run_predict(loaded, paths, top_k=top_k, batch_size=batch_size, num_workers=workers), stats):
             if lines:
-                print(json.dumps(p.to_dict()), flush=False)
+                print(json.dumps(p.to_dict()))
             elif p.error:
                 print(f"{p.path}: error: {p.error}")
             else:
@@ -418,8 +420,8 @@ def benchmark(
     out: Path = typer.Option(..., "--out", help="Folder for stage data, one run per variant, results."),
     ptm: str = typer.Option("deit_tiny_patch16_224", "--ptm", help="timm ViT name."),
     ptm_weights: Path | None = WeightsOpt,
-    random_init: bool = typer.Option(False, "--random-init", help="Random PTM weights (tests, smoke runs)."),
-    ptm_arg: list[str] = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable)."),
+    random_init: bool = RandomInitOpt,
+    ptm_arg: list[str] = PtmArgOpt,
     methods: str = typer.Option(
         "drl,ease,simplecil",
         "--methods",
@@ -505,7 +507,7 @@ def main() -> None:
         cpu = (
             "--device" in args and args.index("--device") + 1 < len(args) and args[args.index("--device") + 1] == "cpu"
         )
-        distributed.setup("cpu" if cpu else "auto")
+        distributed.setup(cpu=cpu)
     try:
         app()
     finally:

@@ -36,25 +36,16 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def setup(device: str = "auto") -> str:
-    """Join the process group if launched with several processes; return the device to use."""
+def setup(*, cpu: bool = False) -> None:
+    """Join the process group if launched with several processes (devices: ``api.resolve_device``)."""
     if not launched() or dist.is_initialized():
-        return _local_device(device)
-    use_cuda = device != "cpu" and torch.cuda.is_available()
+        return
+    use_cuda = not cpu and torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(seconds=float(os.environ.get("DRL_DIST_TIMEOUT", "1800")))
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout)
-    return _local_device(device)
-
-
-def _local_device(device: str) -> str:
-    if not launched() or device == "cpu":
-        return device
-    if device == "auto" and not torch.cuda.is_available():
-        return "cpu"
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
 def teardown() -> None:
@@ -94,9 +85,10 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-def shard(n: int) -> list[int]:
-    """This rank's share of range(n): every index exactly once over all ranks."""
-    return list(range(rank(), n, world_size()))
+def shard(n: int) -> list[int] | None:
+    """This rank's share of range(n), every index exactly once over all ranks; None (all of
+    them) in one process."""
+    return list(range(rank(), n, world_size())) if world_size() > 1 else None
 
 
 def local_batch_size(global_batch: int) -> int:

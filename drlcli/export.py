@@ -8,7 +8,6 @@ It is written to a temporary name beside the target and renamed into place.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -18,7 +17,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch import Tensor
 
 from . import __version__, backbone
 from .backbone import PTMSource
@@ -29,16 +27,6 @@ from .model import IncrementalModel
 
 FORMAT = "drl-export"
 FORMAT_VERSION = "1"
-
-
-def _payload_sha256(tensors: dict[str, Tensor]) -> str:
-    digest = hashlib.sha256()
-    for key in sorted(tensors):
-        t = tensors[key].contiguous()
-        digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        if t.numel():
-            digest.update(t.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -75,7 +63,7 @@ def write_export(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "spec": json.dumps(spec),
-        "payload_sha256": _payload_sha256(tensors),
+        "payload_sha256": backbone.tensors_sha256(tensors),
     }
     out_path = Path(out_path)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
@@ -119,7 +107,7 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
             f"{path} has export format {metadata.get('format_version')}, this drl reads {FORMAT_VERSION}; "
             "use the drl release that wrote it"
         )
-    if _payload_sha256(tensors) != metadata.get("payload_sha256"):
+    if backbone.tensors_sha256(tensors) != metadata.get("payload_sha256"):
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
     try:
         spec = json.loads(metadata["spec"])

@@ -104,6 +104,9 @@ class IPANetwork(nn.Module):
                 gate_bias_init=self.cfg.gate_bias_init,
             )
         stage.to(next(self.ptm.parameters()).device)
+        if self.cfg.gate == "sum":
+            for name in ("gate_down", "gate_down_bias", "gate_up", "gate_up_bias"):
+                getattr(stage, name).requires_grad_(False)
         self.stages.append(stage)
         return stage
 
@@ -163,14 +166,12 @@ class IPANetwork(nn.Module):
         outs = []
         for s in range(num_stages):  # sequential: stage s's gate reads stage s-1's output
             g = (1.0 - gamma) * prev + gamma * f0
-            gate_hidden = self._act(g @ params["gate_down"][s, l] + params["gate_down_bias"][s, l])
-            m = torch.sigmoid(gate_hidden @ params["gate_up"][s, l] + params["gate_up_bias"][s, l])
-            if self.cfg.gate == "adapt":
-                out = (1.0 - m) * a[s] + m * g
-            elif self.cfg.gate == "part":
-                out = a[s] + m * g
-            else:  # sum
+            if self.cfg.gate == "sum":  # no transfer gate: its parameters stay unused and frozen
                 out = a[s] + g
+            else:
+                gate_hidden = self._act(g @ params["gate_down"][s, l] + params["gate_down_bias"][s, l])
+                m = torch.sigmoid(gate_hidden @ params["gate_up"][s, l] + params["gate_up_bias"][s, l])
+                out = (1.0 - m) * a[s] + m * g if self.cfg.gate == "adapt" else a[s] + m * g
             outs.append(out)
             prev = out
         return torch.stack(outs)

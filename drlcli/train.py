@@ -138,10 +138,8 @@ def train_stage(
         step_module = DistributedDataParallel(
             step_module,
             device_ids=[device.index] if device.type == "cuda" else None,
-            # the "sum" gate ablation computes a gate it never uses: its parameters get no gradient
-            find_unused_parameters=getattr(getattr(network, "cfg", None), "gate", None) == "sum",
         )
-    decay = [p for p in stage.parameters()] + [classifier.weight]
+    decay = [p for p in stage.parameters() if p.requires_grad] + [classifier.weight]
     optimizer = torch.optim.SGD(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": [classifier.scale], "weight_decay": 0.0}],
         lr=cfg.lr,
