@@ -15,9 +15,14 @@ stage feature is final_norm(output). Earlier streams never depend on later ones,
 stage leaves every older subspace unchanged.
 
 Efficiency (Interpretation I-2): one pass produces every subspace. The adapters of all stages of a
-block run as one batched matmul over stacked weights; only the gate, whose input is the previous
-stage's output of the same block, is sequential over stages. The attention probabilities are
-shared by all streams without copies.
+block run as batched matmuls over stacked weights (stacked once and cached while the frozen stages
+are unchanged); only the gate, whose input is the previous stage's output of the same block, is
+sequential over stages. The attention probabilities are shared by all streams without copies, and
+since each row sums to 1 they mix the r-wide adapter hidden (A·h, then W_up per head) rather than
+the d-wide output. On CPU the passes over (B, N, d) memory cost more than the small matmuls, so
+biases ride inside the matmuls, the gate is one fused lerp, and without autograd each block writes
+in place into buffers reused block after block. ``tests/test_ipa.py`` checks all of this against a
+plain one-stage-at-a-time implementation of the equations; ``benchmarks/cost.py`` measures it.
 
 Initialisation (Interpretation I-3): W_up, G_up and the FFN's second layer start at zero and the
 gate bias at ``gate_bias_init`` (3.0: M = 0.95), so a new stream starts as 0.95·g at every block,
@@ -125,15 +130,16 @@ class IPANetwork(nn.Module):
         blocks = self.ptm.blocks
         with torch.no_grad():
             x0 = backbone.embed_tokens(self.ptm, images)  # (B, N, d): f^0 of every stream
-            old = _stack(frozen)
-            streams = x0.expand(len(frozen), *x0.shape) if frozen else None  # (S, B, N, d)
+            old = self._frozen_stack(frozen)
         new_params = _stack([trainable]) if trainable is not None else None
-        new = x0.unsqueeze(0) if trainable is not None else None  # (1, B, N, d)
+        streams: Tensor | None = x0 if frozen else None  # (B, N, d) while every stream equals f^0
+        new: Tensor | None = x0 if trainable is not None else None
+        workspace: dict[str, Tensor] = {}  # the frozen streams' buffers, reused block after block
         for l, block in enumerate(blocks[:-1]):
             with torch.no_grad():
                 x0_next, probs = backbone.block_with_attention(block, x0)
                 if streams is not None:
-                    streams = self._ipa_block(old, l, streams, probs, x0_next, prev=x0_next)
+                    streams = self._ipa_block(old, l, streams, probs, x0_next, prev=x0_next, workspace=workspace)
             if new is not None:
                 prev = streams[-1] if streams is not None else x0_next
                 new = self._ipa_block(new_params, l, new, probs, x0_next, prev=prev)
@@ -142,39 +148,101 @@ class IPANetwork(nn.Module):
             cls_probs, values = backbone.class_token_attention(blocks[-1], x0)
             feats = [backbone.ptm_class_feature(self.ptm, x0, cls_probs, values)]
             if streams is not None and not train_last:
-                feats.extend(self._transfer(old, streams, cls_probs).unbind(0))
+                feats.extend(self._transfer(old, _streams(streams, len(frozen)), cls_probs).unbind(0))
         if new is not None:
-            feats.append(self._transfer(new_params, new, cls_probs)[0])
+            feats.append(self._transfer(new_params, _streams(new, 1), cls_probs)[0])
         return torch.stack(feats, dim=1)
 
+    def _frozen_stack(self, stages: list[StageAdapters]) -> dict[str, Tensor]:
+        """``_stack(stages)``, cached while those parameters are unchanged (no copy per forward)."""
+        key = tuple((id(p), p._version, p.device, p.dtype) for st in stages for p in st.parameters())
+        cached = self.__dict__.get("_stack_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, _stack(stages))
+            self.__dict__["_stack_cache"] = cached
+        return cached[1]
+
     def _ipa_block(
-        self, params: dict[str, Tensor], l: int, streams: Tensor, probs: Tensor, f0: Tensor, *, prev: Tensor
+        self,
+        params: dict[str, Tensor],
+        l: int,
+        streams: Tensor,
+        probs: Tensor,
+        f0: Tensor,
+        *,
+        prev: Tensor,
+        workspace: dict[str, Tensor] | None = None,
     ) -> Tensor:
-        """Block l for S streams at once. streams (S, B, N, d) -> (S, B, N, d)."""
-        num_stages, b, n, d = streams.shape
-        # adapter for all stages in one batched matmul
-        hidden = self._act(
-            torch.einsum("sbnd,sdr->sbnr", streams, params["down"][:, l]) + params["down_bias"][:, l, None, None]
-        )
-        v = torch.einsum("sbnr,srd->sbnd", hidden, params["up"][:, l]) + params["up_bias"][:, l, None, None]
-        if self.cfg.attention == "reuse":
-            heads = v.view(num_stages, b, n, self.num_heads, d // self.num_heads).transpose(2, 3)
-            a = (probs.unsqueeze(0) @ heads).transpose(2, 3).reshape(num_stages, b, n, d)  # A^l ⊗ v
+        """Block l for the S stages in ``params`` at once: (S, B, N, d) -> (S, B, N, d).
+
+        ``streams`` may be one (B, N, d) tensor when every stream's input is the same (block 0).
+        Tensors of width d are touched as few times as possible (on CPU these passes over memory,
+        not the matmuls, dominate): the attention mixing runs on the r-wide hidden, the up-projection
+        carries its bias, the gate is a fused lerp. Without autograd the output is written in place
+        into ``workspace`` buffers that the next block reuses (overwriting ``streams`` once read).
+        """
+        num_stages, heads = params["down"].shape[0], self.num_heads
+        b, n, d = f0.shape
+        r, dh = self.adapter_dim, d // heads
+        down, down_bias = params["down"][:, l], params["down_bias"][:, l]
+        rows = b * n
+        if streams.dim() == 3:  # one input for every stage: one matmul against the stages' W_down side by side
+            hidden = torch.addmm(down_bias.reshape(-1), streams.reshape(rows, d), down.transpose(0, 1).reshape(d, -1))
+            hidden = self._act(hidden).view(b, n, num_stages, r)  # (B, N, S, r)
         else:
-            a = v
-        gamma = self.cfg.gamma
+            hidden = torch.baddbmm(down_bias[:, None], streams.reshape(num_stages, rows, d), down)
+            hidden = self._act(hidden).view(num_stages, b, n, r).permute(1, 2, 0, 3)  # (B, N, S, r)
+        if self.cfg.attention == "reuse":
+            # A ⊗ (W_up·h + c) = W_up·(A h) + c per head, since each row of A sums to 1: mix the
+            # r-wide hidden of every stage in one matmul (H·r < d), then project each head's slice.
+            mixed = probs.reshape(b, heads * n, n) @ hidden.reshape(b, n, num_stages * r)  # (B, H·N, S·r)
+            mixed = mixed.view(b, heads, n, num_stages, r).permute(3, 1, 0, 2, 4)  # (S, H, B, N, r)
+        else:
+            mixed = hidden.permute(2, 0, 1, 3).unsqueeze(1).expand(num_stages, heads, b, n, r)
+        # [A h, 1] · [W_up; c]: the bias rides in the matmul instead of a pass of its own
+        in_place = workspace is not None and not torch.is_grad_enabled()
+        # streams stay in f0's dtype (fp32 under autocast)
+        lhs, fresh = _buffer(workspace if in_place else {}, "lhs", f0, (num_stages, heads, rows, r + 1))
+        if fresh:
+            lhs[..., r] = 1.0
+        lhs[..., :r] = mixed.reshape(num_stages, heads, rows, r)
+        up = params["up_aug"][:, l].view(num_stages, r + 1, heads, dh).transpose(1, 2)  # (S, H, r+1, dh)
+        if in_place:  # each head's matmul writes its slice of a token-major tensor (faster than bmm)
+            a, _ = _buffer(workspace, "streams", f0, (num_stages, rows, heads, dh))
+            up = up.to(f0.dtype)
+            for s in range(num_stages):
+                for h in range(heads):
+                    torch.mm(lhs[s, h], up[s, h], out=a[s, :, h])
+            a = a.view(num_stages, b, n, heads, dh)
+        else:  # the trained stream (autograd): a strided (S, B, N, H, dh) view
+            a = torch.bmm(lhs.view(num_stages * heads, rows, r + 1), up.reshape(num_stages * heads, r + 1, dh))
+            a = a.view(num_stages, heads, b, n, dh).permute(0, 2, 3, 1, 4).to(f0.dtype)
         outs = []
         for s in range(num_stages):  # sequential: stage s's gate reads stage s-1's output
-            g = (1.0 - gamma) * prev + gamma * f0
+            # g = (1-γ)·prev + γ·f0 (= f0 for the first stage, whose prev is f0)
+            g = f0 if prev is f0 else torch.lerp(prev, f0, self.cfg.gamma)
+            g4, a_s = g.view(b, n, heads, dh), a[s]
+            target = a_s if in_place else None  # the stream's output overwrites a[s]
             if self.cfg.gate == "sum":  # no transfer gate: its parameters stay unused and frozen
-                out = a[s] + g
+                y = torch.add(g4, a_s, out=target)
             else:
-                gate_hidden = self._act(g @ params["gate_down"][s, l] + params["gate_down_bias"][s, l])
-                m = torch.sigmoid(gate_hidden @ params["gate_up"][s, l] + params["gate_up_bias"][s, l])
-                out = (1.0 - m) * a[s] + m * g if self.cfg.gate == "adapt" else a[s] + m * g
-            outs.append(out)
-            prev = out
-        return torch.stack(outs)
+                gate_hidden = g.new_empty(rows, r + 1)
+                gate_hidden[:, r] = 1.0
+                gate_hidden[:, :r] = self._act(
+                    torch.addmm(params["gate_down_bias"][s, l], g.reshape(rows, d), params["gate_down"][s, l])
+                )
+                # 1 - M = sigmoid(-(G_up·h + bias)): the bias rides in the matmul, and g leads the
+                # elementwise op so the result is laid out like g when a is a strided view
+                keep = torch.mm(gate_hidden, params["gate_up_neg"][s, l]).sigmoid_().view(b, n, heads, dh)
+                if self.cfg.gate == "adapt":  # (1-M)·a + M·g = g + (1-M)·(a - g)
+                    y = torch.lerp(g4, a_s, keep.to(g.dtype), out=target)
+                else:  # part: a + M·g
+                    y = torch.addcmul(a_s, 1.0 - keep.to(g.dtype), g4, out=target)
+            prev = y.reshape(b, n, d)
+            outs.append(prev)
+        if in_place:
+            return a.view(num_stages, b, n, d)
+        return outs[0].unsqueeze(0) if num_stages == 1 else torch.stack(outs)
 
     def _transfer(self, params: dict[str, Tensor], streams: Tensor, cls_probs: Tensor) -> Tensor:
         """Transfer block for the class token of S streams: (S, B, N, d) -> features (S, B, d)."""
@@ -195,8 +263,28 @@ class IPANetwork(nn.Module):
         return self.ptm.fc_norm(self.ptm.norm(y))
 
 
+def _buffer(workspace: dict[str, Tensor], name: str, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, bool]:
+    """``workspace[name]`` if it has this shape, else a new tensor kept there; and whether it is new.
+    Reusing buffers block after block spares the page faults that fresh memory of this size costs."""
+    buf = workspace.get(name)
+    if buf is not None and buf.shape == shape and buf.dtype == like.dtype and buf.device == like.device:
+        return buf, False
+    buf = workspace[name] = like.new_empty(shape)
+    return buf, True
+
+
+def _streams(streams: Tensor, num_stages: int) -> Tensor:
+    """(S, B, N, d) streams; a (B, N, d) tensor (no block ran yet) stands for S equal ones."""
+    return streams if streams.dim() == 4 else streams.expand(num_stages, *streams.shape)
+
+
 def _stack(stages: list[StageAdapters]) -> dict[str, Tensor]:
     """Each parameter stacked over stages: leading dim S. Empty dict when there are no stages."""
     if not stages:
         return {}
-    return {name: torch.stack([getattr(st, name) for st in stages]) for name in BLOCK_PARAMS + FFN_PARAMS}
+    stacked = {name: torch.stack([getattr(st, name) for st in stages]) for name in BLOCK_PARAMS + FFN_PARAMS}
+    # the up-projections with their bias as one more input row, (S, L-1, r+1, d); the gate's
+    # negated, so that its sigmoid gives 1 - M directly
+    stacked["up_aug"] = torch.cat([stacked["up"], stacked["up_bias"].unsqueeze(2)], dim=2)
+    stacked["gate_up_neg"] = -torch.cat([stacked["gate_up"], stacked["gate_up_bias"].unsqueeze(2)], dim=2)
+    return stacked

@@ -62,6 +62,79 @@ def test_transfer_block_shortcut_equals_the_plain_computation(tiny_ptm, images):
     assert torch.allclose(ours, tiny_ptm.norm(y), atol=1e-5)
 
 
+def _attention_probs(block, x):
+    """(B, H, N, N) softmax(q k^T / sqrt(dh)) of a timm block, computed from scratch."""
+    attn = block.attn
+    b, n, d = x.shape
+    q, k, _ = attn.qkv(block.norm1(x)).view(b, n, 3, attn.num_heads, d // attn.num_heads).permute(2, 0, 3, 1, 4)
+    return torch.softmax(q @ k.transpose(-2, -1) / (d // attn.num_heads) ** 0.5, dim=-1)
+
+
+def _reference_forward(net, images):
+    """The equations of ipa.py written plainly: one stage after another, one block after another,
+    full-token transfer block, timm's own forward for f_0. The fast path must equal this."""
+    ptm, cfg, heads = net.ptm, net.cfg, net.num_heads
+    act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu}[cfg.activation]
+    x = backbone.embed_tokens(ptm, images)
+    ptm_tokens, probs = [], []  # PTM output and attention of blocks 1..L
+    for block in ptm.blocks:
+        probs.append(_attention_probs(block, x))
+        x = block(x)
+        ptm_tokens.append(x)
+    feats = [ptm.forward_features(images)[:, 0]]
+    previous = ptm_tokens[:-1]  # the stage before the first one is the PTM
+    for st in net.stages:
+        x = backbone.embed_tokens(ptm, images)
+        outputs = []
+        for l in range(len(ptm.blocks) - 1):
+            v = act(x @ st.down[l] + st.down_bias[l]) @ st.up[l] + st.up_bias[l]
+            b, n, d = v.shape
+            if cfg.attention == "reuse":
+                v = (probs[l] @ v.view(b, n, heads, d // heads).transpose(1, 2)).transpose(1, 2).reshape(b, n, d)
+            g = (1 - cfg.gamma) * previous[l] + cfg.gamma * ptm_tokens[l]
+            m = torch.sigmoid(act(g @ st.gate_down[l] + st.gate_down_bias[l]) @ st.gate_up[l] + st.gate_up_bias[l])
+            x = {"adapt": (1 - m) * v + m * g, "sum": v + g, "part": v + m * g}[cfg.gate]
+            outputs.append(x)
+        last = ptm.blocks[-1]
+        w_v, b_v = last.attn.qkv.weight[2 * d :], last.attn.qkv.bias[2 * d :]
+        values = (last.norm1(x) @ w_v.T + b_v).view(b, n, heads, d // heads).transpose(1, 2)
+        y = x + last.attn.proj((probs[-1] @ values).transpose(1, 2).reshape(b, n, d))
+        y = y[:, 0]
+        y = y + torch.nn.functional.gelu(last.norm2(y) @ st.ffn_in + st.ffn_in_bias) @ st.ffn_out + st.ffn_out_bias
+        feats.append(ptm.norm(y))
+        previous = outputs
+    return torch.stack(feats, dim=1)
+
+
+@pytest.mark.parametrize(
+    "cfg", [{}, {"gate": "sum"}, {"gate": "part"}, {"attention": "none"}, {"activation": "gelu", "gamma": 0.3}]
+)
+def test_fast_path_equals_the_plain_reference(tiny_ptm, images, cfg):
+    """Batched stages, r-wide attention mixing, fused gate, class-token transfer block: same numbers."""
+    net = _network(tiny_ptm, stages=3, **cfg)
+    for i, st in enumerate(net.stages):
+        _randomize(st, i)
+    with torch.no_grad():
+        reference = _reference_forward(net, images)
+        fast = net(images)
+    assert torch.allclose(fast, reference, atol=1e-5), (fast - reference).abs().max()
+    for st in net.stages[:-1]:
+        st.requires_grad_(False)
+    f0, fs = net.forward_train(images)
+    assert torch.allclose(fs, reference[:, -1], atol=1e-5) and torch.allclose(f0, reference[:, 0], atol=1e-5)
+
+
+def test_stacked_weights_are_cached_until_a_parameter_changes(tiny_ptm, images):
+    net = _network(tiny_ptm, stages=2)
+    with torch.no_grad():
+        before = net(images)
+        cached = net._frozen_stack(list(net.stages))
+        assert net._frozen_stack(list(net.stages)) is cached  # no copy per forward
+        _randomize(net.stages[1], 5)  # an in-place change bumps the parameters' versions
+        assert net._frozen_stack(list(net.stages)) is not cached
+        assert not torch.allclose(net(images)[:, 2], before[:, 2], atol=1e-4)
+
+
 @torch.no_grad()
 def test_stages_batched_equals_one_stage_at_a_time(tiny_ptm, images):
     """Streams computed together give the same subspaces as growing the network stage by stage."""
