@@ -131,7 +131,7 @@ class IPANetwork(nn.Module):
         with torch.no_grad():
             x0 = backbone.embed_tokens(self.ptm, images)  # (B, N, d): f^0 of every stream
             old = self._frozen_stack(frozen)
-        new_params = _stack([trainable]) if trainable is not None else None
+        new_params = _stack([trainable], self.num_heads) if trainable is not None else None
         streams: Tensor | None = x0 if frozen else None  # (B, N, d) while every stream equals f^0
         new: Tensor | None = x0 if trainable is not None else None
         workspace: dict[str, Tensor] = {}  # the frozen streams' buffers, reused block after block
@@ -158,7 +158,7 @@ class IPANetwork(nn.Module):
         key = tuple((id(p), p._version, p.device, p.dtype) for st in stages for p in st.parameters())
         cached = self.__dict__.get("_stack_cache")
         if cached is None or cached[0] != key:
-            cached = (key, _stack(stages))
+            cached = (key, _stack(stages, self.num_heads))
             self.__dict__["_stack_cache"] = cached
         return cached[1]
 
@@ -186,36 +186,44 @@ class IPANetwork(nn.Module):
         r, dh = self.adapter_dim, d // heads
         down, down_bias = params["down"][:, l], params["down_bias"][:, l]
         rows = b * n
-        if streams.dim() == 3:  # one input for every stage: one matmul against the stages' W_down side by side
-            hidden = torch.addmm(down_bias.reshape(-1), streams.reshape(rows, d), down.transpose(0, 1).reshape(d, -1))
-            hidden = self._act(hidden).view(b, n, num_stages, r)  # (B, N, S, r)
-        else:
-            hidden = torch.baddbmm(down_bias[:, None], streams.reshape(num_stages, rows, d), down)
-            hidden = self._act(hidden).view(num_stages, b, n, r).permute(1, 2, 0, 3)  # (B, N, S, r)
-        if self.cfg.attention == "reuse":
-            # A ⊗ (W_up·h + c) = W_up·(A h) + c per head, since each row of A sums to 1: mix the
-            # r-wide hidden of every stage in one matmul (H·r < d), then project each head's slice.
-            mixed = probs.reshape(b, heads * n, n) @ hidden.reshape(b, n, num_stages * r)  # (B, H·N, S·r)
-            mixed = mixed.view(b, heads, n, num_stages, r).permute(3, 1, 0, 2, 4)  # (S, H, B, N, r)
-        else:
-            mixed = hidden.permute(2, 0, 1, 3).unsqueeze(1).expand(num_stages, heads, b, n, r)
-        # [A h, 1] · [W_up; c]: the bias rides in the matmul instead of a pass of its own
         in_place = workspace is not None and not torch.is_grad_enabled()
-        # streams stay in f0's dtype (fp32 under autocast)
-        lhs, fresh = _buffer(workspace if in_place else {}, "lhs", f0, (num_stages, heads, rows, r + 1))
+        space = workspace if in_place else {}
+        # the hidden gets a column of ones: [h, 1]·[W_up; c] carries the bias inside the matmul, and
+        # since each row of A sums to 1, A·[h, 1] = [A·h, 1] keeps that column through the mixing
+        hidden, fresh = _buffer(space, "hidden", f0, (b, n, num_stages, r + 1))  # f0's dtype, also under autocast
         if fresh:
-            lhs[..., r] = 1.0
-        lhs[..., :r] = mixed.reshape(num_stages, heads, rows, r)
-        up = params["up_aug"][:, l].view(num_stages, r + 1, heads, dh).transpose(1, 2)  # (S, H, r+1, dh)
-        if in_place:  # each head's matmul writes its slice of a token-major tensor (faster than bmm)
-            a, _ = _buffer(workspace, "streams", f0, (num_stages, rows, heads, dh))
+            hidden[..., r] = 1.0
+        if streams.dim() == 3:  # one input for every stage: one matmul against the stages' W_down side by side
+            h = torch.addmm(down_bias.reshape(-1), streams.reshape(rows, d), down.transpose(0, 1).reshape(d, -1))
+            hidden[..., :r] = self._act(h).view(b, n, num_stages, r)
+        else:
+            h = torch.baddbmm(down_bias[:, None], streams.reshape(num_stages, rows, d), down)
+            hidden[..., :r] = self._act(h).view(num_stages, b, n, r).permute(1, 2, 0, 3)
+        flat = hidden.view(b, n, num_stages * (r + 1))
+        reuse = self.cfg.attention == "reuse"
+        # A ⊗ (W_up·h + c) = W_up·(A h) + c per head: mixing the r-wide hidden costs H·r < d per token
+        up = params["up_heads"][:, l]  # (S, H, r+1, dh): each head's slice of [W_up; c]
+        if in_place:  # matmuls straight into token-major slices of the output: no copies
+            if reuse:
+                mixed, _ = _buffer(space, "mixed", f0, (heads, b, n, num_stages * (r + 1)))
+                for k in range(heads):
+                    torch.bmm(probs[:, k], flat, out=mixed[k])
+                mixed = mixed.view(heads, b, n, num_stages, r + 1)
+            else:
+                mixed = hidden.unsqueeze(0).expand(heads, b, n, num_stages, r + 1)
+            a, _ = _buffer(space, "streams", f0, (num_stages, rows, heads, dh))
             up = up.to(f0.dtype)
-            for s in range(num_stages):
-                for h in range(heads):
-                    torch.mm(lhs[s, h], up[s, h], out=a[s, :, h])
+            for s in range(num_stages):  # heads as the batch: (H, B·N, r+1) @ (H, r+1, dh), views only
+                torch.bmm(mixed[:, :, :, s].reshape(heads, rows, r + 1), up[s], out=a[s].transpose(0, 1))
             a = a.view(num_stages, b, n, heads, dh)
-        else:  # the trained stream (autograd): a strided (S, B, N, H, dh) view
-            a = torch.bmm(lhs.view(num_stages * heads, rows, r + 1), up.reshape(num_stages * heads, r + 1, dh))
+        else:  # the trained stream (autograd): batched, and a strided (S, B, N, H, dh) view
+            if reuse:
+                mixed = (probs.reshape(b, heads * n, n) @ flat).view(b, heads, n, num_stages, r + 1)
+                lhs = mixed.permute(3, 1, 0, 2, 4)  # (S, H, B, N, r+1)
+            else:
+                lhs = hidden.permute(2, 0, 1, 3).unsqueeze(1).expand(num_stages, heads, b, n, r + 1)
+            lhs = lhs.reshape(num_stages * heads, rows, r + 1)
+            a = torch.bmm(lhs, up.reshape(num_stages * heads, r + 1, dh))
             a = a.view(num_stages, heads, b, n, dh).permute(0, 2, 3, 1, 4).to(f0.dtype)
         outs = []
         for s in range(num_stages):  # sequential: stage s's gate reads stage s-1's output
@@ -249,10 +257,10 @@ class IPANetwork(nn.Module):
         block = self.ptm.blocks[-1]
         attn = block.attn
         d, heads = self.width, self.num_heads
-        h = block.norm1(streams)
         # Σ_n A[0,n]·(W_v u_n + b_v) = W_v (Σ_n A[0,n] u_n) + b_v, since each row of A sums to 1:
-        # mix the normalised tokens per head first, then project only the mixed vector.
-        mixed = torch.einsum("bhn,sbnd->sbhd", cls_probs, h)  # (S, B, H, d)
+        # mix the normalised tokens per head first, then project only the mixed vector. One stream
+        # at a time, so that only one normalised (B, N, d) copy exists at once.
+        mixed = torch.stack([cls_probs @ block.norm1(stream) for stream in streams])  # (S, B, H, d)
         w_v = attn.qkv.weight[2 * d :].view(heads, d // heads, d)
         values = torch.einsum("sbhd,hkd->sbhk", mixed, w_v)  # (S, B, H, d/H)
         if attn.qkv.bias is not None:
@@ -278,13 +286,17 @@ def _streams(streams: Tensor, num_stages: int) -> Tensor:
     return streams if streams.dim() == 4 else streams.expand(num_stages, *streams.shape)
 
 
-def _stack(stages: list[StageAdapters]) -> dict[str, Tensor]:
+def _stack(stages: list[StageAdapters], heads: int) -> dict[str, Tensor]:
     """Each parameter stacked over stages: leading dim S. Empty dict when there are no stages."""
     if not stages:
         return {}
     stacked = {name: torch.stack([getattr(st, name) for st in stages]) for name in BLOCK_PARAMS + FFN_PARAMS}
-    # the up-projections with their bias as one more input row, (S, L-1, r+1, d); the gate's
-    # negated, so that its sigmoid gives 1 - M directly
-    stacked["up_aug"] = torch.cat([stacked["up"], stacked["up_bias"].unsqueeze(2)], dim=2)
+    # the up-projections with their bias as one more input row; W_up split per head, (S, L-1, H, r+1, d/H);
+    # the gate's negated, so that its sigmoid gives 1 - M directly
+    up_aug = torch.cat([stacked["up"], stacked["up_bias"].unsqueeze(2)], dim=2)  # (S, L-1, r+1, d)
+    s, blocks, rows, d = up_aug.shape
+    stacked["up_heads"] = up_aug.view(s, blocks, rows, heads, d // heads).transpose(2, 3).contiguous()
     stacked["gate_up_neg"] = -torch.cat([stacked["gate_up"], stacked["gate_up_bias"].unsqueeze(2)], dim=2)
+    for name in ("up", "up_bias", "gate_up", "gate_up_bias"):  # only their derived forms are used
+        del stacked[name]
     return stacked
