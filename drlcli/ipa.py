@@ -206,8 +206,8 @@ class IPANetwork(nn.Module):
         if in_place:  # matmuls straight into token-major slices of the output: no copies
             if reuse:
                 mixed, _ = _buffer(space, "mixed", f0, (heads, b, n, num_stages * (r + 1)))
-                for k in range(heads):
-                    torch.bmm(probs[:, k], flat, out=mixed[k])
+                for k in range(heads):  # (probs are bf16 under autocast; the streams stay in f0's dtype)
+                    torch.bmm(probs[:, k].to(f0.dtype), flat, out=mixed[k])
                 mixed = mixed.view(heads, b, n, num_stages, r + 1)
             else:
                 mixed = hidden.unsqueeze(0).expand(heads, b, n, num_stages, r + 1)

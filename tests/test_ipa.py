@@ -223,3 +223,16 @@ def test_parameter_count_per_stage(tiny_ptm):
     d, r, n = 64, 8, len(tiny_ptm.blocks) - 1  # r = max(8, 64 // 16)
     expected = n * 2 * (d * r + r + r * d + d) + (d * d + d + d * d + d)
     assert net.stages[0].num_params() == expected
+
+
+def test_bf16_autocast_runs_the_fast_path_and_stays_close(tiny_ptm, images):
+    """Under autocast the PTM runs in bf16 and the streams stay in fp32: same features, roughly."""
+    net = _network(tiny_ptm, stages=2)
+    for i, st in enumerate(net.stages):
+        _randomize(st, i)
+    with torch.inference_mode():
+        exact = net(images)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = net(images)
+    cos = torch.nn.functional.cosine_similarity(low.float(), exact, dim=-1)
+    assert low.shape == exact.shape and cos.min() > 0.99
