@@ -8,6 +8,7 @@ prints; ``cli.py`` renders the results.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from .backbone import PTMSource
 from .config import RunConfig
 from .data import ImageSet, scan_class_folders, validate_images
 from .errors import DataError, IntegrityError, PTMError, RunStateError, UsageError
-from .evaluate import AccuracyReport, HistorySummary, accuracy_report, summarize_history
+from .evaluate import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .methods import method_of
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .rundir import (
@@ -35,6 +36,7 @@ from .rundir import (
 from .train import TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
+log = logging.getLogger(__name__)  # debug lines: what --verbose shows (timings, per-epoch losses)
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
 
 
 def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | None = None) -> LoadedRun:
+    start = time.perf_counter()
     run = RunDir(run_dir)
     manifest = run.manifest()
     record = run.run_config(manifest)
@@ -191,6 +194,14 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
             adapters.eval()
         model.add_classes(stage.meta["classes"], stage.index, stage.tensors["prototypes"])
         metas.append(stage.meta)
+    log.debug(
+        "loaded run %s: %d stages, %d classes on %s in %.1fs",
+        run.path,
+        len(metas),
+        len(model.class_names),
+        model.device,
+        time.perf_counter() - start,
+    )
     return LoadedRun(run, manifest, record, config, model, metas)
 
 
@@ -219,6 +230,14 @@ def eval_set(images: ImageSet, model: IncrementalModel, *, what: str) -> EvalSet
 def evaluate_sets(
     model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
 ) -> AccuracyReport:
+    predictions, targets = predict_sets(model, sets, progress=progress)
+    return accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages)
+
+
+def predict_sets(
+    model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 predictions and targets (global class indices) over every set, gathered from all ranks."""
     predictions, targets = [], []
     for k, item in enumerate(sets, 1):
         report_step = (
@@ -237,12 +256,7 @@ def evaluate_sets(
         predictions.append(model.scores(feats).argmax(1).cpu())
         targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
     pairs = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets)))  # every rank's shard
-    return accuracy_report(
-        torch.cat([p for p, _ in pairs]),
-        torch.cat([t for _, t in pairs]),
-        model.class_stage,
-        num_stages=model.num_stages,
-    )
+    return torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
 
 
 def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None) -> list[EvalSet]:
@@ -272,13 +286,19 @@ class EvalResult:
     history: HistorySummary
     num_stages: int
     num_classes: int
+    confused: list[dict[str, Any]] = field(default_factory=list)  # most frequent true → predicted
+    run_dir: str | None = None
+    plot: str | None = None  # the --plot file written
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "run_dir": self.run_dir,
             "accuracy": self.report.to_dict(),
             "history": self.history.to_dict(),
+            "confused": self.confused,
             "num_stages": self.num_stages,
             "num_classes": self.num_classes,
+            "plot": self.plot,
         }
 
 
@@ -294,11 +314,21 @@ def evaluate(
     all_seen: bool = False,
     device: str = "auto",
     ptm_weights: Path | None = None,
+    confusions: int = 5,
+    plot_path: Path | None = None,
     progress: ProgressFn | None = None,
 ) -> EvalResult:
-    """Top-1 on a labelled folder (``data_dir``) or on every registered eval set (``all_seen``)."""
+    """Top-1 on a labelled folder (``data_dir``) or on every registered eval set (``all_seen``),
+    the accuracy history, the ``confusions`` most frequent mistakes, and optionally a figure of
+    the history (``plot_path``, needs the ``plot`` extra)."""
     if (data_dir is None) == (not all_seen):
         raise UsageError("pass exactly one of --all-seen or --data DIR")
+    if confusions < 0:
+        raise UsageError(f"--confusions must be >= 0, got {confusions}")
+    if plot_path is not None:
+        from .plots import check_plot_path
+
+        check_plot_path(plot_path)
     loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
     if not loaded.stage_metas:
         raise UsageError(f"run {run_dir} has learned no stage yet; run `drl learn-stage` first")
@@ -310,8 +340,25 @@ def evaluate(
         sets = registered_eval_sets(loaded)
         if not sets:
             raise UsageError("no eval data is registered; pass --eval-data to learn-stage, or use --data DIR")
-    report = evaluate_sets(loaded.model, sets, progress=progress)
-    return EvalResult(report, history_of(loaded.stage_metas), loaded.model.num_stages, len(loaded.model.class_names))
+    model = loaded.model
+    predictions, targets = predict_sets(model, sets, progress=progress)
+    report = accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages)
+    history = history_of(loaded.stage_metas)
+    plot = None
+    if plot_path is not None and distributed.is_main():
+        from .plots import history_plot
+
+        title = f"{loaded.config.method}, {loaded.record['ptm']['name']}: {model.num_stages} stages, top-1 now {report.top1:.2f}%"
+        plot = str(history_plot(history, plot_path, title=title))
+    return EvalResult(
+        report,
+        history,
+        model.num_stages,
+        len(model.class_names),
+        most_confused(predictions, targets, model.class_names, top=confusions),
+        str(loaded.run.path),
+        plot,
+    )
 
 
 # --------------------------------------------------------------------------- learn-stage
@@ -333,6 +380,7 @@ class StageResult:
     eval: AccuracyReport | None
     history: HistorySummary
     warnings: list[str] = field(default_factory=list)
+    run_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -392,7 +440,9 @@ def learn_stage(
             if item is not None:
                 if progress:
                     progress(Progress("validate", 0, len(item), str(item.root)))
+                tick = time.perf_counter()
                 validate_images(item)
+                log.debug("validated %d images of %s in %.1fs", len(item), item.root, time.perf_counter() - tick)
         stage_index = max(loaded.run.stage_indices(manifest), default=0) + 1
         network = model.network
         method = method_of(config)
@@ -419,6 +469,12 @@ def learn_stage(
             resumed_from = resume.epoch if resume else None
             if resume and progress:
                 progress(Progress("resume", resume.epoch, config.train.epochs, "from the last finished epoch"))
+
+            def epoch_done(state: TrainState, epochs: int = config.train.epochs) -> None:
+                log.debug("epoch %d/%d: loss %.4f (%.1fs)", state.epoch, epochs, state.epoch_losses[-1], state.seconds)
+                if writer is not None:
+                    writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors)
+
             train_result = train_stage(
                 network,
                 images,
@@ -426,11 +482,13 @@ def learn_stage(
                 model.data_config,
                 progress=train_progress,
                 resume=resume,
-                on_epoch=(lambda state: writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors))
-                if writer is not None
-                else None,
+                on_epoch=epoch_done,
+            )
+            log.debug(
+                "trained %d steps in %.1fs, scale σ %.2f", train_result.steps, train_result.seconds, train_result.scale
             )
             _check_ranks_agree(network.stages[-1])
+        tick = time.perf_counter()
         feats, labels = embed_images(
             network,
             images,
@@ -440,6 +498,7 @@ def learn_stage(
             progress=(lambda s, t: progress(Progress("prototypes", s, t))) if progress else None,
         )
         model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
+        log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
         warnings: list[str] = []
         sets = registered_eval_sets(loaded, missing=warnings)
         for message in warnings:
@@ -447,7 +506,10 @@ def learn_stage(
                 progress(Progress("warning", 0, 0, message))
         if eval_images is not None:
             sets.append(eval_set(eval_images, model, what="--eval-data"))
+        tick = time.perf_counter()
         report = evaluate_sets(model, sets, progress=progress) if sets else None
+        if report is not None:
+            log.debug("evaluated %d images in %.1fs", report.num_images, time.perf_counter() - tick)
         stage = network.stages[-1] if method.trains else None
         tensors = {"prototypes": model.real_prototypes[-len(images.class_names) :]}
         if stage is not None:
@@ -477,8 +539,15 @@ def learn_stage(
         }
         files = stage_files(stage_index, meta, tensors)
         if writer is not None:
+            tick = time.perf_counter()
             writer.commit(files, manifest=manifest, new_stage=stage_index)
             writer.discard_checkpoint()
+            log.debug(
+                "committed stage %d (%d bytes) in %.2fs",
+                stage_index,
+                sum(map(len, files.values())),
+                time.perf_counter() - tick,
+            )
         distributed.barrier()  # every rank returns only once the stage is committed
     return StageResult(
         status="learned",
@@ -495,6 +564,7 @@ def learn_stage(
         eval=report,
         history=history_of([*loaded.stage_metas, meta]),
         warnings=warnings,
+        run_dir=str(run.path),
     )
 
 
@@ -525,6 +595,7 @@ def _already_committed(
         stage_bytes=loaded.run.size_bytes(loaded.manifest, prefix=f"stages/{index:03d}/"),
         eval=AccuracyReport(**evaluation) if evaluation else None,
         history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
+        run_dir=str(loaded.run.path),
     )
 
 
@@ -627,16 +698,25 @@ def info(run_dir: Path | str) -> dict[str, Any]:
     manifest = run.manifest()
     record = run.run_config(manifest)
     stages, metas = [], [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    total_bytes = run.size_bytes(manifest)
+    cum_params = cum_bytes = cum_classes = 0
     for index, meta in zip(run.stage_indices(manifest), metas):
         evaluation = meta["metrics"].get("eval")
+        stage_bytes = run.size_bytes(manifest, prefix=f"stages/{index:03d}/")
+        cum_params += meta["num_params"]
+        cum_bytes += stage_bytes
+        cum_classes += len(meta["classes"])
         stages.append(
             {
                 "stage": index,
                 "num_classes": len(meta["classes"]),
                 "classes": meta["classes"],
                 "num_images": sum(meta["images_per_class"].values()),
-                "num_params": meta["num_params"],
-                "bytes": run.size_bytes(manifest, prefix=f"stages/{index:03d}/"),
+                "num_params": meta["num_params"],  # trained in this stage (the PTM is frozen)
+                "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
+                "cumulative_classes": cum_classes,
+                "cumulative_params": cum_params,
+                "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)
                 "accuracy": evaluation["top1"] if evaluation else None,
                 "train_seconds": (meta["metrics"].get("train") or {}).get("seconds"),
             }
@@ -649,7 +729,8 @@ def info(run_dir: Path | str) -> dict[str, Any]:
         "ptm": {k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
         "num_stages": len(stages),
         "num_classes": sum(s["num_classes"] for s in stages),
-        "total_bytes": run.size_bytes(manifest),
+        "total_bytes": total_bytes,
+        "base_bytes": total_bytes - cum_bytes,  # run.yaml (+ ptm.safetensors for --random-init)
         "stages": stages,
         "history": history_of(metas).to_dict(),
         "config": record["config"],

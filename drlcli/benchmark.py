@@ -122,10 +122,6 @@ def parse_score(text: str) -> dict[str, Any]:
     return out
 
 
-def _mean(forgetting: dict[str, float]) -> float | None:
-    return round(sum(forgetting.values()) / len(forgetting), 4) if forgetting else None
-
-
 def parse_split(text: str) -> tuple[int, int]:
     match = re.fullmatch(r"B(\d+)Inc(\d+)", text.strip(), flags=re.IGNORECASE)
     if not match or int(match.group(2)) == 0:
@@ -392,7 +388,7 @@ def _summary(label: str, variant: Variant, run_dir: Path, config: RunConfig, sec
         "average": history.average,
         "last": history.last,
         "forgetting": forgetting,
-        "mean_forgetting": _mean(forgetting),
+        "mean_forgetting": history.mean_forgetting,
         "final_groups": (metas[-1]["metrics"]["eval"] or {}).get("groups", {}),
         "params_per_stage": [m["num_params"] for m in metas],
         "bytes_per_stage": [run.size_bytes(manifest, prefix=f"stages/{i:03d}/") for i in run.stage_indices(manifest)],
@@ -520,7 +516,7 @@ def run_benchmark(
                             "average": history.average,
                             "last": history.last,
                             "forgetting": history.forgetting,
-                            "mean_forgetting": _mean(history.forgetting),
+                            "mean_forgetting": history.mean_forgetting,
                             "final_groups": reports[-1].groups,
                         }
                     )
@@ -575,12 +571,12 @@ def _fmt(value: float | None) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> bool:
     """Accuracy vs stage; False when matplotlib (the ``plot`` extra) is not installed."""
-    try:
-        import matplotlib
+    from .errors import DependencyError
+    from .plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    try:
+        plt = pyplot(purpose="the benchmark plot")
+    except DependencyError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     classes = np.cumsum(report["protocol"]["stages"])

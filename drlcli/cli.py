@@ -1,8 +1,10 @@
 """The ``drl`` command line: a thin Typer layer over ``drlcli.api``.
 
 Each command parses options, makes one library call and prints the result: text or one JSON
-object (``--json``) on stdout; logs and progress on stderr. ``_execute`` is the one place that
-maps library errors to one-line messages and exit codes (see ``errors.EXIT_CODES``).
+object (``--json``) on stdout; logs and progress on stderr (``--quiet``: warnings only,
+``--verbose``: timings and per-epoch losses too). ``_execute`` is the one place that maps library
+errors to one-line messages and exit codes (see ``errors.EXIT_CODES``); ``OneLineErrors`` gives
+option-parsing errors the same form.
 """
 
 from __future__ import annotations
@@ -17,13 +19,40 @@ from typing import Any, NoReturn
 
 import typer
 import yaml
+from typer.core import TyperGroup
 
 from . import api, distributed
 from .errors import EXIT_CODES, DrlError, UsageError
 
 EPILOG = "Exit codes: " + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items())
+# click's exception base (typer vendors click in recent releases, so take it from typer's own class)
+ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class OneLineErrors(TyperGroup):
+    """Option-parsing errors follow the library errors' contract: one ``error:`` line on stderr,
+    exit 2, and with ``--json`` the same JSON error object on stdout."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None, **extra: Any):
+        argv = list(sys.argv[1:] if args is None else args)
+        standalone = extra.pop("standalone_mode", True)
+        if not argv or not standalone:  # bare `drl` shows the help
+            return super().main(args, prog_name, complete_var, standalone_mode=standalone, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            _print_error("usage", f"{exc.format_message()}{hint}", exc.exit_code, "--json" in argv)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            _print_error("interrupted", "aborted", 130, "--json" in argv)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
 
 app = typer.Typer(
+    cls=OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -36,7 +65,10 @@ RunOpt = typer.Option(
     Path("."), "--run", "--run-dir", envvar="DRL_RUN", help="Run directory (env DRL_RUN; --run-dir under torchrun)."
 )
 JsonOpt = typer.Option(False, "--json", help="Print one machine-readable JSON object on stdout.")
-QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or log lines on stderr.")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or log lines on stderr (warnings and errors stay).")
+VerboseOpt = typer.Option(
+    False, "--verbose", "-v", help="More on stderr: per-epoch losses, timings, the trace of an internal error."
+)
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 WeightsOpt = typer.Option(
     None, "--ptm-weights", envvar="DRL_PTM_WEIGHTS", help="Local PTM weights (.safetensors); env DRL_PTM_WEIGHTS."
@@ -46,6 +78,28 @@ RandomInitOpt = typer.Option(False, "--random-init", help="Random PTM weights, s
 PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable).")
 
 # ------------------------------------------------------------------------ output plumbing
+
+
+class _Stderr:
+    """sys.stderr as it is at each write, so log lines go above a live progress bar (rich swaps
+    sys.stderr while the bar runs) and to whatever stream a test runner installed."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _setup_logging(*, quiet: bool, verbose: bool) -> None:
+    """The ``drlcli`` loggers print bare lines on stderr: warnings only (quiet), info, or debug (verbose)."""
+    if quiet and verbose:
+        raise UsageError("--quiet and --verbose exclude each other; pass one")
+    handler = logging.StreamHandler(_Stderr())
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.handlers = [handler]
+    log.propagate = False
+    log.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
 
 
 class Reporter:
@@ -108,6 +162,7 @@ class Reporter:
                 TimeRemainingColumn(),
                 console=Console(stderr=True),
                 transient=True,
+                redirect_stdout=sys.stdout.isatty(),  # results piped to a file must stay there
             )
             self._bar.start()
         if event.phase != self._phase or self._task is None:
@@ -123,17 +178,33 @@ class Reporter:
             self._bar = None
 
 
-def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
+def _print_error(kind: str, message: str, code: int, as_json: bool) -> None:
+    message = " ".join(message.split())  # one line, whatever the library or click wrote
     if as_json:
         print(json.dumps({"ok": False, "error": {"kind": kind, "message": message, "exit_code": code}}))
     typer.echo(f"error: {message}", err=True)
+
+
+def _fail(kind: str, message: str, code: int, as_json: bool) -> NoReturn:
+    _print_error(kind, message, code, as_json)
     raise typer.Exit(code)
 
 
-def _execute(as_json: bool, quiet: bool, action: Callable[[Reporter], Any], render: Callable[[Any], None]) -> None:
+def _execute(
+    as_json: bool,
+    quiet: bool,
+    action: Callable[[Reporter], Any],
+    render: Callable[[Any], None],
+    *,
+    verbose: bool = False,
+) -> None:
     main_rank = distributed.is_main()
     quiet = quiet or not main_rank  # under torchrun only rank 0 reports and prints results
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
+    start = time.perf_counter()
+    try:
+        _setup_logging(quiet=quiet, verbose=verbose and main_rank)
+    except UsageError as exc:
+        _fail(exc.kind, str(exc), exc.exit_code, as_json)
     reporter = Reporter(quiet=quiet)
     try:
         result = action(reporter)
@@ -153,6 +224,7 @@ def _execute(as_json: bool, quiet: bool, action: Callable[[Reporter], Any], rend
         log.debug("internal error", exc_info=True)
         _fail("internal", f"internal error {exc.__class__.__name__}: {exc} (please report it)", 1, as_json)
     reporter.close()
+    log.debug("done in %.1fs", time.perf_counter() - start)
     if not main_rank:
         return
     payload = result if isinstance(result, dict) else result.to_dict()
@@ -173,6 +245,30 @@ def _history_lines(history: dict[str, Any]) -> list[str]:
     if history["forgetting"]:
         lines.append(
             "forgetting by stage group: " + "  ".join(f"{g}: {v:.2f}" for g, v in history["forgetting"].items())
+        )
+    return lines
+
+
+def _matrix_lines(matrix: list[list[float | None]]) -> list[str]:
+    """The accuracy matrix as a table: row t after stage t, column g the classes of stage g."""
+    if not any(v is not None for row in matrix for v in row):
+        return []
+    lines = ["accuracy matrix (row: after stage t; column: classes of stage g)"]
+    lines.append("     " + "".join(f"{f'g{g}':>7}" for g in range(1, len(matrix) + 1)))
+    for t, row in enumerate(matrix, 1):
+        lines.append(f"{f't{t}':<5}" + "".join(f"{_pct(v):>7}" for v in row))
+    return lines
+
+
+def _growth_lines(stages: list[dict[str, Any]]) -> list[str]:
+    """Per stage: what it added and the model's size so far (parameters trained, bytes on disk)."""
+    head = f"{'stage':>5} {'classes':>8} {'images':>7} {'params':>10} {'cum.params':>11} {'MiB':>7} {'cum.MiB':>8} {'A_t':>6}"
+    lines = [head]
+    for s in stages:
+        lines.append(
+            f"{s['stage']:>5} {s['num_classes']:>8} {s['num_images']:>7} {s['num_params']:>10,} "
+            f"{s['cumulative_params']:>11,} {s['bytes'] / 2**20:>7.2f} {s['cumulative_bytes'] / 2**20:>8.2f} "
+            f"{_pct(s['accuracy']):>6}"
         )
     return lines
 
@@ -209,6 +305,7 @@ def init(
     run: Path = RunOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Create a run directory for a PTM (records its name, sha256 and data config)."""
     from .config import RunConfig
@@ -230,7 +327,7 @@ def init(
             f"initialised {r['run_dir']}: method {r['method']}, PTM {r['ptm']} ({r['ptm_source']}, sha256 {r['ptm_sha256'][:12]}...)"
         )
 
-    _execute(as_json, quiet, action, render)
+    _execute(as_json, quiet, action, render, verbose=verbose)
 
 
 @app.command("learn-stage")
@@ -249,6 +346,7 @@ def learn_stage(
     run: Path = RunOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Learn the classes in --data as a new stage; commit it atomically.
 
@@ -281,56 +379,88 @@ def learn_stage(
         if r["eval"]:
             print("\n".join(_accuracy_lines(r["eval"]) + _history_lines(r["history"])))
 
-    _execute(as_json, quiet, action, render)
+    _execute(as_json, quiet, action, render, verbose=verbose)
 
 
 @app.command("eval")
 def eval_(
     all_seen: bool = typer.Option(False, "--all-seen", help="Every eval set registered by learn-stage."),
     data: Path | None = typer.Option(None, "--data", help="A labelled folder of learned classes."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Also draw A_t and each stage group's accuracy per stage (.png/.svg/.pdf; plot extra)."
+    ),
+    confusions: int = typer.Option(5, "--confusions", min=0, help="How many most-confused class pairs to list."),
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
-    """Top-1 accuracy overall, per stage group and old/new, with the A_t history."""
+    """Top-1 accuracy overall, per stage group and old/new, the most-confused class pairs, and the
+    history: A_t, the accuracy matrix (row t: after stage t, column g: stage g's classes), forgetting."""
 
     def action(reporter: Reporter) -> Any:
         return api.evaluate(
-            run, data_dir=data, all_seen=all_seen, device=device, ptm_weights=ptm_weights, progress=reporter
+            run,
+            data_dir=data,
+            all_seen=all_seen,
+            device=device,
+            ptm_weights=ptm_weights,
+            confusions=confusions,
+            plot_path=plot,
+            progress=reporter,
         )
 
     def render(r: dict[str, Any]) -> None:
         print(f"{r['num_classes']} classes over {r['num_stages']} stages")
         print("\n".join(_accuracy_lines(r["accuracy"]) + _history_lines(r["history"])))
+        print("\n".join(_matrix_lines(r["history"]["matrix"])))
+        if r["confused"]:
+            print(
+                "most confused (true -> predicted): "
+                + ", ".join(f"{c['true']} -> {c['predicted']} ({c['count']})" for c in r["confused"])
+            )
+        if r["plot"]:
+            print(f"plot: {r['plot']}")
 
-    _execute(as_json, quiet, action, render)
+    _execute(as_json, quiet, action, render, verbose=verbose)
 
 
 @app.command()
 def export(
-    out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl)."),
+    out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl, model.pt, model.onnx)."),
+    fmt: str | None = typer.Option(
+        None,
+        "--format",
+        help="drl (the run's model in one file; default), torchscript or onnx (images -> scores graph, "
+        "for serving; onnx needs the export extra). Default: from the --out suffix (.pt/.ts, .onnx), else drl.",
+    ),
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
-    """Write one self-contained inference file (weights, prototypes, classes, data config)."""
+    """Write one self-contained inference file (weights, prototypes, classes, preprocessing). Reads the run only."""
     from .export import export_run
 
     def render(r: dict[str, Any]) -> None:
+        check = "" if r["check_max_abs_diff"] is None else f", max |Δscore| {r['check_max_abs_diff']:.1e} vs the run"
         print(
-            f"exported {r['num_classes']} classes, {r['num_stages']} stages to {r['path']} ({r['bytes'] / 2**20:.1f} MiB)"
+            f"exported {r['num_classes']} classes, {r['num_stages']} stages to {r['path']} "
+            f"({r['format']}, {r['bytes'] / 2**20:.1f} MiB{check})"
         )
 
-    _execute(as_json, quiet, lambda _: export_run(run, out, ptm_weights=ptm_weights), render)
+    _execute(as_json, quiet, lambda _: export_run(run, out, fmt=fmt, ptm_weights=ptm_weights), render, verbose=verbose)
 
 
 @app.command()
 def predict(
     sources: list[str] = typer.Argument(..., help="Image files, folders, .txt lists of paths, or - (paths on stdin)."),
-    model: Path | None = typer.Option(None, "--model", help="An exported .drl file (instead of --run)."),
+    model: Path | None = typer.Option(
+        None, "--model", help="An exported file (.drl, TorchScript or ONNX; instead of --run)."
+    ),
     top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
     workers: int = typer.Option(0, "--workers", min=0, help="DataLoader worker processes."),
@@ -339,23 +469,29 @@ def predict(
     run: Path = RunOpt,
     as_json: bool = typer.Option(False, "--json", help="JSON lines (one object per image) even on a terminal."),
     quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Top-k classes per image: JSON lines on stdout (a table on a terminal); exit 3 if any image failed."""
-    from .export import load_export
+    from .export import load_model
     from .predict import PredictStats, expand_sources, timed
     from .predict import predict as run_predict
 
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
     lines = as_json or not sys.stdout.isatty()
     stats = PredictStats()
+    reporter = Reporter(quiet=quiet)
     try:
+        _setup_logging(quiet=quiet, verbose=verbose)
+        start = time.perf_counter()
         paths = expand_sources(sources)
         loaded = (
-            load_export(model, device=str(api.resolve_device(device)))
+            load_model(model, device=str(api.resolve_device(device)))
             if model is not None
             else api.load_run(run, device=device, ptm_weights=ptm_weights).model
         )
-        for p in timed(run_predict(loaded, paths, top_k=top_k, batch_size=batch_size, num_workers=workers), stats):
+        log.debug("loaded %s (%d classes) in %.1fs", model or run, len(loaded.class_names), time.perf_counter() - start)
+        results = run_predict(loaded, paths, top_k=top_k, batch_size=batch_size, num_workers=workers)
+        for p in timed(results, stats):
+            reporter(api.Progress("predict", stats.images, len(paths), f"{stats.failed} failed"))
             if lines:
                 print(json.dumps(p.to_dict()))
             elif p.error:
@@ -363,16 +499,25 @@ def predict(
             else:
                 print(f"{p.path}: " + ", ".join(f"{t['class']} {t['score']:.3f}" for t in p.top))
     except DrlError as exc:
+        reporter.close()
         _fail(exc.kind, str(exc), exc.exit_code, as_json)
     except KeyboardInterrupt:
+        reporter.close()
         _fail("interrupted", "interrupted", 130, as_json)
+    except BrokenPipeError:  # `drl predict ... | head`: the reader has all it wanted
+        raise
+    except Exception as exc:  # a bug: the one-line contract, the trace with --verbose
+        reporter.close()
+        log.debug("internal error", exc_info=True)
+        _fail("internal", f"internal error {exc.__class__.__name__}: {exc} (please report it)", 1, as_json)
+    reporter.close()
     log.info("%d images, %d failed, %.1f images/s", stats.images, stats.failed, stats.images_per_second)
     if stats.failed:
         raise typer.Exit(3)
 
 
 @app.command()
-def verify(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
+def verify(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:
     """Check every file of a run against its manifest (sizes, sha256, format); exit 5 naming any damage."""
 
     def render(r: dict[str, Any]) -> None:
@@ -387,12 +532,12 @@ def verify(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
                 "learn-stage to resume it, or add --restart"
             )
 
-    _execute(as_json, True, lambda _: api.verify(run), render)
+    _execute(as_json, quiet, lambda _: api.verify(run), render, verbose=verbose)
 
 
 @app.command()
-def info(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
-    """Stages, classes, PTM and sizes of a run (does not load the PTM)."""
+def info(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:
+    """Stages, classes, PTM, and the model's growth per stage: parameters and bytes, cumulative (no PTM load)."""
 
     def render(r: dict[str, Any]) -> None:
         ptm = r["ptm"]
@@ -400,16 +545,15 @@ def info(run: Path = RunOpt, as_json: bool = JsonOpt) -> None:
         print(
             f"PTM {ptm['name']} ({ptm['source']}, sha256 {ptm['sha256'][:12]}...), input {ptm['data_config']['input_size']}"
         )
-        print(f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB")
-        for s in r["stages"]:
-            print(
-                f"  stage {s['stage']}: {s['num_classes']} classes, {s['num_images']} images, "
-                f"{s['num_params']} params, {s['bytes'] / 2**20:.2f} MiB, accuracy {_pct(s['accuracy'])}"
-            )
+        print(
+            f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB "
+            f"({r['base_bytes'] / 2**20:.2f} MiB before any stage)"
+        )
         if r["stages"]:
+            print("\n".join(_growth_lines(r["stages"])))
             print("\n".join(_history_lines(r["history"])))
 
-    _execute(as_json, True, lambda _: api.info(run), render)
+    _execute(as_json, quiet, lambda _: api.info(run), render, verbose=verbose)
 
 
 @app.command()
@@ -443,6 +587,7 @@ def benchmark(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Run B-m Inc-n for several methods/variants; write results.json, results.md and a plot."""
     from .benchmark import BenchmarkSettings, parse_methods, run_benchmark
@@ -475,7 +620,7 @@ def benchmark(
         for name, path in r["artifacts"].items():
             print(f"{name}: {path if path else 'skipped (pip install drl[plot] for the plot)'}")
 
-    _execute(as_json, quiet, action, render)
+    _execute(as_json, quiet, action, render, verbose=verbose)
 
 
 @app.command()
@@ -485,6 +630,7 @@ def demo(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Offline end-to-end demo: generated images, a tiny random ViT, three stages."""
     from .demo import run_demo
@@ -495,9 +641,11 @@ def demo(
                 f"stage {s['stage']}: +{s['classes']} classes, accuracy on all seen {s['accuracy']:.2f}% ({s['seconds']:.1f}s)"
             )
         print("\n".join(_accuracy_lines(r["accuracy"]) + _history_lines(r["history"])))
-        print(f"run directory: {r['run_dir']}\nexported model: {r['export']['path']}")
+        print(f"data: {r['data_dir']}\nrun directory: {r['run_dir']}\nexported model: {r['export']['path']}")
 
-    _execute(as_json, quiet, lambda rep: run_demo(out, epochs=epochs, device=device, progress=rep), render)
+    _execute(
+        as_json, quiet, lambda rep: run_demo(out, epochs=epochs, device=device, progress=rep), render, verbose=verbose
+    )
 
 
 def main() -> None:

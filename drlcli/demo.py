@@ -45,6 +45,7 @@ def run_demo(
     exported = export_run(run_dir, out_dir / "model.drl")
     return {
         "run_dir": str(run_dir),
+        "data_dir": str(out_dir / "data"),
         "export": exported.to_dict(),
         "stages": [
             {

@@ -21,6 +21,25 @@ class UsageError(DrlError):
     kind = "usage"
 
 
+class DependencyError(UsageError):
+    """An optional extra the command needs is not installed; the message names the pip command."""
+
+    kind = "missing_dependency"
+
+
+def require(module: str, *, extra: str, purpose: str):
+    """Import an optional dependency, or raise ``DependencyError`` naming the extra that brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise DependencyError(
+            f"{purpose} needs the Python package {module.split('.')[0]!r}, which is not installed; "
+            f"pip install 'drl[{extra}]'"
+        ) from exc
+
+
 class DataError(DrlError):
     """Bad training or evaluation data: empty, corrupt, unknown or duplicate classes."""
 
@@ -66,12 +85,12 @@ class StorageError(DrlError):
 EXIT_CODES: dict[int, str] = {
     0: "success",
     1: "unexpected internal error (a bug: please report it)",
-    2: "usage error: bad or contradictory options",
+    2: "usage error: bad or contradictory options, or a missing optional extra (the message names the pip command)",
     3: "bad data: empty/corrupt/unknown/duplicate classes or images",
     4: "run busy: another process is writing to the run directory",
     5: "integrity failure: damaged run or export, unknown format version, different PTM",
     6: "PTM error: weights missing, not downloadable, or not loadable",
     7: "run state: not a run directory, already initialised, or nothing learned yet",
     8: "storage error: a write failed (e.g. disk full); the previous state is kept",
-    130: "interrupted (Ctrl-C); the previous committed state is kept",
+    130: "interrupted (Ctrl-C); the previous committed state is kept, re-run to resume",
 }

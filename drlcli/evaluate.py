@@ -1,12 +1,14 @@
 """Accuracy metrics as pure functions over predictions (SPEC §4).
 
 A_t is top-1 on the test images of every class seen after stage t; Ā is the mean of A_1..A_T.
-Group accuracy is accuracy restricted to the classes one stage learned; forgetting of a group is
-its best accuracy before the last stage minus its accuracy after the last stage.
+Group accuracy is accuracy restricted to the classes one stage learned; the accuracy matrix holds
+them all (row t: after stage t, column g: the classes of stage g). Forgetting of a group is its
+best accuracy before the last stage minus its accuracy after the last stage.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from torch import Tensor
@@ -47,14 +49,28 @@ def accuracy_report(predictions: Tensor, targets: Tensor, class_stage: Tensor, *
     )
 
 
+def most_confused(
+    predictions: Tensor, targets: Tensor, class_names: list[str], *, top: int = 5
+) -> list[dict[str, object]]:
+    """The ``top`` most frequent (true → predicted) mistakes, most frequent first (ties: by name)."""
+    wrong = predictions != targets
+    pairs = Counter(zip(targets[wrong].tolist(), predictions[wrong].tolist()))
+    ranked = sorted(pairs.items(), key=lambda item: (-item[1], class_names[item[0][0]], class_names[item[0][1]]))
+    return [{"true": class_names[t], "predicted": class_names[p], "count": count} for (t, p), count in ranked[:top]]
+
+
 @dataclass(frozen=True)
 class HistorySummary:
-    """A_t per stage (None where a stage had no evaluation data), Ā, last, forgetting."""
+    """A_t per stage (None where a stage had no evaluation data), Ā, last, forgetting, and the
+    accuracy matrix: ``matrix[t-1][g-1]`` is the accuracy on stage g's classes after stage t
+    (None for g > t or without data)."""
 
     accuracy: list[float | None]
     average: float | None
     last: float | None
     forgetting: dict[str, float]
+    mean_forgetting: float | None = None
+    matrix: list[list[float | None]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,13 +83,17 @@ def summarize_history(reports: list[AccuracyReport | None]) -> HistorySummary:
     forgetting: dict[str, float] = {}
     final = reports[-1] if reports else None
     if final is not None:
-        for group, last_acc in final.groups.items():
+        for group, last_acc in sorted(final.groups.items(), key=lambda item: int(item[0])):  # stage order
             past = [r.groups[group] for r in reports[:-1] if r is not None and group in r.groups]
             if past:
                 forgetting[group] = round(max(past) - last_acc, 4)
+    num_stages = len(reports)
+    matrix = [[r.groups.get(str(g)) if r is not None else None for g in range(1, num_stages + 1)] for r in reports]
     return HistorySummary(
         accuracy=accuracy,
         average=round(sum(known) / len(known), 4) if known else None,
         last=accuracy[-1] if accuracy else None,
         forgetting=forgetting,
+        mean_forgetting=round(sum(forgetting.values()) / len(forgetting), 4) if forgetting else None,
+        matrix=matrix,
     )

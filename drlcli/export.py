@@ -1,5 +1,7 @@
 """The single-file inference artifact: PTM weights, stage weights, real prototypes, class names,
 data config and scoring options in one safetensors file, loadable without the run directory.
+``export_run`` also writes the serving graphs (``--format torchscript|onnx``, see ``traced.py``),
+and ``load_model`` reads any of the three.
 
 The file's metadata holds ``format``/``format_version`` and a JSON ``spec``; ``payload_sha256``
 covers every tensor (name, dtype, shape, bytes), so a damaged file is refused, never used.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,15 @@ from safetensors.torch import load_file, save_file
 from . import __version__, backbone
 from .backbone import PTMSource
 from .config import RunConfig
-from .errors import IntegrityError, StorageError
+from .errors import IntegrityError, StorageError, UsageError
 from .methods import method_of
 from .model import IncrementalModel
+from .traced import GRAPH_FORMATS, GraphModel, load_graph, sniff_format, write_graph
 
 FORMAT = "drl-export"
 FORMAT_VERSION = "1"
+FORMATS = ("drl", *GRAPH_FORMATS)
+SUFFIX_FORMATS = {".onnx": "onnx", ".pt": "torchscript", ".ts": "torchscript", ".torchscript": "torchscript"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class ExportResult:
     bytes: int
     num_stages: int
     num_classes: int
+    format: str = "drl"
+    run_dir: str | None = None
+    check_max_abs_diff: float | None = None  # graphs: |scores - eager scores| on a random check batch
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,15 +86,33 @@ def write_export(
         raise StorageError(
             f"cannot write export {out_path}: {exc.strerror or exc}; free space or pick another --out"
         ) from exc
-    return ExportResult(str(out_path), out_path.stat().st_size, network.num_stages, len(model.class_names))
+    return ExportResult(str(out_path), out_path.stat().st_size, model.num_stages, len(model.class_names))
 
 
-def export_run(run_dir: Path | str, out_path: Path, *, ptm_weights: Path | None = None) -> ExportResult:
-    """Write the run's current model as one file (see module docstring)."""
+def resolve_format(fmt: str | None, out_path: Path) -> str:
+    """The export format: as given, else from the file suffix (.onnx, .pt/.ts/.torchscript), else drl."""
+    if fmt is None:
+        return SUFFIX_FORMATS.get(Path(out_path).suffix.lower(), "drl")
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def export_run(
+    run_dir: Path | str, out_path: Path, *, fmt: str | None = None, ptm_weights: Path | None = None
+) -> ExportResult:
+    """Write the run's current model as one file: ``drl`` (see module docstring), or a serving
+    graph with the scoring baked in (``torchscript``, ``onnx``). Reads the run, never writes it."""
     from .api import load_run
 
+    fmt = resolve_format(fmt, out_path)
     loaded = load_run(run_dir, device="cpu", ptm_weights=ptm_weights)
-    return write_export(loaded.model, loaded.record["ptm"], loaded.config, out_path)
+    if fmt == "drl":
+        result = write_export(loaded.model, loaded.record["ptm"], loaded.config, out_path)
+        return replace(result, run_dir=str(loaded.run.path))
+    size, diff = write_graph(loaded.model, loaded.record["ptm"], loaded.config, Path(out_path), fmt=fmt)
+    model = loaded.model
+    return ExportResult(str(out_path), size, model.num_stages, len(model.class_names), fmt, str(loaded.run.path), diff)
 
 
 def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
@@ -135,3 +161,12 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
         data_config=spec["data_config"],
         offset=method.offset,
     )
+
+
+def load_model(path: Path | str, *, device: str = "cpu") -> IncrementalModel | GraphModel:
+    """Any export (``.drl``, TorchScript or ONNX, told apart by content) ready for ``predict``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"model file {path} not found; pass a file written by `drl export`")
+    fmt = sniff_format(path)
+    return load_export(path, device=device) if fmt == "drl" else load_graph(path, fmt=fmt, device=device)

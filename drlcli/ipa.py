@@ -155,6 +155,8 @@ class IPANetwork(nn.Module):
 
     def _frozen_stack(self, stages: list[StageAdapters]) -> dict[str, Tensor]:
         """``_stack(stages)``, cached while those parameters are unchanged (no copy per forward)."""
+        if _tracing():  # a traced/exported graph must read the parameters, not a cached copy
+            return _stack(stages, self.num_heads)
         key = tuple((id(p), p._version, p.device, p.dtype) for st in stages for p in st.parameters())
         cached = self.__dict__.get("_stack_cache")
         if cached is None or cached[0] != key:
@@ -186,7 +188,7 @@ class IPANetwork(nn.Module):
         r, dh = self.adapter_dim, d // heads
         down, down_bias = params["down"][:, l], params["down_bias"][:, l]
         rows = b * n
-        in_place = workspace is not None and not torch.is_grad_enabled()
+        in_place = workspace is not None and not torch.is_grad_enabled() and not _tracing()
         space = workspace if in_place else {}
         # the hidden gets a column of ones: [h, 1]·[W_up; c] carries the bias inside the matmul, and
         # since each row of A sums to 1, A·[h, 1] = [A·h, 1] keeps that column through the mixing
@@ -269,6 +271,12 @@ class IPANetwork(nn.Module):
         hidden = F.gelu(torch.einsum("sbd,sdf->sbf", block.norm2(y), params["ffn_in"]) + params["ffn_in_bias"][:, None])
         y = y + torch.einsum("sbf,sfd->sbd", hidden, params["ffn_out"]) + params["ffn_out_bias"][:, None]
         return self.ptm.fc_norm(self.ptm.norm(y))
+
+
+def _tracing() -> bool:
+    """True while TorchScript traces or torch.onnx/torch.export exports: in-place writes into
+    out= slices do not survive every exporter, so the functional path is used there."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 def _buffer(workspace: dict[str, Tensor], name: str, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, bool]:

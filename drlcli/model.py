@@ -73,6 +73,14 @@ class IncrementalModel:
             offset=self.offset,
         )
 
+    def score_images(self, images: Tensor) -> Tensor:
+        """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
+        return self.scores(self.network(images))
+
+    @property
+    def device(self) -> torch.device:
+        return _device_of(self.network)
+
     def class_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.class_names)}
 

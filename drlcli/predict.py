@@ -1,4 +1,5 @@
-"""``drl predict``: top-k classes for images, from a run directory or an exported ``.drl`` file.
+"""``drl predict``: top-k classes for images, from a run directory or an exported file (``.drl``,
+TorchScript or ONNX: anything with class names, a data config and ``score_images``).
 
 Sources are image files, folders (every image below them, sorted), list files (``.txt``, one
 path per line, relative paths taken from the list's folder) or ``-`` (paths on stdin). Results
@@ -13,7 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from PIL import Image
@@ -21,7 +22,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from .data import IMAGE_EXTENSIONS, _hidden, eval_transform, load_rgb
 from .errors import DataError, UsageError
-from .model import IncrementalModel
+
+
+class Classifier(Protocol):
+    """What predict needs: ``IncrementalModel`` (run, .drl) and ``traced.GraphModel`` offer it."""
+
+    class_names: list[str]
+    data_config: dict[str, Any]
+    device: torch.device
+
+    def score_images(self, images: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,7 @@ def _collate(
 
 
 def predict(
-    model: IncrementalModel,
+    model: Classifier,
     paths: list[Path],
     *,
     top_k: int = 5,
@@ -106,8 +116,9 @@ def predict(
         raise UsageError(f"--top-k must be >= 1, got {top_k}")
     if not model.class_names:
         raise DataError("the model has learned no class yet; run `drl learn-stage` first")
-    k = min(top_k, len(model.class_names))
-    device = next(model.network.ptm.parameters()).device
+    class_names = model.class_names
+    k = min(top_k, len(class_names))
+    device = model.device
     loader = DataLoader(
         _PathDataset(paths, eval_transform(model.data_config)),
         batch_size=batch_size,
@@ -121,7 +132,7 @@ def predict(
             scores = None
             if good:
                 batch = torch.stack([x for _, x in good]).to(device)
-                scores = model.scores(model.network(batch)).float().cpu()
+                scores = model.score_images(batch).float().cpu()
             row = {i: r for r, (i, _) in enumerate(good)}
             for index, _, err in items:
                 path = str(paths[index])
@@ -132,7 +143,7 @@ def predict(
                 yield Prediction(
                     path,
                     top=[
-                        {"class": model.class_names[c], "score": round(float(v), 6)}
+                        {"class": class_names[c], "score": round(float(v), 6)}
                         for v, c in zip(values.tolist(), classes.tolist())
                     ],
                 )

@@ -66,9 +66,19 @@ def score(
 ) -> Tensor:
     """Class scores (B, C) for features (B, S, d) against a full bank (C, S, d)."""
     if rule == "concat":
-        flat_f = F.normalize(features.flatten(1), dim=-1)  # (B, S·d)
-        flat_p = F.normalize(bank.flatten(1), dim=-1)  # (C, S·d)
-        return flat_f @ flat_p.T
+        return concat_scores(features, bank)
+    weights = score_weights(class_stage, bank.shape[1], rho=rho, beta=beta, offset=offset)
+    return weighted_scores(features, bank, weights)
+
+
+def weighted_scores(features: Tensor, bank: Tensor, weights: Tensor) -> Tensor:
+    """Σ_s weights[c, s]·cos(f_s, P_s(c)): (B, S, d) features, (C, S, d) bank, (C, S) weights -> (B, C)."""
     cos = torch.einsum("bsd,csd->bcs", F.normalize(features, dim=-1), F.normalize(bank, dim=-1))  # (B, C, S)
-    weights = score_weights(class_stage, bank.shape[1], rho=rho, beta=beta, offset=offset).to(cos)
-    return (cos * weights).sum(-1)
+    return (cos * weights.to(cos)).sum(-1)
+
+
+def concat_scores(features: Tensor, bank: Tensor) -> Tensor:
+    """Plain cosine over the concatenated subspaces (the paper's rule): (B, S, d), (C, S, d) -> (B, C)."""
+    flat_f = F.normalize(features.flatten(1), dim=-1)  # (B, S·d)
+    flat_p = F.normalize(bank.flatten(1), dim=-1)  # (C, S·d)
+    return flat_f @ flat_p.T

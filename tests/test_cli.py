@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 
 import pytest
 from safetensors.torch import save_file
@@ -88,7 +89,8 @@ def _unchanged(run, action):
     result, out = action()
     assert (run / "manifest.json").read_bytes() == before
     assert not out["ok"] and out["error"]["exit_code"] == result.exit_code
-    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
+    lines = result.stderr.strip().splitlines()  # progress lines may come first; then one error line
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error: ") for line in lines) == 1
     return result, out
 
 
@@ -212,3 +214,39 @@ def test_demo_runs_offline(tmp_path):
     result, out = drl_json("demo", "--out", tmp_path / "demo", "--epochs", "1", "--device", "cpu")
     assert result.exit_code == 0, result.stderr
     assert len(out["history"]["accuracy"]) == 3 and (tmp_path / "demo" / "model.drl").is_file()
+
+
+def test_eval_reports_matrix_forgetting_confusions_and_plot(trained, tmp_path):
+    pytest.importorskip("matplotlib")  # the plot extra (part of the test extra)
+    plot = tmp_path / "plots" / "accuracy.png"
+    result, ev = drl_json("eval", "--run", trained, "--all-seen", "--plot", plot, "--confusions", "2")
+    assert result.exit_code == 0, result.stderr
+    history = ev["history"]
+    assert len(history["matrix"]) == 2 and history["matrix"][0][1] is None  # stage 2's classes after stage 1
+    assert history["matrix"][1] == [ev["accuracy"]["groups"]["1"], ev["accuracy"]["groups"]["2"]]
+    assert history["forgetting"]["1"] == round(history["matrix"][0][0] - history["matrix"][1][0], 4)
+    assert history["mean_forgetting"] == history["forgetting"]["1"]
+    assert len(ev["confused"]) <= 2 and all(set(c) == {"true", "predicted", "count"} for c in ev["confused"])
+    assert ev["plot"] == str(plot) and plot.read_bytes()[:4] == b"\x89PNG"
+    text = drl("eval", "--run", trained, "--all-seen").stdout
+    assert "accuracy matrix" in text and "t2" in text
+
+
+def test_eval_plot_errors(trained, tmp_path, monkeypatch):
+    result, out = drl_json("eval", "--run", trained, "--all-seen", "--plot", tmp_path / "a.txt")
+    assert result.exit_code == 2 and ".png" in out["error"]["message"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    result, out = drl_json("eval", "--run", trained, "--all-seen", "--plot", tmp_path / "a.png")
+    assert result.exit_code == 2 and out["error"]["kind"] == "missing_dependency"
+    assert "pip install 'drl[plot]'" in out["error"]["message"] and not (tmp_path / "a.png").exists()
+
+
+def test_info_shows_growth_per_stage(trained):
+    result, info = drl_json("info", "--run", trained)
+    stages = info["stages"]
+    assert [s["cumulative_params"] for s in stages] == [stages[0]["num_params"], sum(s["num_params"] for s in stages)]
+    assert [s["cumulative_bytes"] for s in stages] == [stages[0]["bytes"], stages[0]["bytes"] + stages[1]["bytes"]]
+    assert [s["cumulative_classes"] for s in stages] == [3, 6]
+    assert info["base_bytes"] + stages[-1]["cumulative_bytes"] == info["total_bytes"]
+    text = drl("info", "--run", trained).stdout
+    assert "cum.params" in text and f"{stages[-1]['cumulative_params']:,}" in text

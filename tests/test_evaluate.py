@@ -1,6 +1,6 @@
 import torch
 
-from drlcli.evaluate import AccuracyReport, accuracy_report, summarize_history
+from drlcli.evaluate import AccuracyReport, accuracy_report, most_confused, summarize_history
 
 
 def test_accuracy_report_groups_and_old_new():
@@ -26,3 +26,29 @@ def test_history_average_last_and_forgetting():
     assert summary.average == 80.0
     assert summary.last == 70.0
     assert summary.forgetting == {"1": 30.0, "2": -5.0}
+
+
+def test_accuracy_matrix_and_mean_forgetting():
+    reports = [
+        AccuracyReport(top1=90.0, num_images=10, groups={"1": 90.0}),
+        None,
+        AccuracyReport(top1=70.0, num_images=30, groups={"1": 60.0, "2": 80.0, "3": 70.0}),
+    ]
+    summary = summarize_history(reports)
+    assert summary.matrix == [[90.0, None, None], [None, None, None], [60.0, 80.0, 70.0]]
+    assert summary.forgetting == {"1": 30.0}  # group 2 has no earlier accuracy
+    assert summary.mean_forgetting == 30.0
+    assert summarize_history([reports[0]]).mean_forgetting is None
+
+
+def test_most_confused_pairs_by_count_then_name():
+    names = ["cat", "dog", "fox"]
+    targets = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    preds = torch.tensor([1, 1, 0, 0, 2, 0, 0, 2])
+    assert most_confused(preds, targets, names, top=3) == [
+        {"true": "cat", "predicted": "dog", "count": 2},
+        {"true": "fox", "predicted": "cat", "count": 2},
+        {"true": "dog", "predicted": "cat", "count": 1},
+    ]
+    assert most_confused(targets, targets, names) == []
+    assert len(most_confused(preds, targets, names, top=0)) == 0

@@ -1,10 +1,19 @@
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
-from drlcli import export_run, learn_stage, load_export, load_run
-from drlcli.data import scan_class_folders
-from drlcli.errors import IntegrityError
+from drlcli import export_run, learn_stage, load_export, load_model, load_run
+from drlcli.data import eval_transform, load_rgb, scan_class_folders
+from drlcli.errors import DependencyError, IntegrityError, RunStateError, UsageError
+from drlcli.export import resolve_format
 from drlcli.model import embed_images
+
+HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxscript", "onnxruntime"))
 
 
 @pytest.fixture
@@ -42,3 +51,145 @@ def test_damaged_export_is_refused(learned, tmp_path):
     (tmp_path / "junk.drl").write_bytes(b"junk")
     with pytest.raises(IntegrityError, match="not a readable drl export"):
         load_export(tmp_path / "junk.drl")
+
+
+# ------------------------------------------------------------- TorchScript and ONNX graphs
+
+needs_onnx = pytest.mark.skipif(not HAS_ONNX, reason="the export extra (onnx, onnxscript, onnxruntime) is missing")
+FORMATS = ["drl", "torchscript", pytest.param("onnx", marks=needs_onnx)]
+SUFFIX = {"drl": "drl", "torchscript": "pt", "onnx": "onnx"}
+
+
+@pytest.fixture(scope="module")
+def method_runs(tmp_path_factory, stage_folders):
+    """A two-stage run of each method (ease: one ViT pass per stage)."""
+    from drlcli import RunConfig, init_run
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    runs = {}
+    for method in ("drl", "ease", "simplecil"):
+        run = tmp_path_factory.mktemp(f"graph-{method}") / "run"
+        init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method(method))
+        for train, _ in stage_folders[:2]:
+            learn_stage(run, data_dir=train, train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+        runs[method] = run
+    return runs
+
+
+@pytest.fixture(scope="module")
+def exported(method_runs, tmp_path_factory):
+    """export(method, fmt) -> (result, path), each exported once per module (ONNX takes seconds)."""
+    out_dir, cache = tmp_path_factory.mktemp("exports"), {}
+
+    def export(method: str, fmt: str):
+        if (method, fmt) not in cache:
+            path = out_dir / f"{method}.{SUFFIX[fmt]}"
+            cache[method, fmt] = export_run(method_runs[method], path, fmt=fmt), path
+        return cache[method, fmt]
+
+    return export
+
+
+@pytest.mark.parametrize("method", ["drl", "ease", "simplecil"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_scores_like_the_run(method_runs, exported, stage_folders, method, fmt):
+    """Parity: same top-1 and scores within 1e-4 on generated images, for every method and format."""
+    out, path = exported(method, fmt)
+    assert (out.format, out.path, out.num_classes, out.num_stages) == (fmt, str(path), 6, 2)
+    assert out.run_dir == str(method_runs[method]) and out.bytes == path.stat().st_size
+    assert (out.check_max_abs_diff is None) == (fmt == "drl")
+    model = load_model(path)
+    run_model = load_run(method_runs[method], device="cpu").model
+    assert model.class_names == run_model.class_names and model.data_config == run_model.data_config
+    transform = eval_transform(run_model.data_config)  # what a server does before calling the graph
+    images = torch.stack(
+        [transform(load_rgb(p)) for folder in stage_folders[:2] for p in scan_class_folders(folder[1]).paths]
+    )  # (24, 3, 32, 32): not the batch size the graph was traced with
+    with torch.no_grad():
+        expected, got = run_model.score_images(images), model.score_images(images)
+    assert got.shape == expected.shape == (24, 6)
+    assert (got - expected).abs().max() <= 1e-4
+    assert torch.equal(got.argmax(1), expected.argmax(1))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+def test_torchscript_needs_only_torch(exported, method_runs):
+    """The TorchScript file alone: torch.jit.load, the spec in _extra_files, images -> scores."""
+    _, path = exported("drl", "torchscript")
+    extra = {"drl.json": ""}
+    module = torch.jit.load(str(path), _extra_files=extra)
+    spec = json.loads(extra["drl.json"])
+    _check_spec(spec, "torchscript", load_run(method_runs["drl"], device="cpu").model)
+    assert tuple(module(torch.zeros(5, 3, 32, 32)).shape) == (5, 6)
+
+
+@needs_onnx
+def test_onnx_needs_only_onnxruntime(exported, method_runs):
+    """The ONNX file alone: metadata_props hold the spec (JSON values), onnxruntime runs it."""
+    import onnx
+    import onnxruntime
+
+    _, path = exported("drl", "onnx")
+    spec = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    for key in ("class_names", "data_config", "ptm"):
+        spec[key] = json.loads(spec[key])
+    _check_spec(spec, "onnx", load_run(method_runs["drl"], device="cpu").model)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (scores,) = session.run(["scores"], {"images": np.zeros((5, 3, 32, 32), np.float32)})
+    assert scores.shape == (5, 6)
+
+
+def _check_spec(spec, fmt, run_model):
+    assert spec["format"] == f"drl-{fmt}" and spec["format_version"] == "1"
+    assert spec["class_names"] == run_model.class_names
+    assert spec["data_config"] == run_model.data_config
+    assert set(spec["data_config"]) >= {"mean", "std", "input_size", "interpolation", "crop_pct"}
+    assert spec["ptm"]["name"] == "vit_tiny_patch16_224" and len(spec["payload_sha256"]) == 64
+
+
+def test_format_from_suffix_and_bad_formats(method_runs, tmp_path, run_dir):
+    assert resolve_format(None, Path("m.onnx")) == "onnx" and resolve_format(None, Path("m.pt")) == "torchscript"
+    assert resolve_format(None, Path("m.bin")) == "drl" and resolve_format("drl", Path("m.pt")) == "drl"
+    with pytest.raises(UsageError, match="unknown export format 'tflite'; use one of drl, torchscript, onnx"):
+        export_run(method_runs["drl"], tmp_path / "m", fmt="tflite")
+    with pytest.raises(RunStateError, match="learned no stage"):
+        export_run(run_dir, tmp_path / "e.pt", fmt="torchscript")
+    assert not (tmp_path / "e.pt").exists()
+    with pytest.raises(UsageError, match="not found"):
+        load_model(tmp_path / "missing.pt")
+
+
+def test_missing_onnx_extra_names_the_fix(method_runs, tmp_path, monkeypatch):
+    for name in ("onnx", "onnxscript", "onnxruntime"):  # as if the export extra were not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(DependencyError, match=r"--format onnx needs .*; pip install 'drl\[export\]'") as info:
+        export_run(method_runs["simplecil"], tmp_path / "m.onnx")
+    assert info.value.exit_code == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=needs_onnx)])
+def test_damaged_graph_is_refused(exported, tmp_path, fmt):
+    _, original = exported("simplecil", fmt)
+    path = tmp_path / original.name
+    data = bytearray(original.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the weights
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="damaged|not a readable"):
+        load_model(path)
+    path.write_bytes(b"PK\x03\x04junk" if fmt == "torchscript" else b"\x08junk")
+    with pytest.raises(IntegrityError, match="not a readable"):
+        load_model(path)
+
+
+@needs_onnx
+def test_onnx_falls_back_to_torch_export_when_the_fast_exporter_is_wrong(method_runs, tmp_path, monkeypatch):
+    """The TorchScript-based exporter is tried first; a graph that disagrees is never kept."""
+    from drlcli import traced
+
+    real_max_diff, warned = traced._max_diff, []
+    verdicts = iter([1.0])  # the first (fast) export "disagrees"; later checks are real
+    monkeypatch.setattr(traced, "_max_diff", lambda *a: next(verdicts, None) or real_max_diff(*a))
+    monkeypatch.setattr(traced.log, "warning", lambda message, *args: warned.append(message % args))
+    out = export_run(method_runs["simplecil"], tmp_path / "m.onnx")
+    assert len(warned) == 1 and "exporting with torch.export instead" in warned[0]
+    assert out.check_max_abs_diff <= 1e-4

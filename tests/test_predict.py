@@ -1,5 +1,6 @@
 """`drl predict`: every source kind, per-image errors without stopping, run vs exported file."""
 
+import importlib.util
 import json
 
 import pytest
@@ -11,6 +12,10 @@ from drlcli.errors import UsageError
 from drlcli.predict import expand_sources
 
 runner = CliRunner()
+needs_onnx = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("onnx", "onnxscript", "onnxruntime")),
+    reason="the export extra is missing",
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +72,20 @@ def test_bad_invocations(learned, tmp_path):
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage"
     result = runner.invoke(app, ["predict", str(tmp_path), "--run", str(tmp_path / "none")])
     assert result.exit_code in (2, 7)
+
+
+@pytest.mark.parametrize("suffix", ["pt", pytest.param("onnx", marks=needs_onnx)])
+def test_graph_exports_predict_like_the_run(learned, stage_folders, tmp_path, suffix):
+    """`predict --model` takes TorchScript and ONNX files too (told apart by content, not name)."""
+    path = tmp_path / f"model.{suffix}"
+    export_run(learned, path)  # the format follows the suffix
+    renamed = path.rename(tmp_path / "model.bin")
+    folder = str(stage_folders[1][1])
+    from_run = runner.invoke(app, ["predict", folder, "--run", str(learned), "--json", "--device", "cpu"])
+    from_graph = runner.invoke(app, ["predict", folder, "--model", str(renamed), "--json", "--top-k", "2"])
+    assert from_run.exit_code == from_graph.exit_code == 0, from_graph.stderr
+    a, b = _lines(from_run), _lines(from_graph)
+    assert [x["top"][0]["class"] for x in a] == [x["top"][0]["class"] for x in b]
+    assert all(abs(x["top"][0]["score"] - y["top"][0]["score"]) <= 1e-4 for x, y in zip(a, b))
+    missing = runner.invoke(app, ["predict", folder, "--model", str(tmp_path / "none.pt"), "--json"])
+    assert missing.exit_code == 2 and "not found" in json.loads(missing.stdout)["error"]["message"]

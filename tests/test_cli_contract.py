@@ -1,0 +1,122 @@
+"""The output contract of every command off a terminal: no control characters (no ANSI escapes,
+no carriage returns) on stdout or stderr, and ``--json`` gives JSON on stdout for success and for
+failure (library errors and option-parsing errors alike), with the exit code in it."""
+
+import json
+import re
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from drlcli.cli import app
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
+
+runner = CliRunner()
+TINY_ARGS = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
+FAST = ["--epochs", "1", "--batch-size", "12", "--device", "cpu"]
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # everything below space but \t and \n, and DEL
+
+
+def drl(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    for stream in (result.stdout, result.stderr):
+        assert not CONTROL.search(stream), f"control character in output of {args}: {stream!r}"
+    return result
+
+
+def json_out(result) -> list[dict]:
+    """Every stdout line parses as JSON (one object; one per image for predict)."""
+    lines = result.stdout.strip().splitlines()
+    assert lines, "no JSON on stdout"
+    return [json.loads(line) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, stage_folders):
+    """A run with two stages learned through the CLI (the first with --verbose), and its outputs."""
+    root = tmp_path_factory.mktemp("contract")
+    run = root / "run"
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
+    outputs = []
+    for k, (train, test) in enumerate(stage_folders[:2]):
+        verbose = ["--verbose"] if k == 0 else []
+        result = drl("learn-stage", "--run", run, "--data", train, "--eval-data", test, *FAST, *verbose)
+        assert result.exit_code == 0, result.stderr
+        outputs.append(result)
+    return root, run, outputs
+
+
+def test_learn_stage_logs_plain_lines_and_verbose_details(work):
+    _, _, (verbose, plain) = work
+    for result in (verbose, plain):
+        assert "train 1/" in result.stderr and "evaluate 1/1" in result.stderr  # periodic plain lines
+    assert "epoch 1/1: loss" in verbose.stderr and "done in" in verbose.stderr  # --verbose only
+    assert "epoch 1/1: loss" not in plain.stderr and "done in" not in plain.stderr
+
+
+def _cases(root, run, test_dir, bench_data):
+    """(command, success args, failure args, failure exit code) for every command."""
+    return [
+        ("init", ["--run", root / "new", *TINY_ARGS, "--random-init"], ["--run", run, *TINY_ARGS, "--random-init"], 7),
+        ("learn-stage", ["--run", run, "--data", test_dir.parent / "train", *FAST], ["--run", run, "--data", root], 3),
+        ("eval", ["--run", run, "--all-seen", "--device", "cpu"], ["--run", run], 2),
+        ("export", ["--run", run, "--out", root / "m.pt"], ["--run", run, "--out", root / "m.x", "--format", "x"], 2),
+        ("predict", [test_dir, "--run", run, "--device", "cpu"], [test_dir, "--run", root / "none"], 7),
+        ("verify", ["--run", run], ["--run", root], 7),
+        ("info", ["--run", run], ["--run", root], 7),
+        (
+            "benchmark",
+            ["--data", bench_data, "--out", root / "bench", *TINY_ARGS, "--random-init", "--methods", "simplecil"]
+            + ["--split", "B0Inc1", "--device", "cpu"],
+            ["--data", root / "none", "--out", root / "bench2", *TINY_ARGS, "--random-init"],
+            3,
+        ),
+        ("demo", ["--out", root / "demo", "--epochs", "1", "--device", "cpu"], ["--out", root / "demo"], 7),
+    ]
+
+
+def test_every_command_json_and_plain_output(work, stage_folders):
+    root, run, _ = work
+    bench_data = root / "bench-data"
+    make_class_folders(bench_data / "train", [0, 1], images_per_class=3)
+    make_class_folders(bench_data / "test", [0, 1], images_per_class=2, offset=3)
+    for command, good, bad, code in _cases(root, run, stage_folders[0][1], bench_data):
+        result = drl(command, *good, "--json")
+        assert result.exit_code == 0, (command, result.stdout, result.stderr)
+        objects = json_out(result)
+        if command == "predict":
+            assert all("top" in o for o in objects) and len(objects) == 12
+        else:
+            assert len(objects) == 1 and objects[0]["ok"] is True
+        failed = drl(command, *bad, "--json")
+        assert failed.exit_code == code, (command, failed.stdout, failed.stderr)
+        (error,) = json_out(failed)
+        assert error["ok"] is False and error["error"]["exit_code"] == code and error["error"]["message"]
+        assert failed.stderr.strip().splitlines()[-1] == f"error: {error['error']['message']}"
+        # an option-parsing error answers --json too, in one line
+        parse = drl(command, "--json", "--no-such-option")
+        assert parse.exit_code == 2 and json_out(parse)[0]["error"]["kind"] == "usage"
+        assert "--no-such-option" in parse.stderr and len(parse.stderr.strip().splitlines()) == 1
+        if command in ("init", "demo"):  # the success case made what the second run needs to find
+            shutil.rmtree(root / ("new" if command == "init" else "demo"))
+        plain = drl(command, *good)  # the human output: plain text, no control characters either
+        assert plain.exit_code == 0 and plain.stdout.strip(), (command, plain.stderr)
+
+
+def test_quiet_and_verbose_together_are_refused(work):
+    _, run, _ = work
+    result = drl("info", "--run", run, "-q", "-v", "--json")
+    assert result.exit_code == 2 and "exclude each other" in json_out(result)[0]["error"]["message"]
+
+
+def test_artifact_paths_are_in_the_json(work, stage_folders, tmp_path):
+    pytest.importorskip("matplotlib")  # --plot needs the plot extra (part of the test extra)
+    _, run, _ = work
+    learned = json_out(drl("learn-stage", "--run", run, "--data", stage_folders[0][0], "--json"))[0]
+    assert learned["status"] == "unchanged" and learned["run_dir"] == str(run)
+    plot = tmp_path / "acc.png"
+    ev = json_out(drl("eval", "--run", run, "--all-seen", "--plot", plot, "--json"))[0]
+    assert ev["run_dir"] == str(run) and ev["plot"] == str(plot) and plot.stat().st_size > 0
+    ex = json_out(drl("export", "--run", run, "--out", tmp_path / "m.drl", "--json"))[0]
+    assert ex["path"] == str(tmp_path / "m.drl") and ex["run_dir"] == str(run) and ex["format"] == "drl"
