@@ -7,10 +7,14 @@ from drlcli.config import IPAConfig
 from drlcli.ipa import IPANetwork
 
 
-def _network(ptm, stages=0, **cfg):
+def _network(ptm, stages=0, randomize=False, **cfg):
+    """An IPA network with ``stages`` stages: at their initialisation, or with every parameter
+    perturbed (``randomize``) so that no zero-initialised term hides a mistake."""
     net = IPANetwork(ptm, IPAConfig(**cfg))
     for s in range(stages):
         net.new_stage(seed=s)
+        if randomize:
+            _randomize(net.stages[-1], s)
     return net
 
 
@@ -111,9 +115,7 @@ def _reference_forward(net, images):
 )
 def test_fast_path_equals_the_plain_reference(tiny_ptm, images, cfg):
     """Batched stages, r-wide attention mixing, fused gate, class-token transfer block: same numbers."""
-    net = _network(tiny_ptm, stages=3, **cfg)
-    for i, st in enumerate(net.stages):
-        _randomize(st, i)
+    net = _network(tiny_ptm, stages=3, randomize=True, **cfg)
     with torch.no_grad():
         reference = _reference_forward(net, images)
         fast = net(images)
@@ -138,9 +140,7 @@ def test_stacked_weights_are_cached_until_a_parameter_changes(tiny_ptm, images):
 @torch.no_grad()
 def test_stages_batched_equals_one_stage_at_a_time(tiny_ptm, images):
     """Streams computed together give the same subspaces as growing the network stage by stage."""
-    net = _network(tiny_ptm, stages=3)
-    for i, st in enumerate(net.stages):
-        _randomize(st, i)
+    net = _network(tiny_ptm, stages=3, randomize=True)
     together = net(images)
     for t in range(1, 4):
         partial = IPANetwork(tiny_ptm, net.cfg)
@@ -149,9 +149,7 @@ def test_stages_batched_equals_one_stage_at_a_time(tiny_ptm, images):
 
 
 def test_forward_train_matches_inference_and_only_the_new_stage_gets_gradients(tiny_ptm, images):
-    net = _network(tiny_ptm, stages=3)
-    for i, st in enumerate(net.stages):
-        _randomize(st, i)
+    net = _network(tiny_ptm, stages=3, randomize=True)
     for st in net.stages[:-1]:
         st.requires_grad_(False)
     with torch.no_grad():
@@ -206,9 +204,7 @@ def test_one_ptm_pass_for_any_number_of_stages(tiny_ptm, images):
 
 
 def test_old_subspaces_unchanged_when_a_stage_is_added(tiny_ptm, images):
-    net = _network(tiny_ptm, stages=2)
-    for i, st in enumerate(net.stages):
-        _randomize(st, i)
+    net = _network(tiny_ptm, stages=2, randomize=True)
     with torch.no_grad():
         before = net(images)
     new = net.new_stage(seed=9)
@@ -227,9 +223,7 @@ def test_parameter_count_per_stage(tiny_ptm):
 
 def test_bf16_autocast_runs_the_fast_path_and_stays_close(tiny_ptm, images):
     """Under autocast the PTM runs in bf16 and the streams stay in fp32: same features, roughly."""
-    net = _network(tiny_ptm, stages=2)
-    for i, st in enumerate(net.stages):
-        _randomize(st, i)
+    net = _network(tiny_ptm, stages=2, randomize=True)
     with torch.inference_mode():
         exact = net(images)
         with torch.autocast("cpu", dtype=torch.bfloat16):
