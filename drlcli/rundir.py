@@ -263,10 +263,10 @@ class RunWriter:
         name = f"{uuid.uuid4().hex}.safetensors"
         try:
             folder.mkdir(exist_ok=True)
-            _write_durable(folder / name, data)
+            write_durable(folder / name, data)
             full = {**meta, "tensors": {"file": name, "sha256": sha256_bytes(data)}}
             tmp = folder / f".{CHECKPOINT_META}.tmp"
-            _write_durable(tmp, encode_json(full))
+            write_durable(tmp, encode_json(full))
             os.replace(tmp, folder / CHECKPOINT_META)
             _fsync_dir(folder)
         except OSError as exc:
@@ -299,7 +299,7 @@ class RunWriter:
             for name, data in files.items():
                 target = staging / name
                 target.parent.mkdir(parents=True, exist_ok=True)
-                _write_durable(target, data)
+                write_durable(target, data)
                 entries[name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
             for name in files:  # move into place; parents that appear are fsynced below
                 final = self.run._inside(name)
@@ -319,7 +319,7 @@ class RunWriter:
                 "files": {**old_files, **entries},
             }
             tmp = staging / MANIFEST
-            _write_durable(tmp, (json.dumps(new_manifest, indent=1, sort_keys=True) + "\n").encode())
+            write_durable(tmp, (json.dumps(new_manifest, indent=1, sort_keys=True) + "\n").encode())
             os.replace(tmp, self.run.path / MANIFEST)  # the commit point
             _fsync_dir(self.run.path)
         except OSError as exc:
@@ -332,7 +332,7 @@ class RunWriter:
         return new_manifest
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def write_durable(path: Path, data: bytes) -> None:
     with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()

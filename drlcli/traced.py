@@ -38,6 +38,7 @@ from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
 from .prototypes import concat_scores, score_weights, weighted_scores
+from .rundir import write_durable
 
 GRAPH_FORMATS = ("torchscript", "onnx")
 FORMAT_VERSION = "1"
@@ -45,7 +46,7 @@ ONNX_OPSET = 18
 SPEC_FILE = "drl.json"  # TorchScript extra file
 JSON_KEYS = ("ptm", "num_stages", "class_names", "class_stage", "data_config", "score", "input", "output")
 CHECK_TOLERANCE = 1e-3  # a graph that disagrees more with the eager model on a check batch is not written
-ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")  # the export extra
+ONNX_PACKAGES = ("onnx", "onnxruntime")  # the export extra
 log = logging.getLogger(__name__)
 
 
@@ -143,12 +144,9 @@ def write_graph(
             if fmt == "torchscript":
                 data = _torchscript_bytes(graph, example, spec)
             else:
-                data = _onnx_bytes(graph, example, spec, check=check, expected=expected)
+                data = _onnx_bytes(graph, example, spec)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_durable(tmp, data)
         loaded = load_graph(tmp, fmt=fmt)
         with torch.no_grad():
             diff = float((loaded.score_images(check).float().cpu() - expected).abs().max())
@@ -175,23 +173,26 @@ def _torchscript_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any
     return buffer.getvalue()
 
 
-def _onnx_bytes(
-    graph: ScoringGraph, example: Tensor, spec: dict[str, Any], *, check: Tensor, expected: Tensor
-) -> bytes:
-    """The TorchScript-based exporter (seconds, a compact graph) when it translates the network
-    faithfully, else the torch.export-based one, which functionalises in-place and ``out=`` ops
-    (the network may write its inference outputs in place) at the price of a slower export and a
-    larger, slower graph."""
+def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:
+    """PyTorch's TorchScript-based ONNX exporter (seconds, a compact graph). The network takes its
+    functional path while traced (``ipa._tracing``); ``write_graph`` checks the result anyway."""
     onnx = require("onnx", extra="export", purpose="--format onnx")
-    proto = onnx.load_from_string(_onnx_export(graph, example, dynamo=False))
-    diff = _max_diff(_onnx_session(proto.SerializeToString()), check, expected)
-    if not diff <= CHECK_TOLERANCE:
-        log.warning(
-            "the TorchScript-based ONNX exporter mistranslates this network (max |Δscore| %.1e); "
-            "exporting with torch.export instead (slower to export and to run)",
-            diff,
+    printed = io.StringIO()  # the exporter reports its steps on stdout, which belongs to results
+    buffer = io.BytesIO()
+    with contextlib.redirect_stdout(printed):
+        torch.onnx.export(
+            graph,
+            (example,),
+            buffer,
+            dynamo=False,
+            input_names=["images"],
+            output_names=["scores"],
+            opset_version=ONNX_OPSET,
+            dynamic_axes={"images": {0: "batch"}, "scores": {0: "batch"}},
         )
-        proto = onnx.load_from_string(_onnx_export(graph, example, dynamo=True))
+    if printed.getvalue().strip():
+        log.debug("%s", printed.getvalue().strip())
+    proto = onnx.load_from_string(buffer.getvalue())
     spec = {**spec, "payload_sha256": _onnx_payload_sha256(proto)}
     for key, value in spec.items():
         entry = proto.metadata_props.add()
@@ -201,47 +202,11 @@ def _onnx_bytes(
     return proto.SerializeToString()
 
 
-def _onnx_export(graph: ScoringGraph, example: Tensor, *, dynamo: bool) -> bytes:
-    names = {"input_names": ["images"], "output_names": ["scores"], "opset_version": ONNX_OPSET}
-    printed = io.StringIO()  # the exporters report their steps on stdout, which belongs to results
-    with contextlib.redirect_stdout(printed):
-        if not dynamo:
-            buffer = io.BytesIO()
-            torch.onnx.export(
-                graph,
-                (example,),
-                buffer,
-                dynamo=False,
-                dynamic_axes={"images": {0: "batch"}, "scores": {0: "batch"}},
-                **names,
-            )
-            data = buffer.getvalue()
-        else:
-            program = torch.onnx.export(
-                graph,
-                (example,),
-                dynamo=True,
-                dynamic_shapes={"images": {0: torch.export.Dim("batch", min=1)}},
-                verbose=False,
-                optimize=False,  # onnxscript's optimiser takes many minutes on a many-stage graph
-                **names,
-            )
-            data = program.model_proto.SerializeToString()
-    if printed.getvalue().strip():
-        log.debug("%s", printed.getvalue().strip())
-    return data
-
-
 def _onnx_session(data: bytes) -> Any:
     ort = require("onnxruntime", extra="export", purpose="running an ONNX export")
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: its warnings are coloured lines on stderr
     return ort.InferenceSession(data, sess_options=options, providers=["CPUExecutionProvider"])
-
-
-def _max_diff(session: Any, images: Tensor, expected: Tensor) -> float:
-    (scores,) = session.run(["scores"], {"images": images.numpy()})
-    return float((torch.from_numpy(scores) - expected).abs().max())
 
 
 def _onnx_payload_sha256(proto: Any) -> str:

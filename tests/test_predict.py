@@ -13,7 +13,7 @@ from drlcli.predict import expand_sources
 
 runner = CliRunner()
 needs_onnx = pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("onnx", "onnxscript", "onnxruntime")),
+    any(importlib.util.find_spec(m) is None for m in ("onnx", "onnxruntime")),
     reason="the export extra is missing",
 )
 

@@ -105,7 +105,7 @@ def test_failing_write_keeps_previous_state(tmp_path, monkeypatch):
     def disk_full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rundir, "_write_durable", disk_full)
+    monkeypatch.setattr(rundir, "write_durable", disk_full)
     with pytest.raises(StorageError, match="free some disk space"):
         _add_stage(run, 2)
     monkeypatch.undo()
