@@ -285,6 +285,7 @@ class BenchmarkSettings:
     max_train_per_class: int | None = None
     max_test_per_class: int | None = None
     val_fraction: float | None = None
+    max_stages: int | None = None  # run only the first N stages of the protocol
     skip_classes: tuple[str, ...] = ("BACKGROUND_Google",)
     device: str = "auto"
     timing_batch: int = 32
@@ -415,7 +416,7 @@ def run_benchmark(
             raise UsageError(f"--val-fraction must be in (0, 1), got {settings.val_fraction}")
         data = split_validation(data, settings.val_fraction, settings.seed)
     order = class_order(list(data.train), seed=settings.seed, shuffle=settings.shuffle)
-    stages = stage_classes(order, base, inc)
+    stages = stage_classes(order, base, inc)[: settings.max_stages]
     out = Path(settings.out_dir)
     main = distributed.is_main()  # under torchrun rank 0 alone writes files; all ranks train
     protocol = {
@@ -526,8 +527,8 @@ def run_benchmark(
             "class_order": order,
             "stages": [len(s) for s in stages],
             "data_source": data.source,
-            "train_images": sum(len(v[: settings.max_train_per_class]) for v in data.train.values()),
-            "test_images": sum(len(v[: settings.max_test_per_class]) for v in data.test.values()),
+            "train_images": sum(len(data.train[c][: settings.max_train_per_class]) for s in stages for c in s),
+            "test_images": sum(len(data.test[c][: settings.max_test_per_class]) for s in stages for c in s),
             "epochs": settings.epochs,
             "device": str(api.resolve_device(settings.device)),
             "torch": torch.__version__,

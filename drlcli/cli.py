@@ -56,6 +56,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts are plain: brackets such as [/key=value] are not markup
     help="Class-incremental learning on a frozen pre-trained ViT (DRL: IPA network + DAS).",
     epilog=EPILOG,
 )
@@ -580,6 +581,9 @@ def benchmark(
     val_fraction: float | None = typer.Option(
         None, "--val-fraction", help="Evaluate on this held-out fraction of train (for tuning), not on test."
     ),
+    max_stages: int | None = typer.Option(
+        None, "--stages", min=1, help="Run only the first N stages (quick checks, tuning); rerun with more to continue."
+    ),
     skip_class: list[str] = typer.Option(["BACKGROUND_Google"], "--skip-class", help="Class to leave out."),
     rescore: list[str] = typer.Option(
         [], "--rescore", help="Also score each trained run with these options, no retraining (e.g. beta=0)."
@@ -607,6 +611,7 @@ def benchmark(
             max_train_per_class=max_train,
             max_test_per_class=max_test,
             val_fraction=val_fraction,
+            max_stages=max_stages,
             skip_classes=tuple(skip_class),
             device=device,
             rescore=tuple(rescore),

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from drlcli.benchmark import class_order, load_data, parse_methods, parse_split, parse_variant, stage_classes
 from drlcli.cli import app
 from drlcli.errors import DataError, UsageError
+from drlcli.rundir import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 TINY_ARGS = ["--ptm", TINY_PTM, "--random-init"] + [
@@ -115,3 +116,20 @@ def test_validation_split_holds_out_train_images(tmp_path):
         assert len(held.test[cls]) == 2 and len(held.train[cls]) == 8
         assert not set(held.test[cls]) & set(held.train[cls])
         assert set(held.test[cls]) | set(held.train[cls]) == set(data.train[cls])
+
+
+def test_stages_runs_a_prefix_and_a_later_call_continues_it(tmp_path):
+    data = tmp_path / "data"
+    make_class_folders(data / "train", list(range(5)), images_per_class=4)
+    make_class_folders(data / "test", list(range(5)), images_per_class=2, offset=4)
+    args = ["benchmark", "--data", data, "--out", tmp_path / "out", *TINY_ARGS, "--split", "B0Inc2"]
+    args += ["--methods", "simplecil", "--device", "cpu", "--json"]
+    first = CliRunner().invoke(app, [str(a) for a in [*args, "--stages", "2"]])
+    assert first.exit_code == 0, first.stderr
+    report = json.loads(first.stdout)
+    assert report["protocol"]["stages"] == [2, 2] and report["protocol"]["test_images"] == 8
+    assert len(report["results"][0]["accuracy"]) == 2
+    full = json.loads(CliRunner().invoke(app, [str(a) for a in args]).stdout)
+    assert full["protocol"]["stages"] == [2, 2, 1]
+    assert full["results"][0]["accuracy"][:2] == report["results"][0]["accuracy"]
+    assert len(RunDir(tmp_path / "out" / "runs" / "simplecil").stage_indices()) == 3

@@ -120,3 +120,13 @@ def test_artifact_paths_are_in_the_json(work, stage_folders, tmp_path):
     assert ev["run_dir"] == str(run) and ev["plot"] == str(plot) and plot.stat().st_size > 0
     ex = json_out(drl("export", "--run", run, "--out", tmp_path / "m.drl", "--json"))[0]
     assert ex["path"] == str(tmp_path / "m.drl") and ex["run_dir"] == str(run) and ex["format"] == "drl"
+
+
+def test_every_command_has_help():
+    """--help renders for every command (help texts are plain text, never parsed as markup)."""
+    names = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
+    assert len(names) >= 9
+    for name in names:
+        result = drl(name, "--help")
+        assert result.exit_code == 0, (name, result.output)
+        assert "Usage:" in result.stdout and "--help" in result.stdout
