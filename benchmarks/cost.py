@@ -80,7 +80,7 @@ def classifier_model(network: torch.nn.Module, offset: int) -> IncrementalModel:
 def inference_case(model: IncrementalModel, images: torch.Tensor) -> Callable[[], None]:
     def run() -> None:
         with torch.inference_mode():
-            model.scores(model.network(images))
+            model.score_images(images)
 
     model.prototype_bank()  # synthesised once, as a loaded run does
     return run

@@ -521,7 +521,7 @@ def learn_stage(
             "images_per_class": images.counts(),
             "data_fingerprint": fingerprint,
             "train": asdict(config.train) if method.trains else None,
-            "device": str(next(network.ptm.parameters()).device),
+            "device": str(model.device),
             "world_size": distributed.world_size(),
             "eval_data": {
                 "path": os.path.relpath(Path(eval_data_dir).resolve(), run.path.resolve()),

@@ -298,13 +298,13 @@ def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
     images = scan_class_folders(test_dir, what="timing images")
     dataset = ImageDataset(images, eval_transform(model.data_config))
     n = min(batch, len(dataset))
-    device = next(model.network.ptm.parameters()).device
+    device = model.device
     x = torch.stack([dataset[i][0] for i in range(n)]).to(device)
     times = []
     with torch.inference_mode():
         for _ in range(6):  # the first is a warm-up
             start = time.perf_counter()
-            model.scores(model.network(x))
+            model.score_images(x)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
