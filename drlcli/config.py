@@ -59,6 +59,7 @@ class TrainConfig:
     lambda_neg: float = 1.0
     kd_weight: float = 0.5  # α
     scale_init: float = 16.0  # σ of the cosine classifier; must exceed the anchor to reach it
+    head_init: str = "random"  # random | prototypes: w_i starts at class i's mean feature
     crop_scale_min: float = 0.08  # RandomResizedCrop lower scale bound for training images
     hflip: bool = True
     seed: int = 0
@@ -178,6 +179,7 @@ _CHOICES = {
     ("ipa", "gate"): ("adapt", "sum", "part"),
     ("ipa", "attention"): ("reuse", "none"),
     ("train", "loss"): ("das", "ce"),
+    ("train", "head_init"): ("random", "prototypes"),
     ("score", "rule"): ("reweight", "concat"),
 }
 

@@ -26,6 +26,7 @@ from .config import TrainConfig
 from .data import ImageDataset, ImageSet, train_transform
 from .errors import UsageError
 from .losses import ce_loss, das_loss, kd_loss
+from .model import class_means, embed_images
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ def train_stage(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         classifier = CosineClassifier(network.width, num_classes, scale_init=cfg.scale_init).to(device)
+    if cfg.head_init == "prototypes" and resume is None:
+        classifier.weight.data.copy_(initial_class_means(network, images, data_config, batch_size=cfg.batch_size))
     dataset = ImageDataset(images, train_transform(data_config, crop_scale_min=cfg.crop_scale_min, hflip=cfg.hflip))
     world = distributed.world_size()
     global_batch = min(cfg.batch_size, len(dataset))
@@ -207,6 +210,19 @@ def train_stage(
     stage.requires_grad_(False)
     seconds = earlier_seconds + time.perf_counter() - start
     return TrainResult(epoch_losses, float(classifier.scale.item()), seconds, steps)
+
+
+def initial_class_means(
+    network: nn.Module, images: ImageSet, data_config: dict[str, Any], *, batch_size: int
+) -> Tensor:
+    """(C, d) mean feature of each class in the newest (untrained) stage's subspace, eval transform:
+    a classifier that starts there already separates the stage's classes, so the first steps
+    refine the features instead of chasing random class directions."""
+    network.stages[-1].eval()  # no dropout (EASE); train_stage switches it back to training
+    feats, labels = embed_images(
+        network, images, data_config, batch_size=batch_size, indices=distributed.shard(len(images))
+    )
+    return class_means(feats[:, -1:], labels, len(images.class_names))[:, 0].to(next(network.parameters()).device)
 
 
 class GlobalBatchShard(Sampler[int]):

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from drlcli.config import IPAConfig, TrainConfig
-from drlcli.data import scan_class_folders
+from drlcli.data import ImageDataset, eval_transform, scan_class_folders
 from drlcli.ipa import IPANetwork
-from drlcli.train import CosineClassifier, train_stage
+from drlcli.train import CosineClassifier, initial_class_means, train_stage
 
 CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
 
@@ -63,3 +63,27 @@ def test_cosine_classifier_scale_lets_logits_pass_the_anchor():
     clf = CosineClassifier(8, 3, scale_init=16.0)
     feats = clf.weight.detach()[:1] * 5
     assert clf(feats)[0, 0].item() == pytest.approx(16.0, rel=1e-5)
+
+
+def test_prototype_head_init_starts_at_the_class_means(tiny_ptm, make_folder):
+    images = scan_class_folders(make_folder("d", [0, 1, 2], n=6))
+    net = IPANetwork(tiny_ptm, IPAConfig())
+    net.new_stage(seed=0)
+    with torch.no_grad():
+        feats = net(torch.stack([_eval_image(images, i) for i in range(len(images))]))[:, -1]
+    labels = torch.tensor(images.labels)
+    expected = torch.stack([feats[labels == c].mean(0) for c in range(3)])
+    assert torch.allclose(initial_class_means(net, images, CFG, batch_size=4), expected, atol=1e-5)
+    # starting there, the stage's images are already classified: the first epoch's loss is far
+    # below a random head's (lr tiny, so the epoch measures the starting point)
+    losses = {}
+    for init in ("random", "prototypes"):
+        net = IPANetwork(tiny_ptm, IPAConfig())
+        net.new_stage(seed=0)
+        cfg = TrainConfig(epochs=1, batch_size=18, lr=1e-8, loss="ce", kd_weight=0.0, head_init=init)
+        losses[init] = train_stage(net, images, cfg, CFG).epoch_losses[0]
+    assert losses["prototypes"] < 0.5 * losses["random"]
+
+
+def _eval_image(images, index):
+    return ImageDataset(images, eval_transform(CFG))[index][0]
