@@ -115,7 +115,8 @@ def train_stage(
         torch.manual_seed(cfg.seed)
         classifier = CosineClassifier(network.width, num_classes, scale_init=cfg.scale_init).to(device)
     if cfg.head_init == "prototypes" and resume is None:
-        classifier.weight.data.copy_(initial_class_means(network, images, data_config, batch_size=cfg.batch_size))
+        means = initial_class_means(network, images, data_config, batch_size=cfg.batch_size)
+        classifier.weight.data.copy_(means.to(device))
     dataset = ImageDataset(images, train_transform(data_config, crop_scale_min=cfg.crop_scale_min, hflip=cfg.hflip))
     world = distributed.world_size()
     global_batch = min(cfg.batch_size, len(dataset))
@@ -215,14 +216,14 @@ def train_stage(
 def initial_class_means(
     network: nn.Module, images: ImageSet, data_config: dict[str, Any], *, batch_size: int
 ) -> Tensor:
-    """(C, d) mean feature of each class in the newest (untrained) stage's subspace, eval transform:
+    """(C, d) mean feature (on the CPU) of each class in the newest (untrained) stage's subspace, eval transform:
     a classifier that starts there already separates the stage's classes, so the first steps
     refine the features instead of chasing random class directions."""
     network.stages[-1].eval()  # no dropout (EASE); train_stage switches it back to training
     feats, labels = embed_images(
         network, images, data_config, batch_size=batch_size, indices=distributed.shard(len(images))
     )
-    return class_means(feats[:, -1:], labels, len(images.class_names))[:, 0].to(next(network.parameters()).device)
+    return class_means(feats[:, -1:], labels, len(images.class_names))[:, 0]
 
 
 class GlobalBatchShard(Sampler[int]):
