@@ -26,13 +26,7 @@ from .errors import DataError, IntegrityError, PTMError, RunStateError, UsageErr
 from .evaluate import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .methods import method_of
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
-from .rundir import (
-    RUN_CONFIG_KIND,
-    RunDir,
-    init_files,
-    refuse_existing,
-    stage_files,
-)
+from .rundir import RUN_CONFIG_KIND, RunDir, init_files, stage_files
 from .train import TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
@@ -92,14 +86,18 @@ def init_run(
     ptm_kwargs: dict[str, Any] | None = None,
     config: RunConfig | None = None,
     seed: int = 0,
+    allow_nonempty: bool = False,
 ) -> InitResult:
-    """Create a run directory for ``ptm``. Random-init weights are stored in the run."""
+    """Create a run directory for ``ptm``. Random-init weights are stored in the run.
+
+    The folder must be empty (or hold only what an interrupted init left); ``allow_nonempty``
+    accepts other files beside the run, which drl never changes. A user's file under one of the
+    run's own names (``ptm.safetensors``, ``stages``...) is refused either way."""
     if ptm_weights is not None and random_init:
         raise UsageError("--ptm-weights and --random-init exclude each other; pass one")
     config = config or RunConfig()
     run = RunDir(run_dir)
-    with run.writer(create=True) as writer:
-        refuse_existing(run.path)
+    with run.writer(create=True, allow_nonempty=allow_nonempty) as writer:
         source = PTMSource(weights_path=ptm_weights, random_init=random_init, seed=seed)
         model = backbone.create_ptm(ptm, source=source, kwargs=ptm_kwargs)
         kind = "random" if random_init else ("file" if ptm_weights is not None else "hub")

@@ -92,12 +92,20 @@ class _Stderr:
         sys.stderr.flush()
 
 
+class _LineFormatter(logging.Formatter):
+    """Bare lines; a library warning reads like the CLI's own (``warning: ...``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"warning: {text}" if record.levelno == logging.WARNING else text
+
+
 def _setup_logging(*, quiet: bool, verbose: bool) -> None:
     """The ``drlcli`` loggers print bare lines on stderr: warnings only (quiet), info, or debug (verbose)."""
     if quiet and verbose:
         raise UsageError("--quiet and --verbose exclude each other; pass one")
     handler = logging.StreamHandler(_Stderr())
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(_LineFormatter("%(message)s"))
     log.handlers = [handler]
     log.propagate = False
     log.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
@@ -303,6 +311,12 @@ def init(
     method: str | None = typer.Option(None, "--method", help="drl (default), ease or simplecil."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
+    allow_nonempty: bool = typer.Option(
+        False,
+        "--allow-nonempty",
+        help="Create the run in a folder that holds other files (never changed). Without it init needs an "
+        "empty folder; a file under one of the run's own names (ptm.safetensors, stages, ...) is refused either way.",
+    ),
     run: Path = RunOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -321,6 +335,7 @@ def init(
             ptm_kwargs=_parse_ptm_args(ptm_arg),
             config=cfg,
             seed=seed,
+            allow_nonempty=allow_nonempty,
         )
 
     def render(r: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from .config import RunConfig
 from .errors import IntegrityError, StorageError, UsageError
 from .methods import method_of
 from .model import IncrementalModel
+from .rundir import refuse_inside_run
 from .traced import GRAPH_FORMATS, GraphModel, load_graph, sniff_format, write_graph
 
 FORMAT = "drl-export"
@@ -106,6 +107,7 @@ def export_run(
     from .api import load_run
 
     fmt = resolve_format(fmt, out_path)
+    refuse_inside_run(out_path, option="--out")
     loaded = load_run(run_dir, device="cpu", ptm_weights=ptm_weights)
     if fmt == "drl":
         result = write_export(loaded.model, loaded.record["ptm"], loaded.config, out_path)

@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import StorageError, UsageError, require
 from .evaluate import HistorySummary
+from .rundir import refuse_inside_run
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -29,6 +30,7 @@ def check_plot_path(path: Path) -> None:
     """Fail before any work: an unknown image format, or matplotlib missing."""
     if Path(path).suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot {path}: name a {', '.join(PLOT_SUFFIXES)} file (e.g. accuracy.png)")
+    refuse_inside_run(path, option="--plot")
     pyplot(purpose="--plot")
 
 

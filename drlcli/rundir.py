@@ -11,12 +11,21 @@ Layout (format version 1)::
     .staging/                  files being written; never trusted, cleaned by the next writer
     .checkpoint/               the last finished epoch of an interrupted learn-stage (not part
                                of the model; checksummed; resumed or discarded by the next one)
+    .quarantine/<time>/        leftovers a writer moved aside instead of deleting (unlisted
+                               stage folders, unknown names in the run's own folders)
 
 Every file is immutable once listed in the manifest. A commit writes new files into
 ``.staging``, fsyncs them, renames them into place under names no committed file uses, then
 replaces ``manifest.json`` by an atomic rename and fsyncs the directory. A crash at any moment
 leaves the old manifest (and the old state) or the new one. Readers trust only files the manifest
 lists, and verify their sha256 on every read. Nothing here is ever unpickled.
+
+A run directory is untrusted input (it is copied, downloaded, shared): no file or folder of a run
+is ever followed out of it. Every access goes through the no-follow helpers below (``O_NOFOLLOW``
+opens, ``lstat`` checks of every path component below the run's root), and a symbolic link where
+the run keeps its own file or folder is refused (``IntegrityError``, exit 5). Writers delete only
+names they create themselves; anything else they find in the run's folders is moved to
+``.quarantine/`` with a logged warning, never deleted.
 """
 
 from __future__ import annotations
@@ -26,12 +35,15 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import socket
+import stat
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -41,7 +53,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from .errors import IntegrityError, RunBusyError, RunStateError, StorageError
+from .errors import IntegrityError, RunBusyError, RunStateError, StorageError, UsageError
 
 FORMAT = "drl-run"
 FORMAT_VERSION = 1
@@ -53,6 +65,14 @@ LOCK = ".lock"
 STAGING = ".staging"
 CHECKPOINT = ".checkpoint"
 CHECKPOINT_META = "checkpoint.json"
+QUARANTINE = ".quarantine"
+# every name a run keeps at its top level: never a link, and never a user's file that init would take over
+RESERVED = (MANIFEST, RUN_CONFIG, PTM_WEIGHTS, STAGES, LOCK, STAGING, CHECKPOINT, QUARANTINE)
+OWN_FOLDERS = (STAGES, CHECKPOINT, STAGING)  # folders whose every entry is the run's
+_STAGING_NAME = re.compile(r"[0-9a-f]{32}")
+_CHECKPOINT_TENSORS = re.compile(r"[0-9a-f]{32}\.safetensors")
+_CHECKPOINT_TMP = f".{CHECKPOINT_META}.tmp"
+log = logging.getLogger(__name__)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -61,6 +81,127 @@ def sha256_bytes(data: bytes) -> str:
 
 def stage_dir(index: int) -> str:
     return f"{STAGES}/{index:03d}"
+
+
+# --------------------------------------------------------------- no-follow access (the one place)
+
+
+def _link_error(path: Path) -> IntegrityError:
+    return IntegrityError(
+        f"{path} is a symbolic link; drl never follows links inside a run directory: replace it with "
+        "the run's own file or folder, or restore the run from a backup"
+    )
+
+
+def _not_plain_error(path: Path, what: str) -> IntegrityError:
+    return IntegrityError(f"{path} is not a {what}; remove it or restore the run from a backup")
+
+
+def check_path(root: Path, rel: str | PurePosixPath) -> Path:
+    """``root/rel``, after checking that no existing component below ``root`` is a symbolic link."""
+    path = root
+    for part in PurePosixPath(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            raise _link_error(path)
+    return path
+
+
+def real_dir(path: Path, *, create: bool = False) -> bool:
+    """Whether ``path`` is a folder (made first when ``create``); a link or file in its place is refused."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
+        raise _link_error(path)
+    if not stat.S_ISDIR(mode):
+        raise _not_plain_error(path, "folder")
+    return True
+
+
+def make_dirs(root: Path, rel: str | PurePosixPath) -> Path:
+    """``root/rel`` as a folder, each missing component made, none of them followed if a link."""
+    path = root
+    for part in PurePosixPath(rel).parts:
+        path = path / part
+        real_dir(path, create=True)
+    return path
+
+
+def _open_nofollow(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _link_error(path) from None
+        raise
+
+
+def read_nofollow(path: Path) -> bytes:
+    """A regular file's bytes; a link, folder, FIFO or device in its place is refused (IntegrityError)."""
+    with open(_open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise _not_plain_error(path, "regular file")
+        return handle.read()
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write, flush and fsync ``path``; a link in its place is refused, never followed."""
+    with open(_open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def remove_own(path: Path) -> None:
+    """Delete a file or folder the run itself created; a link in its place is refused."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise _link_error(path)
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)  # fd-based on Linux: links inside are removed, never followed
+    else:
+        os.unlink(path)
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty, absent, or a link (rmdir never follows)
+        os.rmdir(path)
+
+
+def _is_run(folder: Path) -> bool:
+    try:
+        data = json.loads(read_nofollow(folder / MANIFEST))
+    except (OSError, ValueError, IntegrityError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
+def enclosing_run(path: Path | str) -> Path | None:
+    """The run directory ``path`` would land in (itself or an ancestor), links resolved; else None."""
+    path = Path(path)
+    for target in (path.parent.resolve() / path.name, path.resolve()):
+        for folder in (target, *target.parents):
+            if _is_run(folder):
+                return folder
+    return None
+
+
+def refuse_inside_run(path: Path | str, *, option: str) -> None:
+    """A command's output file must never land inside a run directory (it could replace the run's files)."""
+    run = enclosing_run(path)
+    if run is not None:
+        raise UsageError(
+            f"{option} {path} is inside the drl run directory {run}; writing there could destroy the run: "
+            "pick a path outside it"
+        )
 
 
 @dataclass(frozen=True)
@@ -81,7 +222,7 @@ class RunDir:
     # ------------------------------------------------------------------ reading
 
     def exists(self) -> bool:
-        return (self.path / MANIFEST).is_file()
+        return os.path.lexists(self.path / MANIFEST)  # a link there is refused by manifest(), not ignored
 
     def manifest(self) -> dict[str, Any]:
         path = self.path / MANIFEST
@@ -89,10 +230,10 @@ class RunDir:
             raise RunStateError(
                 f"run directory {self.path} does not exist; create it with `drl init --run {self.path}`"
             )
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise RunStateError(f"{self.path} is not a drl run directory (no {MANIFEST}); create one with `drl init`")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_nofollow(path))
         except (OSError, ValueError) as exc:
             raise IntegrityError(f"{path} is unreadable or damaged ({exc}); restore it from a backup") from exc
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -103,7 +244,21 @@ class RunDir:
                 f"run {self.path} has format version {version}, this drl reads version "
                 f"{FORMAT_VERSION}; use the drl release that wrote it"
             )
+        self._refuse_links(data)
         return data
+
+    def _refuse_links(self, manifest: dict[str, Any]) -> None:
+        """Refuse the whole run if a link stands where it keeps a file or folder of its own."""
+        try:
+            names = [*RESERVED, *manifest["files"]]
+        except (KeyError, TypeError) as exc:
+            raise IntegrityError(f"{self.path / MANIFEST} is incomplete ({exc}); restore it from a backup") from exc
+        for name in names:
+            self._inside(name)
+        for folder in OWN_FOLDERS:
+            if real_dir(self.path / folder):
+                for child in os.listdir(self.path / folder):
+                    check_path(self.path / folder, child)
 
     def read_bytes(self, name: str, manifest: dict[str, Any] | None = None) -> bytes:
         """A listed file's bytes, after checking its size and sha256 against the manifest."""
@@ -113,7 +268,7 @@ class RunDir:
             raise IntegrityError(f"{name} is not listed in {self.path / MANIFEST}; the run is incomplete")
         path = self._inside(name)
         try:
-            data = path.read_bytes()
+            data = read_nofollow(path)
         except OSError as exc:
             raise IntegrityError(f"{path} is missing or unreadable ({exc.strerror}); restore it from a backup") from exc
         if len(data) != entry["bytes"] or sha256_bytes(data) != entry["sha256"]:
@@ -164,9 +319,13 @@ class RunDir:
         """The interrupted stage's last epoch (meta, tensors), or None if absent or damaged."""
         folder = self.path / CHECKPOINT
         try:
-            meta = json.loads((folder / CHECKPOINT_META).read_text())
-            name = PurePosixPath(meta["tensors"]["file"]).name
-            data = (folder / name).read_bytes()
+            if not real_dir(folder):
+                return None
+            meta = json.loads(read_nofollow(folder / CHECKPOINT_META))
+            name = meta["tensors"]["file"]
+            if not _CHECKPOINT_TENSORS.fullmatch(name):
+                return None
+            data = read_nofollow(folder / name)
             if sha256_bytes(data) != meta["tensors"]["sha256"]:
                 return None
             return meta, st_load(data)
@@ -181,25 +340,25 @@ class RunDir:
         rel = PurePosixPath(name)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise IntegrityError(f"manifest entry {name!r} points outside the run directory; the run is damaged")
-        return self.path.joinpath(*rel.parts)
+        return check_path(self.path, rel)
 
     # ------------------------------------------------------------------ writing
 
     @contextlib.contextmanager
-    def writer(self, *, create: bool = False) -> Iterator[RunWriter]:
-        """Hold the writer lock for the block. Fails fast (RunBusyError) if another holds it."""
+    def writer(self, *, create: bool = False, allow_nonempty: bool = False) -> Iterator[RunWriter]:
+        """Hold the writer lock for the block. Fails fast (RunBusyError) if another holds it.
+        ``create`` (init) first checks the folder holds nothing of a user's under the run's names
+        (and nothing at all unless ``allow_nonempty``), before the lock file is even opened."""
         if create:
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise StorageError(f"cannot create run directory {self.path}: {exc.strerror}") from exc
+            refuse_existing(self.path, allow_nonempty=allow_nonempty)
         elif not self.path.is_dir():
             self.manifest()  # raises the right "no run here" error
         lock_path = self.path / LOCK
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StorageError(f"cannot open lock {lock_path}: {exc.strerror}") from exc
+        fd = _open_lock(lock_path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -211,6 +370,8 @@ class RunDir:
             holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(holder).encode(), 0)
+            if create:  # another init may have finished while this one waited
+                refuse_existing(self.path, allow_nonempty=allow_nonempty)
             writer = RunWriter(self)
             writer.clean_staging()
             yield writer
@@ -218,12 +379,32 @@ class RunDir:
             os.close(fd)  # releases the flock
 
 
-def _holder(lock_path: Path) -> str:
+def _open_lock(path: Path) -> int:
+    """The lock file, opened without following a link; anything but a plain file of its own is refused."""
     try:
-        info = json.loads(lock_path.read_text())
-        return f"pid {info['pid']} on {info['host']} (since {info['started']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
+        fd = _open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
+    except OSError as exc:
+        raise StorageError(f"cannot open lock {path}: {exc.strerror}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link would let the lock write elsewhere
+        os.close(fd)
+        raise _not_plain_error(path, "plain lock file (it is a special file or has other hard links)")
+    return fd
+
+
+def _lock_info(lock_path: Path) -> dict[str, Any] | None:
+    """What a drl lock file says (pid, host, start), {} when empty; None when it is not a drl lock."""
+    try:
+        data = read_nofollow(lock_path)
+        info = json.loads(data) if data else {}
+    except (OSError, ValueError, IntegrityError):
+        return None
+    return info if isinstance(info, dict) and (not info or {"pid", "host", "started"} <= info.keys()) else None
+
+
+def _holder(lock_path: Path) -> str:
+    info = _lock_info(lock_path)
+    return f"pid {info['pid']} on {info['host']} (since {info['started']})" if info else "another process"
 
 
 def _now() -> str:
@@ -243,18 +424,52 @@ class RunWriter:
 
     def __init__(self, run: RunDir):
         self.run = run
+        self._quarantine: Path | None = None  # this writer's .quarantine/<time>/, made on first use
 
     def clean_staging(self) -> None:
-        """Remove debris of interrupted writers: staging files and unlisted stage folders."""
-        shutil.rmtree(self.run.path / STAGING, ignore_errors=True)
+        """Tidy what interrupted writers left. Only the run's own temporary names are deleted;
+        unlisted stage folders and unknown names are moved to the quarantine, never deleted."""
+        listed = {stage_dir(i) for i in self.run.stage_indices()} if self.run.exists() else set()
+        self._tidy(STAGING, keep=_never, delete=_STAGING_NAME.fullmatch, why="not a name drl writes there")
+        _rmdir_if_empty(self.run.path / STAGING)
         if not self.run.exists():
             return
-        listed = {stage_dir(i) for i in self.run.stage_indices()}
-        stages_root = self.run.path / STAGES
-        if stages_root.is_dir():
-            for child in stages_root.iterdir():
-                if f"{STAGES}/{child.name}" not in listed:
-                    shutil.rmtree(child, ignore_errors=True)
+        self._tidy(
+            STAGES,
+            keep=lambda name: f"{STAGES}/{name}" in listed,
+            delete=_never,
+            why=f"not listed in {MANIFEST}: left by an interrupted commit or a restored older manifest",
+        )
+        self._tidy(CHECKPOINT, keep=_is_checkpoint_file, delete=_never, why="not a name drl writes there")
+
+    def _tidy(self, folder: str, *, keep: Callable[[str], object], delete: Callable[[str], object], why: str) -> None:
+        root = self.run.path / folder
+        if not real_dir(root):
+            return
+        for name in sorted(os.listdir(root)):
+            if keep(name):
+                continue
+            if delete(name):
+                remove_own(root / name)
+            else:
+                self.quarantine(f"{folder}/{name}", why=why)
+
+    def quarantine(self, name: str, *, why: str) -> Path:
+        """Move ``name`` (run-relative) to ``.quarantine/<time>/name`` and log a warning saying so."""
+        if self._quarantine is None:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{uuid.uuid4().hex[:6]}"
+            self._quarantine = make_dirs(self.run.path, PurePosixPath(QUARANTINE, stamp))
+        rel = PurePosixPath(name)
+        target = make_dirs(self._quarantine, rel.parent) / rel.name
+        os.rename(check_path(self.run.path, rel), target)  # rename moves a link itself, never its target
+        log.warning(
+            "%s is not part of the run (%s); moved it to %s instead of deleting it: delete it when you "
+            "no longer need it",
+            self.run.path / rel,
+            why,
+            target,
+        )
+        return target
 
     def save_checkpoint(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         """Replace the checkpoint atomically: tensors under a fresh name, then the meta by rename."""
@@ -262,10 +477,10 @@ class RunWriter:
         data = encode_tensors(tensors)
         name = f"{uuid.uuid4().hex}.safetensors"
         try:
-            folder.mkdir(exist_ok=True)
+            real_dir(folder, create=True)
             write_durable(folder / name, data)
             full = {**meta, "tensors": {"file": name, "sha256": sha256_bytes(data)}}
-            tmp = folder / f".{CHECKPOINT_META}.tmp"
+            tmp = folder / _CHECKPOINT_TMP
             write_durable(tmp, encode_json(full))
             os.replace(tmp, folder / CHECKPOINT_META)
             _fsync_dir(folder)
@@ -274,12 +489,12 @@ class RunWriter:
                 f"writing the epoch checkpoint in {folder} failed ({exc.strerror or exc}); the committed "
                 "state is intact" + ("; free some disk space" if exc.errno == errno.ENOSPC else "")
             ) from exc
-        for old in folder.iterdir():  # superseded tensors and temp files
-            if old.name not in (CHECKPOINT_META, name):
-                old.unlink(missing_ok=True)
+        current = {CHECKPOINT_META, name}  # superseded tensors and temp files go
+        self._tidy(CHECKPOINT, keep=current.__contains__, delete=_is_checkpoint_file, why="not a name drl writes there")
 
     def discard_checkpoint(self) -> None:
-        shutil.rmtree(self.run.path / CHECKPOINT, ignore_errors=True)
+        self._tidy(CHECKPOINT, keep=_never, delete=_is_checkpoint_file, why="not a name drl writes there")
+        _rmdir_if_empty(self.run.path / CHECKPOINT)
 
     def commit(
         self,
@@ -293,19 +508,21 @@ class RunWriter:
         clash = sorted(set(files) & set(old_files))
         if clash:
             raise RunStateError(f"{clash[0]} is already committed; committed files are never rewritten")
-        staging = self.run.path / STAGING / uuid.uuid4().hex
+        finals = {name: self.run._inside(name) for name in files}  # refuses names escaping the run, links
+        staging = make_dirs(self.run.path, PurePosixPath(STAGING, uuid.uuid4().hex))
         entries = {}
+        placed: list[Path] = []  # files moved into place; taken back unless the manifest is replaced
+        published = False
         try:
             for name, data in files.items():
-                target = staging / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                write_durable(target, data)
+                rel = PurePosixPath(name)
+                write_durable(make_dirs(staging, rel.parent) / rel.name, data)
                 entries[name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
             for name in files:  # move into place; parents that appear are fsynced below
-                final = self.run._inside(name)
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staging / name, final)
-            for parent in {self.run._inside(n).parent for n in files} | {self.run.path}:
+                make_dirs(self.run.path, PurePosixPath(name).parent)
+                os.replace(staging / name, finals[name])
+                placed.append(finals[name])
+            for parent in {final.parent for final in finals.values()} | {self.run.path}:
                 _fsync_dir(parent)
             stages = list(manifest["stages"]) if manifest else []
             if new_stage is not None:
@@ -321,6 +538,7 @@ class RunWriter:
             tmp = staging / MANIFEST
             write_durable(tmp, (json.dumps(new_manifest, indent=1, sort_keys=True) + "\n").encode())
             os.replace(tmp, self.run.path / MANIFEST)  # the commit point
+            published = True
             _fsync_dir(self.run.path)
         except OSError as exc:
             raise StorageError(
@@ -328,15 +546,28 @@ class RunWriter:
                 "the previous state is intact" + ("; free some disk space" if exc.errno == errno.ENOSPC else "")
             ) from exc
         finally:
-            shutil.rmtree(self.run.path / STAGING, ignore_errors=True)
+            if not published:
+                _take_back(placed, self.run.path)
+            shutil.rmtree(staging, ignore_errors=True)  # refuses a link in its place
+            _rmdir_if_empty(self.run.path / STAGING)
         return new_manifest
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+def _never(_: str) -> bool:
+    return False
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    return name in (CHECKPOINT_META, _CHECKPOINT_TMP) or bool(_CHECKPOINT_TENSORS.fullmatch(name))
+
+
+def _take_back(placed: list[Path], root: Path) -> None:
+    """Undo a commit that failed before its manifest: remove the files it moved in (its own, new names)."""
+    for path in placed:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if path.parent != root:
+            _rmdir_if_empty(path.parent)
 
 
 def encode_json(obj: Any) -> bytes:
@@ -366,15 +597,39 @@ def init_files(run_config: dict[str, Any], ptm_state: dict[str, Tensor] | None) 
 RUN_CONFIG_KIND = "drl-run-config"
 
 
-def refuse_existing(path: Path) -> None:
-    """``init`` never overwrites a run or a user's file; leftovers of a crashed init are fine."""
-    if (path / MANIFEST).exists():
+def refuse_existing(path: Path, *, allow_nonempty: bool = False) -> None:
+    """``init`` never takes over a run or a user's file. The folder may hold only what an
+    interrupted init left (its lock, staging, quarantine, its own run.yaml), or with
+    ``allow_nonempty`` other files too, but never a user's file under one of the run's names."""
+    for name in RESERVED:
+        check_path(path, name)
+    if os.path.lexists(path / MANIFEST):
         raise RunStateError(f"{path} already holds a drl run; pick another --run or remove it first")
-    config = path / RUN_CONFIG
-    if config.exists():
+    foreign = sorted(name for name in os.listdir(path) if not _init_leftover(path / name))
+    taken = [name for name in foreign if name in RESERVED]
+    if taken:
+        raise RunStateError(
+            f"{path / taken[0]} exists and is not drl's; init never overwrites a file: move it out of "
+            f"{path} or pick another --run"
+        )
+    if foreign and not allow_nonempty:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise RunStateError(
+            f"{path} is not empty (it holds {shown}); init creates a run in an empty folder: pick another "
+            "--run, or pass --allow-nonempty to create it beside those files (drl never changes them)"
+        )
+
+
+def _init_leftover(path: Path) -> bool:
+    """Whether ``path`` is something an interrupted ``init`` of drl's own left behind."""
+    if path.name == LOCK:
+        return _lock_info(path) is not None
+    if path.name in (STAGING, QUARANTINE):
+        return path.is_dir() and not path.is_symlink()
+    if path.name == RUN_CONFIG:
         try:
-            ours = (yaml.safe_load(config.read_text()) or {}).get("kind") == RUN_CONFIG_KIND
-        except (OSError, yaml.YAMLError, AttributeError):
-            ours = False
-        if not ours:
-            raise RunStateError(f"{config} exists and is not drl's; use an empty --run directory")
+            record = yaml.safe_load(read_nofollow(path))
+        except (OSError, yaml.YAMLError):
+            return False
+        return isinstance(record, dict) and record.get("kind") == RUN_CONFIG_KIND
+    return False
