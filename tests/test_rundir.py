@@ -86,15 +86,37 @@ def test_stale_lock_file_from_dead_process_is_taken_over(tmp_path):
         pass
 
 
-def test_crash_debris_is_cleaned_and_never_trusted(tmp_path):
+def test_crash_debris_is_never_trusted_and_moved_aside_not_deleted(tmp_path):
     run = _init(tmp_path / "r")
     _add_stage(run, 1)
-    (run.path / rundir.STAGING / "abc").mkdir(parents=True)
+    (run.path / rundir.STAGING / ("0" * 32)).mkdir(parents=True)  # an interrupted commit's own: deleted
+    (run.path / rundir.STAGING / "abc").mkdir()
     (run.path / "stages/002").mkdir()  # renamed into place, manifest never replaced
     (run.path / "stages/002/stage.json").write_text("{}")
     assert run.stage_indices() == [1]
     _add_stage(run, 2)
     assert run.stage_indices() == [1, 2] and run.verify() == []
+    moved = sorted(str(p.relative_to(p.parents[1])) for p in run.path.glob(".quarantine/*/*/*"))
+    assert moved == [".staging/abc", "stages/002"] and not (run.path / rundir.STAGING).exists()
+
+
+def test_failed_commit_takes_back_the_files_it_moved_in(tmp_path, monkeypatch):
+    run = _init(tmp_path / "r")
+    _add_stage(run, 1)
+    write = rundir.write_durable
+
+    def full_at_manifest(path, data):
+        if path.name == "manifest.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(rundir, "write_durable", full_at_manifest)
+    with pytest.raises(StorageError, match="nothing was committed"):
+        _add_stage(run, 2)
+    monkeypatch.undo()
+    assert not (run.path / "stages/002").exists() and not (run.path / rundir.STAGING).exists()
+    _add_stage(run, 2)
+    assert not (run.path / rundir.QUARANTINE).exists()  # nothing unexplained was left
 
 
 def test_failing_write_keeps_previous_state(tmp_path, monkeypatch):
