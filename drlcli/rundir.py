@@ -443,16 +443,23 @@ class RunWriter:
         self._tidy(CHECKPOINT, keep=_is_checkpoint_file, delete=_never, why="not a name drl writes there")
 
     def _tidy(self, folder: str, *, keep: Callable[[str], object], delete: Callable[[str], object], why: str) -> None:
+        """Keep, delete (the run's own names only) or quarantine each entry of one of the run's folders."""
         root = self.run.path / folder
-        if not real_dir(root):
-            return
-        for name in sorted(os.listdir(root)):
-            if keep(name):
-                continue
-            if delete(name):
-                remove_own(root / name)
-            else:
-                self.quarantine(f"{folder}/{name}", why=why)
+        try:
+            if not real_dir(root):
+                return
+            for name in sorted(os.listdir(root)):
+                if keep(name):
+                    continue
+                if delete(name):
+                    remove_own(root / name)
+                else:
+                    self.quarantine(f"{folder}/{name}", why=why)
+        except OSError as exc:
+            raise StorageError(
+                f"tidying {root} failed ({exc.strerror or exc}); the committed state is intact: check the "
+                "folder's permissions and retry"
+            ) from exc
 
     def quarantine(self, name: str, *, why: str) -> Path:
         """Move ``name`` (run-relative) to ``.quarantine/<time>/name`` and log a warning saying so."""
