@@ -103,7 +103,8 @@ def export_run(
     run_dir: Path | str, out_path: Path, *, fmt: str | None = None, ptm_weights: Path | None = None
 ) -> ExportResult:
     """Write the run's current model as one file: ``drl`` (see module docstring), or a serving
-    graph with the scoring baked in (``torchscript``, ``onnx``). Reads the run, never writes it."""
+    graph with the scoring baked in (``torchscript``, ``onnx``). Reads the run, never writes it, and
+    refuses an ``out_path`` inside any run directory (it could replace that run's files)."""
     from .api import load_run
 
     fmt = resolve_format(fmt, out_path)
