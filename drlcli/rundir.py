@@ -133,7 +133,8 @@ class RunDir:
         try:
             value = parse(data)
         except (ValueError, yaml.YAMLError, SafetensorError) as exc:  # UnicodeDecodeError is a ValueError
-            raise IntegrityError(f"{self.path / name} cannot be parsed ({exc}); restore it from a backup") from exc
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise IntegrityError(f"{self.path / name} cannot be parsed ({reason}); restore it from a backup") from exc
         if not isinstance(value, dict):
             raise IntegrityError(
                 f"{self.path / name} holds a {type(value).__name__} where a mapping belongs; restore it from a backup"
