@@ -200,6 +200,7 @@ class Reporter:
 
 def _print_error(kind: str, message: str, code: int, as_json: bool) -> None:
     message = " ".join(message.split())  # one line, whatever the library or click wrote
+    message = message.encode("utf-8", "backslashreplace").decode()  # a non-UTF-8 path: escapes, not a crash
     if as_json:
         print(jsonio.dumps({"ok": False, "error": {"kind": kind, "message": message, "exit_code": code}}))
     typer.echo(f"error: {message}", err=True)

@@ -100,7 +100,7 @@ def _require_utf8(path: Path, root: Path) -> None:
         str(rel).encode("utf-8")
     except UnicodeEncodeError:
         shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
-        raise DataError(f"the name {shown!r} under {root} is not valid UTF-8; rename it") from None
+        raise DataError(f"the name '{shown}' under {root} is not valid UTF-8; rename it") from None
 
 
 def class_key(name: str) -> str:
@@ -117,7 +117,7 @@ def refuse_near_duplicates(names: Any, learned: dict[str, int], *, what: str = "
         if other is not None and other[0] != name:
             raise DataError(
                 f"class {name!r} in {what} differs from class {other[0]!r} ({other[1]}) only by case, "
-                "whitespace or Unicode form; rename the folder to the same name, or to a distinct one"
+                "whitespace or Unicode form; give it a distinct name, or leave it out if it is the same class"
             )
         seen.setdefault(class_key(name), (name, f"in {what}"))
 

@@ -246,9 +246,9 @@ def _check_finite(epoch: int, loss: float, stage: nn.Module, classifier: nn.Modu
     weights = [*stage.parameters(), *classifier.parameters()]
     if math.isfinite(loss) and all(torch.isfinite(w).all() for w in weights):
         return
+    reason = "a weight is NaN or infinite" if math.isfinite(loss) else f"loss {loss}"
     raise DivergedError(
-        f"training diverged in epoch {epoch} (loss {loss:.4g}, or weights, not finite); nothing was committed: "
-        f"lower --lr (now {cfg.lr:g})"
+        f"training diverged in epoch {epoch} ({reason}); nothing was committed: lower --lr (now {cfg.lr:g})"
     )
 
 
