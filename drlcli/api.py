@@ -729,6 +729,10 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
     meta, tensors = found
     if meta.get("generation") != key["generation"] or meta.get("stage") != key["stage"]:
         return None  # left behind by a stage that no longer applies; the next save replaces it
+    if not _checkpoint_meta_ok(meta):
+        raise RunStateError(
+            f"the epoch checkpoint of stage {key['stage']} in {run.path} is malformed; pass --restart to discard it"
+        )
     differs = ["--data images"] if meta.get("data_fingerprint") != key["data_fingerprint"] else []
     differs += [
         f"{name} {meta['train'].get(name)!r} -> {value!r}"
@@ -740,14 +744,15 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
             f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} with other data or options "
             f"({', '.join(differs)}); re-run with the same ones to resume, or pass --restart to discard it"
         )
-    try:
-        return TrainState(
-            int(meta["epoch"]), tensors, list(meta["epoch_losses"]), float(meta["seconds"]), int(meta["steps"])
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RunStateError(
-            f"the epoch checkpoint of stage {key['stage']} in {run.path} is malformed ({exc!r}); pass --restart to discard it"
-        ) from exc
+    return TrainState(meta["epoch"], tensors, list(meta["epoch_losses"]), float(meta["seconds"]), meta["steps"])
+
+
+_CHECKPOINT_META_TYPES = {"epoch": int, "epoch_losses": list, "seconds": (int, float), "steps": int, "train": dict}
+
+
+def _checkpoint_meta_ok(meta: dict[str, Any]) -> bool:
+    """The checkpoint's metadata has the fields and types ``save_checkpoint`` writes."""
+    return all(isinstance(meta.get(k), kind) for k, kind in _CHECKPOINT_META_TYPES.items())
 
 
 # -------------------------------------------------------------------------------- verify
@@ -778,7 +783,8 @@ def verify(run_dir: Path | str) -> VerifyResult:
     waiting = None
     if checkpoint is not None and checkpoint[0].get("generation") == manifest["generation"]:
         meta = checkpoint[0]
-        waiting = {"stage": meta["stage"], "epoch": meta["epoch"], "epochs": meta["train"]["epochs"]}
+        if _checkpoint_meta_ok(meta):
+            waiting = {"stage": meta.get("stage"), "epoch": meta["epoch"], "epochs": meta["train"].get("epochs")}
     return VerifyResult(
         str(run.path),
         manifest["format_version"],

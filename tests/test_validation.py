@@ -234,7 +234,25 @@ class Interrupt(Exception):
     pass
 
 
-def test_a_checkpoint_that_no_longer_fits_says_restart(run, stage_folders):
+def _other_shape(meta, tensors):
+    name = next(k for k in tensors if k.startswith("stage."))
+    tensors[name] = torch.zeros(7, 7)  # a stage of another shape (another drl version, a hand-made file)
+
+
+def _no_momentum_shape(meta, tensors):
+    name = next(k for k in tensors if k.startswith("momentum."))
+    tensors[name] = torch.zeros(3)
+
+
+def _epoch_a_string(meta, tensors):
+    meta["epoch"] = "one"
+
+
+@pytest.mark.parametrize(
+    "craft, message",
+    [(_other_shape, "does not fit this stage"), (_no_momentum_shape, "does not fit"), (_epoch_a_string, "malformed")],
+)
+def test_a_checkpoint_that_no_longer_fits_says_restart(run, stage_folders, craft, message):
     train = stage_folders[1][0]
 
     def stop(event):
@@ -248,14 +266,15 @@ def test_a_checkpoint_that_no_longer_fits_says_restart(run, stage_folders):
     folder = run / ".checkpoint"
     meta = json.loads((folder / "checkpoint.json").read_text())
     tensors = load((folder / meta["tensors"]["file"]).read_bytes())
-    name = next(k for k in tensors if k.startswith("stage."))
-    tensors[name] = torch.zeros(7, 7)  # a stage of another shape (another drl version, a hand-made file)
+    craft(meta, tensors)
     data = save(tensors)
     (folder / meta["tensors"]["file"]).write_bytes(data)
     meta["tensors"]["sha256"] = hashlib.sha256(data).hexdigest()
     (folder / "checkpoint.json").write_text(json.dumps(meta))
+    before = _state(run)
     result = drl("learn-stage", "--run", run, "--data", train, *FAST)
-    assert result.exit_code == 7 and "does not fit this stage" in result.stderr and "pass --restart" in result.stderr
+    assert result.exit_code == 7 and message in result.stderr and "pass --restart" in result.stderr, result.stderr
+    assert _state(run) == before and drl("verify", "--run", run).exit_code == 0
     assert drl("learn-stage", "--run", run, "--data", train, *FAST, "--restart").exit_code == 0
 
 
