@@ -22,7 +22,7 @@ import yaml
 from typer.core import TyperGroup
 
 from . import api, distributed, jsonio
-from .config import MAX_WORKERS
+from .config import MAX_SEED, MAX_WORKERS
 from .errors import EXIT_CODES, DrlError, UsageError
 
 EPILOG = "Exit codes: " + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items())
@@ -322,7 +322,7 @@ def init(
     ptm_arg: list[str] = PtmArgOpt,
     method: str | None = typer.Option(None, "--method", help="drl (default), ease or simplecil."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
-    seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
     run: Path = RunOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -593,7 +593,9 @@ def benchmark(
         help="Comma-separated variants method[/key=value...], e.g. drl,drl/loss=ce,ease/epochs=3,simplecil.",
     ),
     split: str = typer.Option("B0Inc10", "--split", help="B<m>Inc<n>: m classes first (0: n), then n per stage."),
-    seed: int = typer.Option(1993, "--seed", help="Class-order permutation seed (PILOT's), also the train seed."),
+    seed: int = typer.Option(
+        1993, "--seed", min=0, max=MAX_SEED, help="Class-order permutation seed (PILOT's), also the train seed."
+    ),
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Sorted class order."),
     epochs: int | None = typer.Option(None, "--epochs", min=1, help="Epochs for every trained variant."),
     max_train: int | None = typer.Option(None, "--max-train-per-class", min=1, help="First N train images/class."),

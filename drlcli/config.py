@@ -258,6 +258,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `predict --workers`
+MAX_SEED = _RANGES[("train", "seed")].high  # also bounds `init --seed` and `benchmark --seed`
 MAX_INPUT_SIDE = 4096  # pixels; a PTM input above this is a crafted record, not a ViT
 PTM_SOURCES = ("random", "file", "hub")
 

@@ -456,3 +456,13 @@ def test_benchmark_list_entries_escaping_the_data_folder_are_refused(tmp_path, l
     result = drl("benchmark", "--data", root, "--out", tmp_path / "out", *TINY_ARGS, "--random-init", "--device", "cpu")
     assert result.exit_code == 3 and "points outside" in result.stderr and repr(line) in result.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("command", ["init", "benchmark"])
+def test_seeds_out_of_range_are_usage_errors(tmp_path, command):
+    args = [command, "--ptm", TINY_PTM, "--random-init", "--seed"]
+    for seed in ("-1", str(2**32)):
+        extra = ["--run", tmp_path / "run"] if command == "init" else ["--data", tmp_path, "--out", tmp_path / "o"]
+        result = drl(*args, seed, *extra)
+        assert result.exit_code == 2 and "'--seed'" in result.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "o").exists()
