@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import unicodedata
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +109,7 @@ def class_key(name: str) -> str:
     return unicodedata.normalize("NFKC", name).casefold().strip()
 
 
-def refuse_near_duplicates(names: Any, learned: dict[str, int], *, what: str = "--data") -> None:
+def refuse_near_duplicates(names: Iterable[str], learned: dict[str, int], *, what: str = "--data") -> None:
     """Refuse a class name that differs from another one (in ``names`` or already ``learned``, name
     → stage) only by case, surrounding whitespace or Unicode normalisation: it is a typo, not a class."""
     seen = {class_key(name): (name, f"learned in stage {stage}") for name, stage in learned.items()}
