@@ -20,13 +20,13 @@ import torch
 
 from . import __version__, backbone, distributed
 from .backbone import PTMSource
-from .config import RunConfig
-from .data import ImageSet, scan_class_folders, validate_images
-from .errors import DataError, IntegrityError, PTMError, RunStateError, UsageError
+from .config import RunConfig, check_ptm_record
+from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
+from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
 from .evaluate import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .methods import method_of
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
-from .rundir import RUN_CONFIG_KIND, RunDir, init_files, stage_files
+from .rundir import RUN_CONFIG, RUN_CONFIG_KIND, RunDir, StageRecord, init_files, stage_files
 from .train import TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
@@ -167,8 +167,7 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
     start = time.perf_counter()
     run = RunDir(run_dir)
     manifest = run.manifest()
-    record = run.run_config(manifest)
-    config = RunConfig.from_dict(record["config"])
+    record, config = read_record(run, manifest)
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
     method = method_of(config)
     network = method.build(ptm, config)
@@ -183,14 +182,14 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
     )
     metas = []
     for stage in run.stages(manifest):
-        if method.trains:
-            adapters = network.new_stage(seed=0)
-            prefix = method.tensor_prefix
-            state = {k[len(prefix) :]: v for k, v in stage.tensors.items() if k.startswith(prefix)}
-            adapters.load_state_dict(state, strict=True)
-            adapters.requires_grad_(False)
-            adapters.eval()
-        model.add_classes(stage.meta["classes"], stage.index, stage.tensors["prototypes"])
+        check_stage_meta(run, stage.index, stage.meta)
+        try:
+            _add_stage(model, method, stage)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise IntegrityError(
+                f"stage {stage.index} of run {run.path} does not fit the run's network "
+                f"({str(exc).splitlines()[0]}); restore it from a backup"
+            ) from exc
         metas.append(stage.meta)
     log.debug(
         "loaded run %s: %d stages, %d classes on %s in %.1fs",
@@ -201,6 +200,80 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
         time.perf_counter() - start,
     )
     return LoadedRun(run, manifest, record, config, model, metas)
+
+
+def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], RunConfig]:
+    """run.yaml and its hyper-parameters. A record that passed its checksum but is not what
+    ``init`` writes (crafted by hand, or by a buggy tool) is an IntegrityError, never a crash."""
+    record = run.run_config(manifest)
+    try:
+        check_ptm_record(record.get("ptm"))
+        config = RunConfig.from_dict(record.get("config"))
+    except UsageError as exc:
+        raise IntegrityError(
+            f"{run.path / RUN_CONFIG} is not a valid run config ({exc}); restore it from a backup"
+        ) from exc
+    return record, config
+
+
+_STAGE_META_TYPES = {
+    "stage": int,
+    "classes": list,
+    "images_per_class": dict,
+    "data_fingerprint": str,
+    "num_params": int,
+    "metrics": dict,
+}
+
+
+def check_stage_meta(run: RunDir, index: int, meta: dict[str, Any]) -> None:
+    """The fields of a stage's metadata that drl reads have the types it writes; else IntegrityError."""
+    problem = _stage_meta_problem(index, meta)
+    if problem is not None:
+        raise IntegrityError(f"stage {index} of run {run.path} is malformed ({problem}); restore it from a backup")
+
+
+def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
+    for key, kind in _STAGE_META_TYPES.items():
+        if not isinstance(meta.get(key), kind):
+            return f"{key} is not a {kind.__name__}"
+    if meta["stage"] != index:
+        return f"it says it is stage {meta['stage']}"
+    if not meta["classes"] or not all(isinstance(c, str) and c for c in meta["classes"]):
+        return "classes is not a list of names"
+    eval_data = meta.get("eval_data")
+    if eval_data is not None and not (isinstance(eval_data, dict) and isinstance(eval_data.get("path"), str)):
+        return "eval_data has no path"
+    try:
+        history_of([meta])
+    except (TypeError, ValueError, AttributeError) as exc:
+        return f"metrics are malformed: {exc}"
+    return None
+
+
+def _add_stage(model: IncrementalModel, method: Any, stage: StageRecord) -> None:
+    """Append a committed stage to a loaded model: its parameters (trained methods) and prototypes."""
+    network = model.network
+    if method.trains:
+        adapters = network.new_stage(seed=0)
+        prefix = method.tensor_prefix
+        state = {k[len(prefix) :]: v for k, v in stage.tensors.items() if k.startswith(prefix)}
+        adapters.load_state_dict(state, strict=True)
+        adapters.requires_grad_(False)
+        adapters.eval()
+    prototypes = stage.tensors["prototypes"]
+    expected = (len(stage.meta["classes"]), model.num_subspaces, network.width)
+    if tuple(prototypes.shape) != expected:
+        raise ValueError(f"prototypes have shape {tuple(prototypes.shape)}, expected {expected}")
+    bad = non_finite(stage.tensors)
+    if bad:
+        raise ValueError(f"tensor {bad} holds NaN or infinite values")
+    model.add_classes(stage.meta["classes"], stage.index, prototypes)
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or ±inf, or None."""
+    return next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -410,8 +483,8 @@ def learn_stage(
     with run.writer() if distributed.is_main() else contextlib.nullcontext() as writer:
         distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
         manifest = run.manifest()
-        record = run.run_config(manifest)
-        config = RunConfig.from_dict(record["config"]).with_train(**(train_overrides or {}))
+        _, config = read_record(run, manifest)
+        config = config.with_train(**(train_overrides or {}))
         images = scan_class_folders(data_dir)
         eval_images = scan_class_folders(eval_data_dir, what="--eval-data") if eval_data_dir else None
         loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
@@ -427,6 +500,7 @@ def learn_stage(
                     f"class {name!r} in --data was already learned in stage {learned[name]}; "
                     "new stages bring new classes only: rename or remove that folder"
                 )
+        refuse_near_duplicates(images.class_names, learned)
         if eval_images is not None:
             unknown = [c for c in eval_images.class_names if c not in learned and c not in images.class_names]
             if unknown:
@@ -451,7 +525,12 @@ def learn_stage(
             train_progress = (
                 (
                     lambda p: progress(
-                        Progress("train", p.step, p.steps, f"epoch {p.epoch}/{p.epochs} loss {p.loss:.4f}")
+                        Progress(  # steps counted over the whole stage: one bar, one ETA
+                            "train",
+                            (p.epoch - 1) * p.steps + p.step,
+                            p.epochs * p.steps,
+                            f"epoch {p.epoch}/{p.epochs} loss {p.loss:.4f}",
+                        )
                     )
                 )
                 if progress
@@ -473,15 +552,20 @@ def learn_stage(
                 if writer is not None:
                     writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors)
 
-            train_result = train_stage(
-                network,
-                images,
-                config.train,
-                model.data_config,
-                progress=train_progress,
-                resume=resume,
-                on_epoch=epoch_done,
-            )
+            try:
+                train_result = train_stage(
+                    network,
+                    images,
+                    config.train,
+                    model.data_config,
+                    progress=train_progress,
+                    resume=resume,
+                    on_epoch=epoch_done,
+                )
+            except DivergedError:
+                if writer is not None:  # resuming it would diverge again: the re-run starts afresh
+                    writer.discard_checkpoint()
+                raise
             log.debug(
                 "trained %d steps in %.1fs, scale σ %.2f", train_result.steps, train_result.seconds, train_result.scale
             )
@@ -512,6 +596,14 @@ def learn_stage(
         tensors = {"prototypes": model.real_prototypes[-len(images.class_names) :]}
         if stage is not None:
             tensors.update({f"{method.tensor_prefix}{k}": v for k, v in stage.state_dict().items()})
+        bad = non_finite(tensors)
+        if bad is not None:
+            if writer is not None:
+                writer.discard_checkpoint()
+            raise DivergedError(
+                f"training diverged: {bad} of stage {stage_index} holds NaN or infinite values; nothing was "
+                f"committed: lower --lr (now {config.train.lr:g})"
+            )
         meta = {
             "stage": stage_index,
             "drl_version": __version__,
@@ -633,6 +725,10 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
     meta, tensors = found
     if meta.get("generation") != key["generation"] or meta.get("stage") != key["stage"]:
         return None  # left behind by a stage that no longer applies; the next save replaces it
+    if not _checkpoint_meta_ok(meta):
+        raise RunStateError(
+            f"the epoch checkpoint of stage {key['stage']} in {run.path} is malformed; pass --restart to discard it"
+        )
     differs = ["--data images"] if meta.get("data_fingerprint") != key["data_fingerprint"] else []
     differs += [
         f"{name} {meta['train'].get(name)!r} -> {value!r}"
@@ -644,7 +740,15 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
             f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} with other data or options "
             f"({', '.join(differs)}); re-run with the same ones to resume, or pass --restart to discard it"
         )
-    return TrainState(meta["epoch"], tensors, list(meta["epoch_losses"]), float(meta["seconds"]), int(meta["steps"]))
+    return TrainState(meta["epoch"], tensors, list(meta["epoch_losses"]), float(meta["seconds"]), meta["steps"])
+
+
+_CHECKPOINT_META_TYPES = {"epoch": int, "epoch_losses": list, "seconds": (int, float), "steps": int, "train": dict}
+
+
+def _checkpoint_meta_ok(meta: dict[str, Any]) -> bool:
+    """The checkpoint's metadata has the fields and types ``save_checkpoint`` writes."""
+    return all(isinstance(meta.get(k), kind) for k, kind in _CHECKPOINT_META_TYPES.items())
 
 
 # -------------------------------------------------------------------------------- verify
@@ -675,7 +779,8 @@ def verify(run_dir: Path | str) -> VerifyResult:
     waiting = None
     if checkpoint is not None and checkpoint[0].get("generation") == manifest["generation"]:
         meta = checkpoint[0]
-        waiting = {"stage": meta["stage"], "epoch": meta["epoch"], "epochs": meta["train"]["epochs"]}
+        if _checkpoint_meta_ok(meta):
+            waiting = {"stage": meta.get("stage"), "epoch": meta["epoch"], "epochs": meta["train"].get("epochs")}
     return VerifyResult(
         str(run.path),
         manifest["format_version"],
@@ -694,8 +799,10 @@ def info(run_dir: Path | str) -> dict[str, Any]:
     """What the run holds: PTM, method, stages, classes, sizes, accuracy history (no PTM load)."""
     run = RunDir(run_dir)
     manifest = run.manifest()
-    record = run.run_config(manifest)
+    record, _ = read_record(run, manifest)
     stages, metas = [], [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    for index, meta in zip(run.stage_indices(manifest), metas):
+        check_stage_meta(run, index, meta)
     total_bytes = run.size_bytes(manifest)
     cum_params = cum_bytes = cum_classes = 0
     for index, meta in zip(run.stage_indices(manifest), metas):

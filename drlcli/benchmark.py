@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import yaml
 
-from . import api, distributed
+from . import api, distributed, jsonio
 from .config import EaseConfig, IPAConfig, RunConfig, ScoreConfig, TrainConfig
 from .data import ImageDataset, eval_transform, scan_class_folders
 from .errors import DataError, UsageError
@@ -147,11 +147,17 @@ def _read_list(list_file: Path, images_root: Path, skip: set[str]) -> dict[str, 
         lines = list_file.read_text().split()
     except OSError as exc:
         raise DataError(f"cannot read list file {list_file}: {exc.strerror}; check the path") from exc
+    except UnicodeDecodeError as exc:
+        raise DataError(f"list file {list_file} is not UTF-8 text ({exc.reason}); fix the list file") from exc
     for line in lines:
         cls = line.split("/")[0]
         if cls in skip:
             continue
-        if "/" not in line or ".." in Path(line).parts:
+        if line.startswith("/") or ".." in Path(line).parts:
+            raise DataError(
+                f"{list_file}: line {line!r} points outside {images_root}; list paths relative to it as <class>/<file>"
+            )
+        if "/" not in line:
             raise DataError(f"{list_file}: line {line!r} is not <class>/<file>; fix the list file")
         by_class.setdefault(cls, []).append(images_root / line)
     missing = [p for paths in by_class.values() for p in paths if not p.is_file()]
@@ -370,7 +376,7 @@ def _check_protocol(path: Path, protocol: dict[str, Any], *, write: bool) -> Non
             )
     elif write:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, json.dumps(protocol, indent=2) + "\n")
+        _atomic_write(path, jsonio.dumps(protocol, indent=2) + "\n")
 
 
 def _summary(label: str, variant: Variant, run_dir: Path, config: RunConfig, seconds_per_image: float) -> dict:
@@ -601,7 +607,7 @@ def write_reports(report: dict[str, Any], out: Path) -> dict[str, str | None]:
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, str | None] = {}
     json_path, md_path, png_path = out / "results.json", out / "results.md", out / "accuracy.png"
-    _atomic_write(json_path, json.dumps(report, indent=2) + "\n")
+    _atomic_write(json_path, jsonio.dumps(report, indent=2) + "\n")
     paths["results_json"] = str(json_path)
     _atomic_write(md_path, markdown_table(report))
     paths["results_md"] = str(md_path)

@@ -9,10 +9,10 @@ option-parsing errors the same form.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,7 +21,8 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from . import api, distributed
+from . import api, distributed, jsonio
+from .config import MAX_SEED, MAX_WORKERS
 from .errors import EXIT_CODES, DrlError, UsageError
 
 EPILOG = "Exit codes: " + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items())
@@ -109,6 +110,13 @@ def _setup_logging(*, quiet: bool, verbose: bool) -> None:
     log.handlers = [handler]
     log.propagate = False
     log.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    warnings.showwarning = _warning_line
+
+
+def _warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
+    """A Python warning (ours or a dependency's) as one ``warning:`` line on stderr, never a source excerpt."""
+    text = " ".join(str(message).split())
+    log.warning("warning: %s: %s (%s:%d)", category.__name__, text, Path(filename).name, lineno)
 
 
 class Reporter:
@@ -118,8 +126,10 @@ class Reporter:
         self.quiet = quiet
         self.interactive = sys.stderr.isatty()
         self.interval = interval
-        self._last = 0.0
+        self._last = 0.0  # when the last plain line was printed
         self._phase = ""
+        self._step = 0
+        self._first_step = 0
         self._bar: Any = None
         self._task: Any = None
         self._phase_start = 0.0
@@ -132,16 +142,25 @@ class Reporter:
             return
         if self.interactive:
             self._rich(event)
-            return
+        else:
+            self._plain(event)
+
+    def _plain(self, event: api.Progress) -> None:
+        """A line when a phase starts, then at most one per ``interval``, and one at its last step."""
         now = time.monotonic()
-        if event.phase != self._phase or event.step <= 1:
-            self._phase_start = now
-        if event.phase != self._phase or now - self._last >= self.interval or event.step == event.total:
-            self._phase, self._last = event.phase, now
-            left = ""
-            if 0 < event.step < event.total:
-                left = f", ~{(now - self._phase_start) / event.step * (event.total - event.step):.0f}s left"
-            log.info("%s %d/%d %s%s", event.phase, event.step, event.total, event.detail, left)
+        new_phase = event.phase != self._phase
+        if new_phase or event.step < self._step:  # a new phase, or its next pass (e.g. the next eval set)
+            self._phase, self._phase_start, self._first_step = event.phase, now, event.step
+        self._step = event.step
+        final = 0 < event.total <= event.step
+        if not (new_phase or final or now - self._last >= self.interval):
+            return
+        self._last = now
+        left = ""
+        if self._first_step < event.step < event.total:
+            rate = (now - self._phase_start) / (event.step - self._first_step)
+            left = f", ~{rate * (event.total - event.step):.0f}s left"
+        log.info("%s %d/%d %s%s", event.phase, event.step, event.total, event.detail, left)
 
     def warn(self, message: str) -> None:
         if self._bar is not None:
@@ -189,8 +208,9 @@ class Reporter:
 
 def _print_error(kind: str, message: str, code: int, as_json: bool) -> None:
     message = " ".join(message.split())  # one line, whatever the library or click wrote
+    message = message.encode("utf-8", "backslashreplace").decode()  # a non-UTF-8 path: escapes, not a crash
     if as_json:
-        print(json.dumps({"ok": False, "error": {"kind": kind, "message": message, "exit_code": code}}))
+        print(jsonio.dumps({"ok": False, "error": {"kind": kind, "message": message, "exit_code": code}}))
     typer.echo(f"error: {message}", err=True)
 
 
@@ -238,7 +258,7 @@ def _execute(
         return
     payload = result if isinstance(result, dict) else result.to_dict()
     if as_json:
-        print(json.dumps({"ok": True, **payload}))
+        print(jsonio.dumps({"ok": True, **payload}))
     else:
         render(payload)
 
@@ -310,7 +330,7 @@ def init(
     ptm_arg: list[str] = PtmArgOpt,
     method: str | None = typer.Option(None, "--method", help="drl (default), ease or simplecil."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
-    seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
     allow_nonempty: bool = typer.Option(
         False,
         "--allow-nonempty",
@@ -353,7 +373,7 @@ def learn_stage(
     epochs: int | None = typer.Option(None, "--epochs", min=1),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1),
     lr: float | None = typer.Option(None, "--lr", min=0.0),
-    workers: int | None = typer.Option(None, "--workers", min=0, help="DataLoader worker processes."),
+    workers: int | None = typer.Option(None, "--workers", min=0, max=MAX_WORKERS, help="DataLoader worker processes."),
     restart: bool = typer.Option(
         False, "--restart", help="Discard an interrupted run's epoch checkpoint instead of resuming it."
     ),
@@ -479,7 +499,7 @@ def predict(
     ),
     top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
-    workers: int = typer.Option(0, "--workers", min=0, help="DataLoader worker processes."),
+    workers: int = typer.Option(0, "--workers", min=0, max=MAX_WORKERS, help="DataLoader worker processes."),
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -509,7 +529,7 @@ def predict(
         for p in timed(results, stats):
             reporter(api.Progress("predict", stats.images, len(paths), f"{stats.failed} failed"))
             if lines:
-                print(json.dumps(p.to_dict()))
+                print(jsonio.dumps(p.to_dict()))
             elif p.error:
                 print(f"{p.path}: error: {p.error}")
             else:
@@ -588,7 +608,9 @@ def benchmark(
         help="Comma-separated variants method[/key=value...], e.g. drl,drl/loss=ce,ease/epochs=3,simplecil.",
     ),
     split: str = typer.Option("B0Inc10", "--split", help="B<m>Inc<n>: m classes first (0: n), then n per stage."),
-    seed: int = typer.Option(1993, "--seed", help="Class-order permutation seed (PILOT's), also the train seed."),
+    seed: int = typer.Option(
+        1993, "--seed", min=0, max=MAX_SEED, help="Class-order permutation seed (PILOT's), also the train seed."
+    ),
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Sorted class order."),
     epochs: int | None = typer.Option(None, "--epochs", min=1, help="Epochs for every trained variant."),
     max_train: int | None = typer.Option(None, "--max-train-per-class", min=1, help="First N train images/class."),

@@ -7,6 +7,7 @@ and out-of-range values are errors, never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -156,6 +157,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, bool):
             return value
     elif target is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise UsageError(f"{where} must be a finite number, got {value}")
         return float(value)
     elif (
         target is int
@@ -184,36 +187,122 @@ _CHOICES = {
 }
 
 
+MAX_DIM = 16_384  # adapter and FFN widths: 8x ViT-g's; a typo such as 10^8 is refused before it allocates
+
+
+@dataclass(frozen=True)
+class Range:
+    """An interval of allowed values; ``str`` gives it in interval notation, e.g. ``(0, 10]``."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+_DEFAULTS = {"ipa": IPAConfig(), "ease": EaseConfig(), "train": TrainConfig(), "score": ScoreConfig()}
+
+# Every number a run config holds, with the values that make sense (NaN and ±inf never do).
+_RANGES = {
+    ("ipa", "adapter_dim"): Range(1, MAX_DIM),
+    ("ipa", "ffn_dim"): Range(1, MAX_DIM),
+    ("ipa", "gamma"): Range(0, 1),
+    ("ipa", "gate_bias_init"): Range(-100, 100),
+    ("ease", "adapter_dim"): Range(1, MAX_DIM),
+    ("ease", "scale"): Range(0, 100),
+    ("ease", "dropout"): Range(0, 1, high_open=True),
+    ("train", "epochs"): Range(1, 10_000),
+    ("train", "batch_size"): Range(1, 65_536),
+    ("train", "lr"): Range(0, 10, low_open=True),
+    ("train", "momentum"): Range(0, 1, high_open=True),
+    ("train", "weight_decay"): Range(0, 1),
+    ("train", "anchor_pos"): Range(-100, 100),
+    ("train", "anchor_neg"): Range(-100, 100),
+    ("train", "lambda_pos"): Range(0, 100),
+    ("train", "lambda_neg"): Range(0, 100),
+    ("train", "kd_weight"): Range(0, 100),
+    ("train", "scale_init"): Range(0, 1000, low_open=True),
+    ("train", "crop_scale_min"): Range(0, 1, low_open=True),
+    ("train", "seed"): Range(0, 2**32 - 1),
+    ("train", "num_workers"): Range(0, 256),
+    ("score", "rho"): Range(0, 100),
+    ("score", "beta"): Range(0, 100),
+    ("score", "tau"): Range(0, 100, low_open=True),
+}
+
+
 def validate(cfg: RunConfig) -> None:
+    """Raise ``UsageError`` naming the first option that is unknown, non-finite or out of range."""
     if cfg.method not in METHODS:
         raise UsageError(f"unknown method {cfg.method!r}; choose one of {list(METHODS)}")
     for (section, name), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), name)
         if value not in choices:
             raise UsageError(f"{section}.{name} must be one of {list(choices)}, got {value!r}")
-    t, i = cfg.train, cfg.ipa
-    positive = {
-        "train.epochs": t.epochs,
-        "train.batch_size": t.batch_size,
-        "train.lr": t.lr,
-        "train.scale_init": t.scale_init,
-        "score.tau": cfg.score.tau,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise UsageError(f"{name} must be > 0, got {value}")
-    for name, value in {"ipa.adapter_dim": i.adapter_dim, "ipa.ffn_dim": i.ffn_dim}.items():
-        if value is not None and value <= 0:
-            raise UsageError(f"{name} must be > 0, got {value}")
-    if not 0.0 <= i.gamma <= 1.0:
-        raise UsageError(f"ipa.gamma must be in [0, 1], got {i.gamma}")
-    if not 0.0 < t.crop_scale_min <= 1.0:
-        raise UsageError(f"train.crop_scale_min must be in (0, 1], got {t.crop_scale_min}")
-    if cfg.method == "ease" and t.kd_weight:
+    for (section, name), allowed in _RANGES.items():
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and (not math.isfinite(value) or value not in allowed):
+            default = getattr(_DEFAULTS[section], name)
+            hint = "" if default is None else f" (default {default})"
+            raise UsageError(f"{section}.{name} must be a number in {allowed}{hint}, got {value}")
+    if cfg.method == "ease" and cfg.train.kd_weight:
         raise UsageError("train.kd_weight must be 0 for method ease (it has no PTM stream to distil from)")
-    if not 0.0 <= cfg.ease.dropout < 1.0:
-        raise UsageError(f"ease.dropout must be in [0, 1), got {cfg.ease.dropout}")
-    if cfg.ease.adapter_dim <= 0:
-        raise UsageError(f"ease.adapter_dim must be > 0, got {cfg.ease.adapter_dim}")
-    if t.num_workers < 0:
-        raise UsageError(f"train.num_workers must be >= 0, got {t.num_workers}")
+
+
+MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `predict --workers`
+MAX_SEED = _RANGES[("train", "seed")].high  # also bounds `init --seed` and `benchmark --seed`
+MAX_INPUT_SIDE = 4096  # pixels; a PTM input above this is a crafted record, not a ViT
+PTM_SOURCES = ("random", "file", "hub")
+
+
+def check_ptm_record(ptm: Any) -> None:
+    """The ``ptm`` section of run.yaml as ``drl init`` writes it; ``UsageError`` naming the first
+    field that is not (a record read from disk must never reach timm or a transform unchecked)."""
+    if not isinstance(ptm, dict):
+        raise UsageError(f"ptm must be a mapping, got {type(ptm).__name__}")
+    for key, kind in {"name": str, "kwargs": dict, "sha256": str, "source": str, "data_config": dict}.items():
+        if not isinstance(ptm.get(key), kind):
+            raise UsageError(f"ptm.{key} must be a {kind.__name__}, got {type(ptm.get(key)).__name__}")
+    if ptm["source"] not in PTM_SOURCES:
+        raise UsageError(f"ptm.source must be one of {list(PTM_SOURCES)}, got {ptm['source']!r}")
+    if not isinstance(ptm.get("weights_hint"), (str, type(None))):
+        raise UsageError("ptm.weights_hint must be a relative path or null")
+    check_data_config(ptm["data_config"])
+
+
+def check_data_config(data_config: dict[str, Any]) -> None:
+    """A PTM's preprocessing: input size (3, H, W), mean/std of 3 finite numbers (std > 0), crop."""
+    size = data_config.get("input_size")
+    if not (
+        isinstance(size, list)
+        and len(size) == 3
+        and size[0] == 3
+        and all(_is_number(v, int) and 1 <= v <= MAX_INPUT_SIDE for v in size)
+    ):
+        raise UsageError(f"data_config.input_size must be [3, H, W] with H, W in [1, {MAX_INPUT_SIDE}], got {size!r}")
+    for key in ("mean", "std"):
+        values = data_config.get(key)
+        if not (isinstance(values, list) and len(values) == 3 and all(_is_number(v) for v in values)):
+            raise UsageError(f"data_config.{key} must be 3 finite numbers, got {values!r}")
+    if not all(v > 0 for v in data_config["std"]):
+        raise UsageError(f"data_config.std must be > 0, got {data_config['std']!r}")
+    crop = data_config.get("crop_pct")
+    if crop is not None and not (_is_number(crop) and 0 < crop <= 2):
+        raise UsageError(f"data_config.crop_pct must be in (0, 2], got {crop!r}")
+    if not isinstance(data_config.get("interpolation", "bicubic"), str):
+        raise UsageError("data_config.interpolation must be a name such as bicubic")
+
+
+def _is_number(value: Any, kind: type = float) -> bool:
+    """A finite int or float (not a bool); ``kind=int`` asks for an int."""
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        return False
+    return math.isfinite(value)

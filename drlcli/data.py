@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +18,15 @@ from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from .errors import DataError
+from .errors import DataError, UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+# Longest side an image is decoded at. Every PTM input (224-518 px) and its training crops are
+# far smaller, so nothing is lost; a huge image (a 140 KB PNG can hold 89 megapixels) is
+# reduced before it is converted, and a JPEG is decoded at 1/2, 1/4 or 1/8 scale to begin with.
+MAX_DECODE_SIDE = 2048
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,14 @@ def scan_class_folders(root: Path | str, *, what: str = "--data") -> ImageSet:
         raise DataError(f"{what} {root} has no class folders; add one sub-folder of images per class")
     class_names, paths, labels = [], [], []
     for label, class_dir in enumerate(entries):
+        _require_utf8(class_dir, root)
         files = sorted(
             p
             for p in class_dir.rglob("*")
             if p.is_file() and not any(q.startswith(".") for q in p.relative_to(class_dir).parts)
         )
         for path in files:
+            _require_utf8(path, root)
             if path.suffix.lower() not in IMAGE_EXTENSIONS:
                 raise DataError(
                     f"{path} is not an image ({', '.join(IMAGE_EXTENSIONS)}); remove it or move it out of {what}"
@@ -82,17 +90,46 @@ def scan_class_folders(root: Path | str, *, what: str = "--data") -> ImageSet:
         class_names.append(class_dir.name)
         paths.extend(files)
         labels.extend([label] * len(files))
+    refuse_near_duplicates(class_names, {}, what=f"{what} {root}")
     return ImageSet(root, tuple(class_names), tuple(paths), tuple(labels))
+
+
+def _require_utf8(path: Path, root: Path) -> None:
+    """Class and file names go into stage.json, fingerprints and output: they must be UTF-8."""
+    rel = path.relative_to(root)
+    try:
+        str(rel).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
+        raise DataError(f"the name '{shown}' under {root} is not valid UTF-8; rename it") from None
+
+
+def class_key(name: str) -> str:
+    """What a class name means to a person: Unicode-normalised (NFKC), case-folded, stripped."""
+    return unicodedata.normalize("NFKC", name).casefold().strip()
+
+
+def refuse_near_duplicates(names: Iterable[str], learned: dict[str, int], *, what: str = "--data") -> None:
+    """Refuse a class name that differs from another one (in ``names`` or already ``learned``, name
+    → stage) only by case, surrounding whitespace or Unicode normalisation: it is a typo, not a class."""
+    seen = {class_key(name): (name, f"learned in stage {stage}") for name, stage in learned.items()}
+    for name in names:
+        other = seen.get(class_key(name))
+        if other is not None and other[0] != name:
+            raise DataError(
+                f"class {name!r} in {what} differs from class {other[0]!r} ({other[1]}) only by case, "
+                "whitespace or Unicode form; give it a distinct name, or leave it out if it is the same class"
+            )
+        seen.setdefault(class_key(name), (name, f"in {what}"))
 
 
 def _check_image(path: Path) -> str | None:
     try:
-        with Image.open(path) as image:
-            image.load()
-            if image.width < 1 or image.height < 1:
-                return "has no pixels"
+        image = load_rgb(path)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         return f"cannot be decoded ({exc.__class__.__name__}: {exc})"
+    if image.width < 1 or image.height < 1:
+        return "has no pixels"
     return None
 
 
@@ -105,10 +142,25 @@ def validate_images(images: ImageSet, *, num_threads: int | None = None) -> None
                 raise DataError(f"image {path} {problem}; fix or remove the file")
 
 
-def load_rgb(path: Path) -> Image.Image:
-    """Open an image as RGB (grayscale, palette, alpha and 16-bit images are converted)."""
+def load_rgb(path: Path, *, max_side: int = MAX_DECODE_SIDE) -> Image.Image:
+    """Open an image as RGB (grayscale, palette, alpha and 16-bit images are converted), its
+    longest side at most ``max_side``: memory stays bounded however many pixels the file claims."""
     with Image.open(path) as image:
+        image.draft("RGB", (max_side, max_side))  # JPEG: decode at a reduced scale, never below max_side
+        if max(image.size) > max_side:
+            image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)  # in the file's own mode
         return image.convert("RGB")
+
+
+def start_workers(loader: DataLoader) -> Any:
+    """``iter(loader)``, which starts its worker processes; a refusal by the OS is a usage error."""
+    try:
+        return iter(loader)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot start {loader.num_workers} data-loading worker processes ({exc.strerror or exc}); "
+            "pass a smaller --workers"
+        ) from exc
 
 
 class ImageDataset(Dataset):

@@ -47,6 +47,13 @@ class DataError(DrlError):
     kind = "bad_data"
 
 
+class DivergedError(DataError):
+    """Training produced a non-finite loss or weights (usually a learning rate too high for the
+    data); the stage is not committed and no checkpoint of it is kept."""
+
+    kind = "diverged"
+
+
 class RunBusyError(DrlError):
     """Another process holds the run directory's writer lock."""
 

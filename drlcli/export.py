@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
-from . import __version__, backbone
+from . import __version__, backbone, jsonio
 from .backbone import PTMSource
 from .config import RunConfig
 from .errors import IntegrityError, StorageError, UsageError
 from .methods import method_of
 from .model import IncrementalModel
-from .rundir import refuse_inside_run
+from .rundir import refuse_inside_run, write_durable
 from .traced import GRAPH_FORMATS, GraphModel, load_graph, sniff_format, write_graph
 
 FORMAT = "drl-export"
@@ -71,16 +71,14 @@ def write_export(
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "spec": json.dumps(spec),
+        "spec": jsonio.dumps(spec),
         "payload_sha256": backbone.tensors_sha256(tensors),
     }
     out_path = Path(out_path)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
+        write_durable(tmp, save(tensors, metadata=metadata))  # mode 0644 less the umask, as every export
         os.replace(tmp, out_path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset
 
 from . import distributed
 from .config import ScoreConfig
-from .data import ImageDataset, ImageSet, eval_transform
+from .data import ImageDataset, ImageSet, eval_transform, start_workers
 from .prototypes import score, synthesize
 
 
@@ -117,7 +117,7 @@ def embed_images(
     feats, labels = [], []
     if len(loader.dataset) == 0:  # an empty shard
         return torch.zeros(0, network.num_subspaces, network.width), torch.zeros(0, dtype=torch.long)
-    for step, (batch, target) in enumerate(loader, 1):
+    for step, (batch, target) in enumerate(start_workers(loader), 1):
         feats.append(network(batch.to(device)).float().cpu())
         labels.append(target)
         if progress is not None:

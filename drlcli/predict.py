@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from .data import IMAGE_EXTENSIONS, _hidden, eval_transform, load_rgb
+from .data import IMAGE_EXTENSIONS, _hidden, eval_transform, load_rgb, start_workers
 from .errors import DataError, UsageError
 
 
@@ -127,7 +127,7 @@ def predict(
         collate_fn=_collate,
     )
     with torch.inference_mode():
-        for items in loader:
+        for items in start_workers(loader):
             good = [(i, x) for i, x, err in items if err is None]
             scores = None
             if good:

@@ -49,10 +49,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from . import jsonio
 from .errors import IntegrityError, RunBusyError, RunStateError, StorageError, UsageError
 
 FORMAT = "drl-run"
@@ -244,6 +246,10 @@ class RunDir:
                 f"run {self.path} has format version {version}, this drl reads version "
                 f"{FORMAT_VERSION}; use the drl release that wrote it"
             )
+        if not _well_formed(data):
+            raise IntegrityError(
+                f"{path} is malformed (files, stages or generation of the wrong type); restore it from a backup"
+            )
         self._refuse_links(data)
         return data
 
@@ -275,26 +281,41 @@ class RunDir:
             raise IntegrityError(f"{path} is damaged (checksum mismatch); restore it from a backup")
         return data
 
+    def parsed(self, name: str, manifest: dict[str, Any] | None, parse: Callable[[bytes], Any]) -> Any:
+        """A listed file, checksummed, then parsed into a mapping. A file whose checksum matches but
+        whose content does not parse (or is no mapping) was crafted or damaged before it was listed."""
+        data = self.read_bytes(name, manifest)
+        try:
+            value = parse(data)
+        except (ValueError, yaml.YAMLError, SafetensorError) as exc:  # UnicodeDecodeError is a ValueError
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise IntegrityError(f"{self.path / name} cannot be parsed ({reason}); restore it from a backup") from exc
+        if not isinstance(value, dict):
+            raise IntegrityError(
+                f"{self.path / name} holds a {type(value).__name__} where a mapping belongs; restore it from a backup"
+            )
+        return value
+
     def run_config(self, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-        return yaml.safe_load(self.read_bytes(RUN_CONFIG, manifest))
+        return self.parsed(RUN_CONFIG, manifest, yaml.safe_load)
 
     def has_ptm_weights(self, manifest: dict[str, Any] | None = None) -> bool:
         return PTM_WEIGHTS in (manifest or self.manifest())["files"]
 
     def ptm_weights(self, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
-        return st_load(self.read_bytes(PTM_WEIGHTS, manifest))
+        return self.parsed(PTM_WEIGHTS, manifest, st_load)
 
     def stage_indices(self, manifest: dict[str, Any] | None = None) -> list[int]:
         return list((manifest or self.manifest())["stages"])
 
     def stage_meta(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-        return json.loads(self.read_bytes(f"{stage_dir(index)}/stage.json", manifest))
+        return self.parsed(f"{stage_dir(index)}/stage.json", manifest, json.loads)
 
     def stage(self, index: int, manifest: dict[str, Any] | None = None) -> StageRecord:
         manifest = manifest or self.manifest()
         base = stage_dir(index)
         meta = self.stage_meta(index, manifest)
-        tensors = st_load(self.read_bytes(f"{base}/weights.safetensors", manifest))
+        tensors = self.parsed(f"{base}/weights.safetensors", manifest, st_load)
         return StageRecord(index, meta, tensors)
 
     def stages(self, manifest: dict[str, Any] | None = None) -> list[StageRecord]:
@@ -329,7 +350,7 @@ class RunDir:
             if sha256_bytes(data) != meta["tensors"]["sha256"]:
                 return None
             return meta, st_load(data)
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError):
             return None
 
     def size_bytes(self, manifest: dict[str, Any] | None = None, prefix: str = "") -> int:
@@ -369,7 +390,7 @@ class RunDir:
                 ) from None
             holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(holder).encode(), 0)
+            os.pwrite(fd, jsonio.dumps(holder).encode(), 0)
             if create:  # another init may have finished while this one waited
                 refuse_existing(self.path, allow_nonempty=allow_nonempty)
             writer = RunWriter(self)
@@ -377,6 +398,24 @@ class RunDir:
             yield writer
         finally:
             os.close(fd)  # releases the flock
+
+
+def _well_formed(manifest: dict[str, Any]) -> bool:
+    """The manifest's fields have the types this module reads (a crafted one may not)."""
+    files, stages = manifest.get("files"), manifest.get("stages")
+    return (
+        _is_int(manifest.get("generation"))
+        and isinstance(files, dict)
+        and isinstance(stages, list)
+        and all(_is_int(i) and i > 0 for i in stages)
+        and all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) and _is_int(e.get("bytes")) for e in files.values()
+        )
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _open_lock(path: Path) -> int:
@@ -543,7 +582,7 @@ class RunWriter:
                 "files": {**old_files, **entries},
             }
             tmp = staging / MANIFEST
-            write_durable(tmp, (json.dumps(new_manifest, indent=1, sort_keys=True) + "\n").encode())
+            write_durable(tmp, encode_json(new_manifest))
             os.replace(tmp, self.run.path / MANIFEST)  # the commit point
             published = True
             _fsync_dir(self.run.path)
@@ -578,7 +617,7 @@ def _take_back(placed: list[Path], root: Path) -> None:
 
 
 def encode_json(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    return (jsonio.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
 def encode_yaml(obj: Any) -> bytes:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import __version__, backbone
+from . import __version__, backbone, jsonio
 from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
@@ -169,7 +169,7 @@ def _torchscript_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any
     traced = torch.jit.trace(graph, example, check_trace=False)
     spec = {**spec, "payload_sha256": backbone.tensors_sha256(traced.state_dict())}
     buffer = io.BytesIO()
-    torch.jit.save(traced, buffer, _extra_files={SPEC_FILE: json.dumps(spec)})
+    torch.jit.save(traced, buffer, _extra_files={SPEC_FILE: jsonio.dumps(spec)})
     return buffer.getvalue()
 
 
@@ -196,7 +196,7 @@ def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> b
     spec = {**spec, "payload_sha256": _onnx_payload_sha256(proto)}
     for key, value in spec.items():
         entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value if isinstance(value, str) else json.dumps(value)
+        entry.key, entry.value = key, value if isinstance(value, str) else jsonio.dumps(value)
     proto.producer_name, proto.producer_version = "drl", __version__
     onnx.checker.check_model(proto)
     return proto.SerializeToString()

@@ -9,6 +9,7 @@ epochs. The PTM and every older stage stay frozen (they run under no_grad).
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -23,8 +24,8 @@ from torch.utils.data import DataLoader, Sampler
 
 from . import distributed
 from .config import TrainConfig
-from .data import ImageDataset, ImageSet, train_transform
-from .errors import UsageError
+from .data import ImageDataset, ImageSet, start_workers, train_transform
+from .errors import DivergedError, RunStateError, UsageError
 from .losses import ce_loss, das_loss, kd_loss
 from .model import class_means, embed_images
 
@@ -158,27 +159,14 @@ def train_stage(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)  # the transforms' randomness
         if resume is not None:
-            t = resume.tensors
-            stage.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("stage.")})
-            classifier.load_state_dict({k[11:]: v for k, v in t.items() if k.startswith("classifier.")})
-            for i, p in enumerate(params):
-                if f"momentum.{i}" in t:
-                    optimizer.state[p]["momentum_buffer"] = t[f"momentum.{i}"].to(p.device).clone()
-            with warnings.catch_warnings():  # replaying the schedule, no optimizer step is due
-                warnings.simplefilter("ignore", UserWarning)
-                for _ in range(resume.epoch):
-                    schedule.step()
-            torch.set_rng_state(t["rng.torch"])
-            if device.type == "cuda" and "rng.cuda" in t:
-                torch.cuda.set_rng_state(t["rng.cuda"], device)
-            generator.set_state(t["rng.loader"])
+            _restore(resume, stage, classifier, optimizer, params, schedule, generator, device)
             epoch_losses, steps = list(resume.epoch_losses), resume.steps
             first_epoch, earlier_seconds = resume.epoch + 1, resume.seconds
         for epoch in range(first_epoch, cfg.epochs + 1):
             if sampler is not None:  # each process reseeds its augmentations every epoch
                 torch.manual_seed(cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank())
             total, count = 0.0, 0
-            for step, (batch, targets) in enumerate(loader, 1):
+            for step, (batch, targets) in enumerate(start_workers(loader), 1):
                 batch, targets = batch.to(device), targets.to(device)
                 loss = step_module(batch, targets)
                 optimizer.zero_grad(set_to_none=True)
@@ -195,6 +183,7 @@ def train_stage(
                     torch.tensor([total, float(count)], dtype=torch.float64)
                 ).tolist()
             epoch_losses.append(total / max(count, 1))
+            _check_finite(epoch, epoch_losses[-1], stage, classifier, cfg)  # before a checkpoint can keep it
             if on_epoch is not None:
                 tensors = {f"stage.{k}": v for k, v in stage.state_dict().items()}
                 tensors.update({f"classifier.{k}": v for k, v in classifier.state_dict().items()})
@@ -211,6 +200,56 @@ def train_stage(
     stage.requires_grad_(False)
     seconds = earlier_seconds + time.perf_counter() - start
     return TrainResult(epoch_losses, float(classifier.scale.item()), seconds, steps)
+
+
+def _restore(
+    resume: TrainState,
+    stage: nn.Module,
+    classifier: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    schedule: Any,
+    generator: torch.Generator,
+    device: torch.device,
+) -> None:
+    """Put parameters, momentum, schedule and RNG states back as they were after ``resume.epoch``.
+    A checkpoint that does not fit (another drl version, a hand-made file) is refused naming --restart."""
+    t = resume.tensors
+    try:
+        stage.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("stage.")})
+        classifier.load_state_dict({k[11:]: v for k, v in t.items() if k.startswith("classifier.")})
+        for i, p in enumerate(params):
+            if f"momentum.{i}" in t:
+                if t[f"momentum.{i}"].shape != p.shape:
+                    raise ValueError(
+                        f"momentum.{i} has shape {tuple(t[f'momentum.{i}'].shape)}, expected {tuple(p.shape)}"
+                    )
+                optimizer.state[p]["momentum_buffer"] = t[f"momentum.{i}"].to(p.device).clone()
+        torch.set_rng_state(t["rng.torch"])
+        if device.type == "cuda" and "rng.cuda" in t:
+            torch.cuda.set_rng_state(t["rng.cuda"], device)
+        generator.set_state(t["rng.loader"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise RunStateError(
+            f"the epoch checkpoint after epoch {resume.epoch} does not fit this stage ({str(exc).splitlines()[0]}); "
+            "pass --restart to discard it"
+        ) from exc
+    with warnings.catch_warnings():  # replaying the schedule, no optimizer step is due
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(resume.epoch):
+            schedule.step()
+
+
+def _check_finite(epoch: int, loss: float, stage: nn.Module, classifier: nn.Module, cfg: TrainConfig) -> None:
+    """Refuse to go on (and to checkpoint) once the loss or a weight is NaN or infinite. Every process
+    sees the same summed loss and the same weights, so under torchrun all stop together."""
+    weights = [*stage.parameters(), *classifier.parameters()]
+    if math.isfinite(loss) and all(torch.isfinite(w).all() for w in weights):
+        return
+    reason = "a weight is NaN or infinite" if math.isfinite(loss) else f"loss {loss}"
+    raise DivergedError(
+        f"training diverged in epoch {epoch} ({reason}); nothing was committed: lower --lr (now {cfg.lr:g})"
+    )
 
 
 def initial_class_means(

@@ -1,3 +1,7 @@
+import dataclasses
+import math
+from typing import get_type_hints
+
 import pytest
 
 from drlcli.config import RunConfig
@@ -29,7 +33,7 @@ def test_yaml_round_trip(tmp_path):
         ({"train": {"epoch": 3}}, "unknown config.train key"),
         ({"bogus": {}}, "unknown config key"),
         ({"ipa": {"gate": "extra"}}, "ipa.gate must be one of"),
-        ({"train": {"epochs": 0}}, "train.epochs must be > 0"),
+        ({"train": {"epochs": 0}}, r"train.epochs must be a number in \[1, 10000\]"),
         ({"train": {"epochs": "3"}}, "must be int"),
         ({"ipa": {"gamma": 1.5}}, "gamma"),
         ({"method": "ease2"}, "unknown method"),
@@ -45,3 +49,49 @@ def test_with_train_overrides_only_given_values():
     assert cfg.train.epochs == 2 and cfg.train.lr == 0.01
     with pytest.raises(UsageError):
         RunConfig().with_train(batch_size=0)
+
+
+def _numeric_fields():
+    """Every int and float option of every section, as (section, name, type)."""
+    cfg = RunConfig()
+    for section in ("ipa", "ease", "train", "score"):
+        hints = get_type_hints(type(getattr(cfg, section)))
+        for f in dataclasses.fields(getattr(cfg, section)):
+            kinds = getattr(hints[f.name], "__args__", (hints[f.name],))
+            if int in kinds or float in kinds:
+                yield section, f.name, float if float in kinds else int
+
+
+@pytest.mark.parametrize("section, name, kind", list(_numeric_fields()))
+def test_every_number_is_finite_and_in_range(section, name, kind, tmp_path):
+    """Issue 14 item 5: NaN, ±inf and absurd sizes are refused for every option, from a dict and from YAML."""
+    bad = [10**12, -(10**12)] + ([math.nan, math.inf, -math.inf] if kind is float else [])
+    for value in bad:
+        with pytest.raises(UsageError, match=rf"{section}\.{name} must be"):
+            RunConfig.from_dict({section: {name: value}})
+    path = tmp_path / "c.yaml"
+    if kind is float:  # YAML's own spellings of NaN and infinity
+        for text in (".nan", ".inf", "-.inf"):
+            path.write_text(f"{section}:\n  {name}: {text}\n")
+            with pytest.raises(UsageError, match="must be a finite number"):
+                RunConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"train": {"momentum": -0.5}},
+        {"train": {"momentum": 1.0}},
+        {"train": {"lr": 0.0}},
+        {"train": {"weight_decay": -1e-4}},
+        {"score": {"beta": -1.0}},
+        {"ipa": {"adapter_dim": 10**8}},
+        {"ipa": {"ffn_dim": 0}},
+        {"ease": {"adapter_dim": 10**8}},
+        {"train": {"num_workers": 100_000}},
+        {"train": {"seed": -1}},
+    ],
+)
+def test_nonsensical_numbers_are_refused(data):
+    with pytest.raises(UsageError, match="must be a number in"):
+        RunConfig.from_dict(data)
