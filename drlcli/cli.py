@@ -116,7 +116,7 @@ def _setup_logging(*, quiet: bool, verbose: bool) -> None:
 def _warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
     """A Python warning (ours or a dependency's) as one ``warning:`` line on stderr, never a source excerpt."""
     text = " ".join(str(message).split())
-    log.warning("warning: %s: %s (%s:%d)", category.__name__, text, Path(filename).name, lineno)
+    log.warning("%s: %s (%s:%d)", category.__name__, text, Path(filename).name, lineno)
 
 
 class Reporter:
