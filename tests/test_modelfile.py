@@ -142,6 +142,29 @@ def test_any_other_name_is_read_as_drl(exports, images, tmp_path):
     assert _predict(renamed, images).exit_code == 0
 
 
+@needs_onnx
+def test_onnx_with_custom_operators_or_external_data_is_refused(exports, images, tmp_path):
+    """ONNX loads without --trust-code (onnxruntime runs no Python), so only what drl writes is run:
+    standard operators, weights inside the file."""
+    import onnx
+    from onnx import TensorProto
+
+    proto = onnx.load(str(exports("onnx")))
+    custom = onnx.ModelProto()
+    custom.CopyFrom(proto)
+    custom.opset_import.add(domain="com.example.native", version=1)
+    (tmp_path / "custom.onnx").write_bytes(custom.SerializeToString())
+    result = _predict(tmp_path / "custom.onnx", images)
+    assert result.exit_code == 5 and "operator domains ['com.example.native']" in _error(result)
+    tensor = proto.graph.initializer[0]
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="../../../etc/passwd")
+    tensor.ClearField("raw_data")
+    (tmp_path / "external.onnx").write_bytes(proto.SerializeToString())
+    result = _predict(tmp_path / "external.onnx", images)
+    assert result.exit_code == 5 and "refers to external weight files" in _error(result)
+
+
 # ------------------------------------------------------------------------ metadata checksums
 
 
