@@ -94,7 +94,14 @@ class GraphModel:
         return self.spec["data_config"]
 
     def score_images(self, images: Tensor) -> Tensor:
-        scores = self.run(images)  # (B, C)
+        try:
+            scores = self.run(images)  # (B, C)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # the file's own graph fails on input its own data_config describes
+            raise IntegrityError(
+                f"the {self.format} graph cannot score {tuple(images.shape)} images ({_short(exc)}); export it again"
+            ) from exc
         if scores.dim() != 2 or scores.shape[1] != len(self.spec["class_names"]):
             raise IntegrityError(
                 f"the {self.format} graph gives {tuple(scores.shape)} scores for {len(self.spec['class_names'])} "

@@ -234,6 +234,17 @@ def test_removed_class_name_is_refused_with_5_never_1(exports, images, tmp_path,
     assert result.exit_code == 5 and "export it again" in _error(result)
 
 
+@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=needs_onnx)])
+def test_crafted_graph_input_size_is_refused_with_5(exports, images, tmp_path, fmt):
+    """A graph whose (checksummed) data_config asks for images it cannot take: exit 5, not 1."""
+    original = exports(fmt)
+    spec = _read_spec(original, fmt)
+    spec["data_config"] = {**spec["data_config"], "input_size": [3, 48, 48]}
+    crafted = _write_spec(original, fmt, with_checksum(spec), tmp_path / f"c.{SUFFIX[fmt]}")
+    result = _predict(crafted, images, "--trust-code")
+    assert result.exit_code == 5 and "graph cannot score (6, 3, 48, 48) images" in _error(result)
+
+
 def _set(key: str, value: Any) -> Callable[[dict[str, Any]], Any]:
     return lambda spec: {**spec, key: value}
 
