@@ -92,7 +92,9 @@ def check_ptm_kwargs(kwargs: Any, *, origin: str, error: type[DrlError] = UsageE
     allowed = ", ".join(PTM_KWARGS)
     for key, value in kwargs.items():
         if key not in PTM_KWARGS:
-            raise error(f"PTM keyword argument {key!r} from {origin} is not allowed; drl passes only {allowed}")
+            raise error(
+                f"PTM keyword argument {key!r} from {origin} is not allowed (drl passes only {allowed}); remove it"
+            )
         kind, low, high = PTM_KWARGS[key]
         if not _is_kind(value, kind) or not low <= value <= high:
             want = {bool: "true or false", int: "an int", float: "a number"}[kind]

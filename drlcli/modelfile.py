@@ -128,7 +128,7 @@ def require_keys(path: Path, spec: dict[str, Any], types: dict[str, type]) -> No
     """Every key present with a value of its type (bool is never an int here)."""
     for key, kind in types.items():
         value = spec.get(key)
-        if value is None or isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        if value is None or (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
             raise IntegrityError(f"{path} has a malformed spec ({key!r} missing or not {_name(kind)}); export it again")
 
 
