@@ -94,7 +94,7 @@ def main() -> None:
                 rows.append({"format": fmt, "skipped": str(exc)})
                 continue
             export_seconds = time.perf_counter() - start
-            scores, speed = score_all(load_model(path), batches)
+            scores, speed = score_all(load_model(path, trust_code=True), batches)  # exported just above
             rows.append(
                 {
                     "format": fmt,

@@ -95,6 +95,7 @@ def init_run(
     run's own names (``ptm.safetensors``, ``stages``...) is refused either way."""
     if ptm_weights is not None and random_init:
         raise UsageError("--ptm-weights and --random-init exclude each other; pass one")
+    ptm_kwargs = backbone.check_ptm_kwargs(ptm_kwargs, origin="--ptm-arg (ptm_kwargs)")  # before creating anything
     config = config or RunConfig()
     run = RunDir(run_dir)
     with run.writer(create=True, allow_nonempty=allow_nonempty) as writer:
@@ -139,7 +140,8 @@ class LoadedRun:
 def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, ptm_weights: Path | None):
     """Rebuild the run's PTM and check it is bit-for-bit the one the run was created with."""
     info = record["ptm"]
-    kwargs = info.get("kwargs") or {}
+    # run.yaml may come from anywhere: only the ViT shape arguments init writes reach timm
+    kwargs = backbone.check_ptm_kwargs(info.get("kwargs"), origin=f"run {run.path}", error=IntegrityError)
     if run.has_ptm_weights(manifest):
         model = backbone.create_ptm(info["name"], source=PTMSource(random_init=True), kwargs=kwargs)
         backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / "ptm.safetensors"))

@@ -10,6 +10,7 @@ the class token, so ``class_token_attention`` computes just that row of A^L.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import PTMError
+from .errors import DrlError, PTMError, UsageError
+
+# The only keyword arguments that reach ``timm.create_model``: the ViT's shape, as ``init --ptm-arg``
+# records it (``synthetic.TINY_PTM_KWARGS``). Anything else (``checkpoint_path``, ``pretrained_cfg``,
+# ``cache_dir``, ...) would make timm read files or change where weights come from. Each entry is
+# (type, lowest, highest); the bounds keep a crafted file from building a model of absurd size.
+PTM_KWARGS: dict[str, tuple[type, float, float]] = {
+    "img_size": (int, 8, 4096),
+    "patch_size": (int, 1, 256),
+    "embed_dim": (int, 8, 8192),
+    "depth": (int, 2, 128),
+    "num_heads": (int, 1, 128),
+    "mlp_ratio": (float, 0.25, 16.0),
+    "reg_tokens": (int, 0, 64),
+    "init_values": (float, 0.0, 10.0),
+    "qkv_bias": (bool, 0, 1),
+    "qk_norm": (bool, 0, 1),
+    "no_embed_class": (bool, 0, 1),
+    "pre_norm": (bool, 0, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -34,7 +54,7 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
     """Build a frozen timm ViT (no classifier head) with weights from ``source``."""
     import timm
 
-    kwargs = dict(kwargs or {})
+    kwargs = check_ptm_kwargs(kwargs, origin="--ptm-arg (ptm_kwargs)")
     if not timm.is_model(name):
         raise PTMError(f"unknown PTM {name!r}; pass a timm ViT name such as deit_tiny_patch16_224")
     try:
@@ -60,6 +80,35 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def check_ptm_kwargs(kwargs: Any, *, origin: str, error: type[DrlError] = UsageError) -> dict[str, Any]:
+    """``kwargs`` if every key is in ``PTM_KWARGS`` with a value of its type and range; else ``error``
+    (UsageError from the CLI/API, IntegrityError from a run or export file) naming ``origin``."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise error(f"PTM keyword arguments from {origin} must be a mapping, got {type(kwargs).__name__}")
+    allowed = ", ".join(PTM_KWARGS)
+    for key, value in kwargs.items():
+        if key not in PTM_KWARGS:
+            raise error(
+                f"PTM keyword argument {key!r} from {origin} is not allowed (drl passes only {allowed}); remove it"
+            )
+        kind, low, high = PTM_KWARGS[key]
+        if not _is_kind(value, kind) or not low <= value <= high:
+            want = {bool: "true or false", int: "an int", float: "a number"}[kind]
+            want += "" if kind is bool else f" in [{low:g}, {high:g}]"
+            raise error(f"PTM keyword argument {key}={value!r} from {origin} must be {want}")
+    return dict(kwargs)
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _require_hub(name: str, timeout: float = 3.0) -> None:

@@ -470,7 +470,8 @@ def export(
         None,
         "--format",
         help="drl (the run's model in one file; default), torchscript or onnx (images -> scores graph, "
-        "for serving; onnx needs the export extra). Default: from the --out suffix (.pt/.ts, .onnx), else drl.",
+        "for serving; onnx needs the export extra). Default: from the --out suffix (.pt/.ts, .onnx), else drl; "
+        "a --format the suffix contradicts is refused.",
     ),
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -495,7 +496,16 @@ def export(
 def predict(
     sources: list[str] = typer.Argument(..., help="Image files, folders, .txt lists of paths, or - (paths on stdin)."),
     model: Path | None = typer.Option(
-        None, "--model", help="An exported file (.drl, TorchScript or ONNX; instead of --run)."
+        None,
+        "--model",
+        help="An exported file instead of --run: .drl, .onnx, or .pt/.ts TorchScript (needs --trust-code). "
+        "The format comes from the name; content that does not match it is refused (exit 5).",
+    ),
+    trust_code: bool = typer.Option(
+        False,
+        "--trust-code",
+        help="Allow a TorchScript --model: loading and running it EXECUTES CODE FROM THE FILE (it can read, "
+        "write or delete files). Only for files you made or trust; .drl and .onnx never need it.",
     ),
     top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
@@ -520,7 +530,7 @@ def predict(
         start = time.perf_counter()
         paths = expand_sources(sources)
         loaded = (
-            load_model(model, device=str(api.resolve_device(device)))
+            load_model(model, device=str(api.resolve_device(device)), trust_code=trust_code)
             if model is not None
             else api.load_run(run, device=device, ptm_weights=ptm_weights).model
         )

@@ -1,38 +1,49 @@
 """The single-file inference artifact: PTM weights, stage weights, real prototypes, class names,
 data config and scoring options in one safetensors file, loadable without the run directory.
 ``export_run`` also writes the serving graphs (``--format torchscript|onnx``, see ``traced.py``),
-and ``load_model`` reads any of the three.
+and ``load_model`` reads any of the three, the format told by the file name (``modelfile.py``).
 
-The file's metadata holds ``format``/``format_version`` and a JSON ``spec``; ``payload_sha256``
-covers every tensor (name, dtype, shape, bytes), so a damaged file is refused, never used.
+The file's metadata holds ``format``/``format_version`` and a JSON ``spec`` (class names, config,
+PTM identity, data config) that carries ``payload_sha256`` over every tensor (name, dtype, shape,
+bytes) and ``spec_sha256`` over the spec itself, so a damaged file is refused, never used.
+Format 2 added ``spec_sha256``; a format-1 file is refused with "export it again".
 It is written to a temporary name beside the target and renamed into place.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from . import __version__, backbone, jsonio
+from . import __version__, backbone, jsonio, modelfile
 from .backbone import PTMSource
 from .config import RunConfig
-from .errors import IntegrityError, StorageError, UsageError
+from .errors import IntegrityError, PTMError, StorageError, UsageError
 from .methods import method_of
 from .model import IncrementalModel
+from .modelfile import FORMAT_SUFFIX, format_of
 from .rundir import refuse_inside_run, write_durable
-from .traced import GRAPH_FORMATS, GraphModel, load_graph, sniff_format, write_graph
+from .traced import GRAPH_FORMATS, GraphModel, load_graph, write_graph
 
 FORMAT = "drl-export"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 FORMATS = ("drl", *GRAPH_FORMATS)
-SUFFIX_FORMATS = {".onnx": "onnx", ".pt": "torchscript", ".ts": "torchscript", ".torchscript": "torchscript"}
+SPEC_TYPES = {
+    "method": str,
+    "config": dict,
+    "ptm": dict,
+    "data_config": dict,
+    "num_stages": int,
+    "class_names": list,
+    "payload_sha256": str,
+}
 
 
 @dataclass(frozen=True)
@@ -67,12 +78,12 @@ def write_export(
         "data_config": model.data_config,
         "num_stages": network.num_stages,
         "class_names": model.class_names,
+        "payload_sha256": backbone.tensors_sha256(tensors),
     }
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "spec": jsonio.dumps(spec),
-        "payload_sha256": backbone.tensors_sha256(tensors),
+        "spec": jsonio.dumps(modelfile.with_checksum(spec)),
     }
     out_path = Path(out_path)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
@@ -89,11 +100,18 @@ def write_export(
 
 
 def resolve_format(fmt: str | None, out_path: Path) -> str:
-    """The export format: as given, else from the file suffix (.onnx, .pt/.ts/.torchscript), else drl."""
+    """The export format: as given, else from the file name (.onnx, .pt/.ts/.torchscript, else drl).
+    A format the name contradicts is refused: ``load_model`` tells formats by name alone."""
+    named = format_of(out_path)
     if fmt is None:
-        return SUFFIX_FORMATS.get(Path(out_path).suffix.lower(), "drl")
+        return named
     if fmt not in FORMATS:
         raise UsageError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt != named:
+        raise UsageError(
+            f"--out {Path(out_path).name} names a {named} file but --format is {fmt}; "
+            f"name it *{FORMAT_SUFFIX[fmt]} (drl tells a model file's format by its name)"
+        )
     return fmt
 
 
@@ -117,57 +135,107 @@ def export_run(
 
 
 def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
-    """Rebuild the model from an exported file alone (checksums verified)."""
-    from safetensors import safe_open
-
+    """Rebuild the model from an exported ``.drl`` file alone (checksums and structure verified)."""
     path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError, ValueError) as exc:
-        raise IntegrityError(f"{path} is not a readable drl export ({exc}); export it again") from exc
-    if metadata.get("format") != FORMAT:
-        raise IntegrityError(f"{path} is not a drl export; pass a file written by `drl export`")
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise IntegrityError(
-            f"{path} has export format {metadata.get('format_version')}, this drl reads {FORMAT_VERSION}; "
-            "use the drl release that wrote it"
-        )
-    if backbone.tensors_sha256(tensors) != metadata.get("payload_sha256"):
-        raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
-    try:
-        spec = json.loads(metadata["spec"])
-        spec["config"], spec["ptm"], spec["class_names"]  # noqa: B018 (keys this format writes)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise IntegrityError(f"{path} has an incomplete spec ({exc}); export it again with this drl") from exc
-    ptm = backbone.create_ptm(spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=spec["ptm"]["kwargs"])
-    backbone.load_state(ptm, {k[4:]: v for k, v in tensors.items() if k.startswith("ptm.")}, origin=str(path))
-    config = RunConfig.from_dict(spec["config"])
+    modelfile.check_content(path, "drl")
+    tensors, spec = _read_export(path)
+    kwargs = backbone.check_ptm_kwargs(spec["ptm"].get("kwargs"), origin=str(path), error=IntegrityError)
+    ptm = backbone.create_ptm(spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=kwargs)
+    config = _config(path, spec["config"])
     method = method_of(config)
     network = method.build(ptm, config)
-    for i in range(spec["num_stages"]):
-        stage = network.new_stage(seed=0)
-        prefix = f"stage.{i}."
-        stage.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
-        stage.requires_grad_(False)
-        stage.eval()
+    with _fitting(path):
+        backbone.load_state(ptm, {k[4:]: v for k, v in tensors.items() if k.startswith("ptm.")}, origin=str(path))
+        for i in range(spec["num_stages"]):
+            stage = network.new_stage(seed=0)
+            prefix = f"stage.{i}."
+            stage.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+            stage.requires_grad_(False)
+            stage.eval()
+        class_stage, prototypes = _class_tensors(path, tensors, len(spec["class_names"]), network, method.offset)
     network.to(torch.device(device))
     return IncrementalModel(
         network=network,
         class_names=list(spec["class_names"]),
-        class_stage=tensors["class_stage"],
-        real_prototypes=tensors["prototypes"],
+        class_stage=class_stage,
+        real_prototypes=prototypes,
         score_cfg=config.score,
         data_config=spec["data_config"],
         offset=method.offset,
     )
 
 
-def load_model(path: Path | str, *, device: str = "cpu") -> IncrementalModel | GraphModel:
-    """Any export (``.drl``, TorchScript or ONNX, told apart by content) ready for ``predict``."""
+def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and spec of a .drl file, every checksum and the spec's structure verified."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as exc:  # the safetensors parser meets untrusted bytes: any failure means damage
+        raise IntegrityError(f"{path} is not a readable drl export ({str(exc)[:100]}); export it again") from exc
+    if metadata.get("format") != FORMAT:
+        raise IntegrityError(f"{path} is not a drl export; pass a file written by `drl export`")
+    modelfile.check_version(path, metadata.get("format_version"), FORMAT_VERSION, what="drl export")
+    spec = modelfile.parse_spec(path, metadata.get("spec", ""))
+    modelfile.check_spec_sha256(path, spec)
+    if backbone.tensors_sha256(tensors) != spec.get("payload_sha256"):
+        raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
+    modelfile.require_keys(path, spec, SPEC_TYPES)
+    modelfile.require_keys(path, spec["ptm"], {"name": str, "sha256": str})
+    modelfile.check_class_names(path, spec["class_names"])
+    modelfile.check_data_config(path, spec["data_config"])
+    if not 0 <= spec["num_stages"] <= len(spec["class_names"]):  # every stage brings a class
+        raise IntegrityError(f"{path} has a malformed spec (num_stages {spec['num_stages']}); export it again")
+    return tensors, spec
+
+
+def _config(path: Path, data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.from_dict(data)
+    except UsageError as exc:
+        raise IntegrityError(f"{path} has an invalid config ({exc}); export it again") from exc
+
+
+def _class_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], num_classes: int, network: torch.nn.Module, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``class_stage`` (C,) and ``prototypes`` (C, S, d), checked against the class names and the network."""
+    class_stage, prototypes = tensors.get("class_stage"), tensors.get("prototypes")
+    stages = network.num_stages  # 0 for simplecil: its classes score in the PTM subspace alone
+    fits = (
+        class_stage is not None
+        and prototypes is not None
+        and class_stage.dtype == torch.long
+        and tuple(class_stage.shape) == (num_classes,)
+        and bool((class_stage >= 1).all())
+        and (stages == 0 or bool((class_stage <= stages).all()))
+        and prototypes.is_floating_point()
+        and tuple(prototypes.shape) == (num_classes, offset + stages, network.width)
+    )
+    if not fits:
+        raise IntegrityError(f"{path}: class names, class stages and prototypes do not fit together; export it again")
+    return class_stage, prototypes
+
+
+@contextlib.contextmanager
+def _fitting(path: Path) -> Iterator[None]:
+    """Weights that do not fit the network the spec describes: a damaged or crafted file (exit 5)."""
+    try:
+        yield
+    except (PTMError, RuntimeError, KeyError) as exc:
+        raise IntegrityError(f"{path}: its weights do not fit the model its spec describes; export it again") from exc
+
+
+def load_model(path: Path | str, *, device: str = "cpu", trust_code: bool = False) -> IncrementalModel | GraphModel:
+    """Any export, ready for ``predict``: the format comes from the name (``.drl``; ``.pt``/``.ts``
+    TorchScript; ``.onnx``), never from the content. TorchScript runs the file's own code, so it
+    loads only with ``trust_code=True``; a file whose content is not what its name says is refused."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"model file {path} not found; pass a file written by `drl export`")
-    fmt = sniff_format(path)
-    return load_export(path, device=device) if fmt == "drl" else load_graph(path, fmt=fmt, device=device)
+    fmt = format_of(path)
+    if fmt == "drl":
+        return load_export(path, device=device)
+    return load_graph(path, fmt=fmt, device=device, trust_code=trust_code)

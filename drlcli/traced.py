@@ -8,9 +8,13 @@ scoring weights are constants of the graph, so serving needs neither drl nor the
 
 What a server needs beside the graph is recorded in the file as one ``spec``: class names,
 preprocessing (mean, std, input size, interpolation, crop), PTM name and sha256, the scoring
-options, and ``payload_sha256`` over the weights, so a damaged file is refused, never used.
-TorchScript keeps it in ``_extra_files["drl.json"]``; ONNX in ``metadata_props``, one key per
-top-level entry (strings as they are, everything else as JSON).
+options, ``payload_sha256`` over the weights and ``spec_sha256`` over the spec (``modelfile.py``),
+so a damaged file is refused, never used. TorchScript keeps it in ``_extra_files["drl.json"]``;
+ONNX in ``metadata_props``, one key per top-level entry (strings as they are, everything else as
+JSON). Graph format 2 added ``spec_sha256``.
+
+Loading a TorchScript file runs its code, so ``load_graph`` needs ``trust_code=True`` for it; an
+ONNX file is data for onnxruntime (standard operators only, no external data files), loaded freely.
 
 A graph serves; it cannot learn more stages (export again from the run after ``learn-stage``).
 ``ease`` graphs run one ViT pass per stage, as the method does.
@@ -21,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import logging
 import os
 import warnings
@@ -33,15 +36,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import __version__, backbone, jsonio
+from . import __version__, backbone, jsonio, modelfile
 from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
+from .modelfile import format_of
 from .prototypes import concat_scores, score_weights, weighted_scores
 from .rundir import write_durable
 
 GRAPH_FORMATS = ("torchscript", "onnx")
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+ONNX_DOMAINS = ("", "ai.onnx")  # standard operators only: no custom-op libraries
 ONNX_OPSET = 18
 SPEC_FILE = "drl.json"  # TorchScript extra file
 JSON_KEYS = ("ptm", "num_stages", "class_names", "class_stage", "data_config", "score", "input", "output")
@@ -88,7 +93,20 @@ class GraphModel:
         return self.spec["data_config"]
 
     def score_images(self, images: Tensor) -> Tensor:
-        return self.run(images)
+        try:
+            scores = self.run(images)  # (B, C)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # the file's own graph fails on input its own data_config describes
+            raise IntegrityError(
+                f"the {self.format} graph cannot score {tuple(images.shape)} images ({_short(exc)}); export it again"
+            ) from exc
+        if scores.dim() != 2 or scores.shape[1] != len(self.spec["class_names"]):
+            raise IntegrityError(
+                f"the {self.format} graph gives {tuple(scores.shape)} scores for {len(self.spec['class_names'])} "
+                "class names; export it again"
+            )
+        return scores
 
 
 # ------------------------------------------------------------------------------- writing
@@ -147,7 +165,7 @@ def write_graph(
                 data = _onnx_bytes(graph, example, spec)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         write_durable(tmp, data)
-        loaded = load_graph(tmp, fmt=fmt)
+        loaded = load_graph(tmp, fmt=fmt, trust_code=True)  # the graph just traced from our own model
         with torch.no_grad():
             diff = float((loaded.score_images(check).float().cpu() - expected).abs().max())
         if not diff <= CHECK_TOLERANCE:
@@ -167,7 +185,7 @@ def write_graph(
 
 def _torchscript_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:
     traced = torch.jit.trace(graph, example, check_trace=False)
-    spec = {**spec, "payload_sha256": backbone.tensors_sha256(traced.state_dict())}
+    spec = modelfile.with_checksum({**spec, "payload_sha256": backbone.tensors_sha256(traced.state_dict())})
     buffer = io.BytesIO()
     torch.jit.save(traced, buffer, _extra_files={SPEC_FILE: jsonio.dumps(spec)})
     return buffer.getvalue()
@@ -193,7 +211,7 @@ def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> b
     if printed.getvalue().strip():
         log.debug("%s", printed.getvalue().strip())
     proto = onnx.load_from_string(buffer.getvalue())
-    spec = {**spec, "payload_sha256": _onnx_payload_sha256(proto)}
+    spec = modelfile.with_checksum({**spec, "payload_sha256": _onnx_payload_sha256(proto)})
     for key, value in spec.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value if isinstance(value, str) else jsonio.dumps(value)
@@ -224,26 +242,15 @@ def _onnx_payload_sha256(proto: Any) -> str:
 # ------------------------------------------------------------------------------- loading
 
 
-def sniff_format(path: Path) -> str:
-    """drl (safetensors), torchscript (a zip archive) or onnx (anything else named .onnx)."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(16)
-    except OSError as exc:
-        raise IntegrityError(f"cannot read model file {path}: {exc.strerror or exc}; pass an exported file") from exc
-    if head.startswith(b"PK\x03\x04"):
-        return "torchscript"
-    if len(head) > 8 and head[8:9] == b"{":  # safetensors: 8-byte header length, then JSON
-        return "drl"
-    if Path(path).suffix.lower() == ".onnx" or head[:1] == b"\x08":  # ModelProto field 1 (ir_version)
-        return "onnx"
-    return "drl"  # let the drl reader name the problem
-
-
-def load_graph(path: Path | str, *, fmt: str | None = None, device: str = "cpu") -> GraphModel:
-    """Load a TorchScript or ONNX export and check its spec and weights."""
+def load_graph(
+    path: Path | str, *, fmt: str | None = None, device: str = "cpu", trust_code: bool = False
+) -> GraphModel:
+    """Load a TorchScript (only with ``trust_code``: it runs the file's code) or ONNX export and
+    check its content, spec and weights. ``fmt`` defaults to what the file name says."""
     path = Path(path)
-    fmt = fmt or sniff_format(path)
+    fmt = fmt or format_of(path)
+    modelfile.require_trust(path, fmt, trust_code)
+    modelfile.check_content(path, fmt)
     return _load_torchscript(path, device) if fmt == "torchscript" else _load_onnx(path)
 
 
@@ -253,13 +260,17 @@ def _load_torchscript(path: Path, device: str) -> GraphModel:
         with warnings.catch_warnings():  # TorchScript is deprecated upstream; loading still works
             warnings.simplefilter("ignore", FutureWarning)
             module = torch.jit.load(str(path), map_location=torch.device(device), _extra_files=extra)
-        spec = json.loads(extra[SPEC_FILE])
     except (RuntimeError, ValueError, OSError) as exc:
         raise IntegrityError(
             f"{path} is not a readable drl TorchScript export ({_short(exc)}); export it again"
         ) from exc
+    if not extra[SPEC_FILE]:
+        raise IntegrityError(
+            f"{path} is a torchscript file but not a drl export (no {SPEC_FILE}); pass a file written by `drl export`"
+        )
+    spec = modelfile.parse_spec(path, extra[SPEC_FILE])
     _check_spec(path, spec, "torchscript")
-    if backbone.tensors_sha256(module.state_dict()) != spec.get("payload_sha256"):
+    if backbone.tensors_sha256(module.state_dict()) != spec["payload_sha256"]:
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
     module.eval()
     return GraphModel("torchscript", spec, module, torch.device(device))
@@ -269,14 +280,15 @@ def _load_onnx(path: Path) -> GraphModel:
     onnx = require("onnx", extra="export", purpose="reading an ONNX export")
     require("onnxruntime", extra="export", purpose="running an ONNX export")
     try:
-        proto = onnx.load(str(path))
+        proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise IntegrityError(f"{path} is not a readable ONNX file ({_short(exc)}); export it again") from exc
+    _check_onnx_graph(path, proto)
     spec: dict[str, Any] = {}
     for entry in proto.metadata_props:
-        spec[entry.key] = json.loads(entry.value) if entry.key in JSON_KEYS else entry.value
+        spec[entry.key] = modelfile.parse_json(path, entry.value) if entry.key in JSON_KEYS else entry.value
     _check_spec(path, spec, "onnx")
-    if _onnx_payload_sha256(proto) != spec.get("payload_sha256"):
+    if _onnx_payload_sha256(proto) != spec["payload_sha256"]:
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
     try:
         session = _onnx_session(proto.SerializeToString())
@@ -290,17 +302,27 @@ def _load_onnx(path: Path) -> GraphModel:
     return GraphModel("onnx", spec, run, torch.device("cpu"))
 
 
+def _check_onnx_graph(path: Path, proto: Any) -> None:
+    """Only what drl writes: standard operators, weights inside the file (no paths to other files)."""
+    from onnx import TensorProto
+
+    domains = {op.domain for op in proto.opset_import} | {f.domain for f in proto.functions}
+    if not domains <= set(ONNX_DOMAINS):
+        raise IntegrityError(
+            f"{path} uses operator domains {sorted(domains - set(ONNX_DOMAINS))}; drl exports use standard operators only"
+        )
+    if any(t.data_location == TensorProto.EXTERNAL for t in proto.graph.initializer):
+        raise IntegrityError(f"{path} refers to external weight files; drl exports hold their weights inside")
+
+
 def _check_spec(path: Path, spec: dict[str, Any], fmt: str) -> None:
     if spec.get("format") != f"drl-{fmt}":
         raise IntegrityError(f"{path} is a {fmt} file but not a drl export; pass a file written by `drl export`")
-    if spec.get("format_version") != FORMAT_VERSION:
-        raise IntegrityError(
-            f"{path} has {fmt} export format {spec.get('format_version')}, this drl reads {FORMAT_VERSION}; "
-            "use the drl release that wrote it"
-        )
-    missing = [k for k in ("class_names", "data_config", "payload_sha256") if k not in spec]
-    if missing:
-        raise IntegrityError(f"{path} has an incomplete spec (no {', '.join(missing)}); export it again")
+    modelfile.check_version(path, spec.get("format_version"), FORMAT_VERSION, what=f"{fmt} export")
+    modelfile.check_spec_sha256(path, spec)
+    modelfile.require_keys(path, spec, {"class_names": list, "data_config": dict, "payload_sha256": str})
+    modelfile.check_class_names(path, spec["class_names"])
+    modelfile.check_data_config(path, spec["data_config"])
 
 
 def _short(exc: Exception) -> str:

@@ -92,6 +92,7 @@ print("exported:", {fmt: str(p) for fmt, p in exported.items()})
 newest = sorted(p for p in drops_dir.iterdir() if p.is_dir())[-1]
 images = sorted(p for p in newest.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[:4]
 for fmt, path in exported.items():
-    model = drlcli.load_model(path)
+    # TorchScript runs code from the file: opt in only for the file exported just above
+    model = drlcli.load_model(path, trust_code=fmt == "torchscript")
     for prediction in predict(model, images, top_k=3):
         print(fmt, json.dumps(prediction.to_dict()))

@@ -97,8 +97,10 @@ done
 newest=$(find "$drops" -mindepth 1 -maxdepth 1 -type d ! -name '.*' | sort | tail -n 1)
 for format in $formats; do
     case $format in drl) ext=drl ;; torchscript) ext=pt ;; onnx) ext=onnx ;; *) ext=$format ;; esac
+    trust=()  # TorchScript runs code from the file: opt in, for the file this job exported itself
+    [ "$format" = torchscript ] && trust=(--trust-code)
     find "$newest" -type f | sort | head -n 4 |
-        drl predict --model "$work/models/current.$ext" --top-k 3 --device "$device" --quiet - \
-            >"$work/reports/smoke-$ext.jsonl"
+        drl predict --model "$work/models/current.$ext" ${trust[@]+"${trust[@]}"} --top-k 3 --device "$device" \
+            --quiet - >"$work/reports/smoke-$ext.jsonl"
 done
 log "done: run $DRL_RUN, models in $work/models, reports in $work/reports"

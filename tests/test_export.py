@@ -98,7 +98,7 @@ def test_every_format_scores_like_the_run(method_runs, exported, stage_folders, 
     assert (out.format, out.path, out.num_classes, out.num_stages) == (fmt, str(path), 6, 2)
     assert out.run_dir == str(method_runs[method]) and out.bytes == path.stat().st_size
     assert (out.check_max_abs_diff is None) == (fmt == "drl")
-    model = load_model(path)
+    model = load_model(path, trust_code=fmt == "torchscript")  # our own file: its code is ours
     run_model = load_run(method_runs[method], device="cpu").model
     assert model.class_names == run_model.class_names and model.data_config == run_model.data_config
     transform = eval_transform(run_model.data_config)  # what a server does before calling the graph
@@ -140,7 +140,7 @@ def test_onnx_needs_only_onnxruntime(exported, method_runs):
 
 
 def _check_spec(spec, fmt, run_model):
-    assert spec["format"] == f"drl-{fmt}" and spec["format_version"] == "1"
+    assert spec["format"] == f"drl-{fmt}" and spec["format_version"] == "2" and len(spec["spec_sha256"]) == 64
     assert spec["class_names"] == run_model.class_names
     assert spec["data_config"] == run_model.data_config
     assert set(spec["data_config"]) >= {"mean", "std", "input_size", "interpolation", "crop_pct"}
@@ -149,7 +149,10 @@ def _check_spec(spec, fmt, run_model):
 
 def test_format_from_suffix_and_bad_formats(method_runs, tmp_path, run_dir):
     assert resolve_format(None, Path("m.onnx")) == "onnx" and resolve_format(None, Path("m.pt")) == "torchscript"
-    assert resolve_format(None, Path("m.bin")) == "drl" and resolve_format("drl", Path("m.pt")) == "drl"
+    assert resolve_format(None, Path("m.bin")) == "drl" and resolve_format("drl", Path("m.bin")) == "drl"
+    for fmt, name in (("drl", "m.pt"), ("torchscript", "m.drl"), ("onnx", "m.pt")):  # loading goes by the name
+        with pytest.raises(UsageError, match=f"names a .* file but --format is {fmt}; name it"):
+            resolve_format(fmt, Path(name))
     with pytest.raises(UsageError, match="unknown export format 'tflite'; use one of drl, torchscript, onnx"):
         export_run(method_runs["drl"], tmp_path / "m", fmt="tflite")
     with pytest.raises(RunStateError, match="learned no stage"):
@@ -175,10 +178,10 @@ def test_damaged_graph_is_refused(exported, tmp_path, fmt):
     data[len(data) // 2] ^= 0xFF  # inside the weights
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="damaged|not a readable"):
-        load_model(path)
+        load_model(path, trust_code=True)
     path.write_bytes(b"PK\x03\x04junk" if fmt == "torchscript" else b"\x08junk")
     with pytest.raises(IntegrityError, match="not a readable"):
-        load_model(path)
+        load_model(path, trust_code=True)
 
 
 @pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=needs_onnx)])

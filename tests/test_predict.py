@@ -76,13 +76,14 @@ def test_bad_invocations(learned, tmp_path):
 
 @pytest.mark.parametrize("suffix", ["pt", pytest.param("onnx", marks=needs_onnx)])
 def test_graph_exports_predict_like_the_run(learned, stage_folders, tmp_path, suffix):
-    """`predict --model` takes TorchScript and ONNX files too (told apart by content, not name)."""
+    """`predict --model` takes TorchScript (with --trust-code: it runs the file's code) and ONNX files
+    too, told apart by name (tests/test_modelfile.py: what happens when name and content disagree)."""
     path = tmp_path / f"model.{suffix}"
     export_run(learned, path)  # the format follows the suffix
-    renamed = path.rename(tmp_path / "model.bin")
     folder = str(stage_folders[1][1])
+    trust = ["--trust-code"] if suffix == "pt" else []
     from_run = runner.invoke(app, ["predict", folder, "--run", str(learned), "--json", "--device", "cpu"])
-    from_graph = runner.invoke(app, ["predict", folder, "--model", str(renamed), "--json", "--top-k", "2"])
+    from_graph = runner.invoke(app, ["predict", folder, "--model", str(path), *trust, "--json", "--top-k", "2"])
     assert from_run.exit_code == from_graph.exit_code == 0, from_graph.stderr
     a, b = _lines(from_run), _lines(from_graph)
     assert [x["top"][0]["class"] for x in a] == [x["top"][0]["class"] for x in b]

@@ -1,0 +1,183 @@
+"""What a model file must prove before drl uses it, for every export format (``.drl``, TorchScript,
+ONNX): its format comes from its name, its content is that format, and its ``spec`` (class names,
+preprocessing, PTM identity, scoring options, the weights' checksum) is checksummed and well formed.
+
+Trust. A ``.drl`` file (safetensors + JSON) and an ONNX file (standard operators run by
+onnxruntime; no Python, no custom-op libraries, no external data files) hold data only. A
+TorchScript file holds code: loading it runs its ``__setstate__``, scoring runs its ``forward``,
+and either can read or write files. So TorchScript loads only with ``trust_code=True``
+(``drl predict --trust-code``), and a file is never loaded as a format its name does not say: a
+``.drl`` that holds TorchScript is refused, not run.
+
+Checksums. ``payload_sha256`` covers the weights (names, dtypes, shapes, bytes); ``spec_sha256``
+covers the spec's canonical JSON (sorted keys, ASCII, no whitespace) without itself, so one
+changed byte that changes any value is refused (exit 5) and one that changes none (say, JSON
+whitespace) changes nothing the user sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .errors import IntegrityError, UsageError
+
+SUFFIX_FORMATS = {".onnx": "onnx", ".pt": "torchscript", ".ts": "torchscript", ".torchscript": "torchscript"}
+FORMAT_SUFFIX = {"drl": ".drl", "torchscript": ".pt", "onnx": ".onnx"}
+CODE_FORMATS = ("torchscript",)  # formats whose files run their own code when loaded
+SPEC_SHA256 = "spec_sha256"
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
+CROP_MODES = ("center", "squash", "border")
+
+
+def format_of(path: Path | str) -> str:
+    """The format a file's name says: .pt/.ts/.torchscript, .onnx, anything else drl (no code)."""
+    return SUFFIX_FORMATS.get(Path(path).suffix.lower(), "drl")
+
+
+def content_format(head: bytes) -> str:
+    """What the first bytes look like: torchscript (a zip), drl (safetensors), onnx or unknown."""
+    if head.startswith(b"PK\x03\x04"):
+        return "torchscript"
+    if len(head) > 8 and head[8:9] == b"{":  # safetensors: 8-byte header length, then JSON
+        return "drl"
+    if head[:1] == b"\x08":  # ModelProto field 1 (ir_version), a varint
+        return "onnx"
+    return "unknown"
+
+
+def require_trust(path: Path, fmt: str, trust_code: bool) -> None:
+    """Refuse a code-carrying format unless the caller opted in (before the file is even read)."""
+    if fmt in CODE_FORMATS and not trust_code:
+        raise UsageError(
+            f"{path} is a {fmt} file, which runs its own code when loaded; pass --trust-code "
+            "(trust_code=True) only for files from someone you trust, or use a .drl export (no code)"
+        )
+
+
+def check_content(path: Path, fmt: str) -> None:
+    """Refuse a file whose content is not the format its name says (a renamed file is never run)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(16)
+    except OSError as exc:
+        raise IntegrityError(f"cannot read model file {path}: {exc.strerror or exc}; pass an exported file") from exc
+    found = content_format(head)
+    if found != fmt and not (fmt == "drl" and found == "unknown"):  # the drl reader names junk itself
+        raise IntegrityError(
+            f"{path} is named as a {fmt} file but holds {found} content; refused (drl never loads a file as "
+            f"another format): export it again as *{FORMAT_SUFFIX[fmt]}"
+        )
+
+
+# ------------------------------------------------------------------------------- the spec
+
+
+def spec_sha256(spec: dict[str, Any]) -> str:
+    """sha256 of the spec's canonical JSON, its own checksum left out."""
+    body = {k: v for k, v in spec.items() if k != SPEC_SHA256}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def with_checksum(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, SPEC_SHA256: spec_sha256(spec)}
+
+
+def parse_json(path: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise IntegrityError(f"{path} has an unreadable spec ({str(exc)[:100]}); export it again") from exc
+
+
+def parse_spec(path: Path, text: str) -> dict[str, Any]:
+    """The JSON spec of a model file, as a mapping (exit 5 otherwise)."""
+    spec = parse_json(path, text)
+    if not isinstance(spec, dict):
+        raise IntegrityError(f"{path} has a malformed spec (not a JSON object); export it again")
+    return spec
+
+
+def check_version(path: Path, found: Any, expected: str, *, what: str) -> None:
+    if found == expected:
+        return
+    if isinstance(found, str) and found.isdigit() and int(found) < int(expected):
+        raise IntegrityError(
+            f"{path} is a {what} of format {found}, from an older drl without metadata checksums; "
+            "export it again from its run with this drl"
+        )
+    raise IntegrityError(
+        f"{path} has {what} format {found!r}, this drl reads {expected}; use the drl release that wrote it"
+    )
+
+
+def check_spec_sha256(path: Path, spec: dict[str, Any]) -> None:
+    try:
+        found = spec_sha256(spec)
+    except (ValueError, TypeError) as exc:  # NaN or a value JSON cannot hold
+        raise IntegrityError(f"{path} has a malformed spec ({exc}); export it again") from exc
+    if found != spec.get(SPEC_SHA256):
+        raise IntegrityError(f"{path} is damaged (metadata checksum mismatch); export it again")
+
+
+def require_keys(path: Path, spec: dict[str, Any], types: dict[str, type]) -> None:
+    """Every key present with a value of its type (bool is never an int here)."""
+    for key, kind in types.items():
+        value = spec.get(key)
+        if value is None or (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+            raise IntegrityError(f"{path} has a malformed spec ({key!r} missing or not {_name(kind)}); export it again")
+
+
+def check_class_names(path: Path, names: Any) -> list[str]:
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise IntegrityError(f"{path} has malformed class names (not a list of names); export it again")
+    if len(set(names)) != len(names):
+        raise IntegrityError(f"{path} lists a class name twice; export it again")
+    return names
+
+
+def check_data_config(path: Path, cfg: Any) -> dict[str, Any]:
+    """The preprocessing that ``data.eval_transform`` reads, with sane types and values."""
+    problem = _data_config_problem(cfg)
+    if problem:
+        raise IntegrityError(f"{path} has a malformed data_config ({problem}); export it again")
+    return cfg
+
+
+def _data_config_problem(cfg: Any) -> str | None:
+    if not isinstance(cfg, dict):
+        return "not a mapping"
+    size = cfg.get("input_size")
+    if not (isinstance(size, list) and len(size) == 3 and all(_number(v, int) and 0 < v <= 8192 for v in size)):
+        return "input_size must be 3 positive ints"
+    if size[0] != 3:
+        return "input_size must have 3 channels"
+    for key in ("mean", "std"):
+        values = cfg.get(key)
+        if not (isinstance(values, list) and len(values) == 3 and all(_number(v, float) for v in values)):
+            return f"{key} must be 3 numbers"
+    if not all(v > 0 for v in cfg["std"]):
+        return "std must be > 0"
+    if "interpolation" in cfg and cfg["interpolation"] not in INTERPOLATIONS:
+        return f"interpolation must be one of {list(INTERPOLATIONS)}"
+    if "crop_pct" in cfg and not (_number(cfg["crop_pct"], float) and 0 < cfg["crop_pct"] <= 1):
+        return "crop_pct must be in (0, 1]"
+    if "crop_mode" in cfg and cfg["crop_mode"] not in CROP_MODES:
+        return f"crop_mode must be one of {list(CROP_MODES)}"
+    return None
+
+
+def _number(value: Any, kind: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, int)
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _name(kind: type) -> str:
+    return {"dict": "a mapping", "list": "a list", "str": "a string", "int": "an int"}.get(kind.__name__, kind.__name__)
