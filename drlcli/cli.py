@@ -300,7 +300,7 @@ def init(
     ptm_weights: Path | None = WeightsOpt,
     random_init: bool = RandomInitOpt,
     ptm_arg: list[str] = PtmArgOpt,
-    method: str | None = typer.Option(None, "--method", help="drl (default), ease or simplecil."),
+    method: str | None = typer.Option(None, "--method", help="drl (default), ease, simplecil or ranpac."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
     run: Path = RunOpt,

@@ -15,7 +15,7 @@ import yaml
 
 from .errors import UsageError
 
-METHODS = ("drl", "simplecil", "ease")
+METHODS = ("drl", "simplecil", "ease", "ranpac")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,16 @@ class EaseConfig:
     adapter_dim: int = 64  # r
     scale: float = 0.1  # s
     dropout: float = 0.1  # on the bottleneck, training only (as in the public EASE code)
+
+
+@dataclass(frozen=True)
+class RanpacConfig:
+    """The RanPAC baseline's analytic head (``ranpac.py``): random projection + ReLU + ridge."""
+
+    proj_dim: int = 3000  # M: width of the random projection of the PTM feature
+    val_fraction: float = 0.2  # of each stage's images, held out in the statistics to choose λ
+    lambda_min_exp: int = -8  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
+    lambda_max_exp: int = 8
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class RunConfig:
     method: str = "drl"
     ipa: IPAConfig = field(default_factory=IPAConfig)
     ease: EaseConfig = field(default_factory=EaseConfig)
+    ranpac: RanpacConfig = field(default_factory=RanpacConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
 
@@ -215,5 +226,10 @@ def validate(cfg: RunConfig) -> None:
         raise UsageError(f"ease.dropout must be in [0, 1), got {cfg.ease.dropout}")
     if cfg.ease.adapter_dim <= 0:
         raise UsageError(f"ease.adapter_dim must be > 0, got {cfg.ease.adapter_dim}")
+    r = cfg.ranpac
+    if r.proj_dim <= 0 or not 0.0 < r.val_fraction < 1.0 or r.lambda_min_exp > r.lambda_max_exp:
+        raise UsageError(
+            f"ranpac needs proj_dim > 0, val_fraction in (0, 1) and lambda_min_exp <= lambda_max_exp; got {r}"
+        )
     if t.num_workers < 0:
         raise UsageError(f"train.num_workers must be >= 0, got {t.num_workers}")
