@@ -256,7 +256,9 @@ def fit_stage(
         projection = random_projection(features.shape[-1], cfg.proj_dim, seed=config.train.seed).to(STAT_DTYPE)
     else:
         projection = head.projection.to(STAT_DTYPE)
-    val_all = validation_mask(torch.tensor(image_labels), fraction=cfg.val_fraction, seed=config.train.seed + stage_index)
+    val_all = validation_mask(
+        torch.tensor(image_labels), fraction=cfg.val_fraction, seed=config.train.seed + stage_index
+    )
     val = val_all if indices is None else val_all[torch.tensor(indices, dtype=torch.long)]
     phi = expand(features[:, 0].cpu(), projection)
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
