@@ -183,7 +183,8 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
         offset=method.offset,
     )
     metas = []
-    for stage in run.stages(manifest):
+    stages = run.stages(manifest)
+    for stage in stages:
         check_stage_meta(run, stage.index, stage.meta)
         try:
             _add_stage(model, method, stage)
@@ -193,6 +194,8 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
                 f"({str(exc).splitlines()[0]}); restore it from a backup"
             ) from exc
         metas.append(stage.meta)
+    if method.head is not None and stages:
+        model.head = method.head.from_stages([stage.tensors for stage in stages])
     log.debug(
         "loaded run %s: %d stages, %d classes on %s in %.1fs",
         run.path,
@@ -573,16 +576,32 @@ def learn_stage(
             )
             _check_ranks_agree(network.stages[-1])
         tick = time.perf_counter()
+        shard = distributed.shard(len(images))
         feats, labels = embed_images(
             network,
             images,
             model.data_config,
             batch_size=EVAL_BATCH_SIZE,
-            indices=distributed.shard(len(images)),
+            indices=shard,
             progress=(lambda s, t: progress(Progress("prototypes", s, t))) if progress else None,
         )
         model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
         log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
+        fit = None
+        if method.head is not None:  # an analytic head (ranpac): fitted on these same features
+            fit = method.head.fit_stage(
+                loaded,
+                feats,
+                labels,
+                image_labels=images.labels,
+                indices=shard,
+                num_classes=len(images.class_names),
+                config=config,
+                stage_index=stage_index,
+            )
+            model.head = fit.head
+            log.debug("%s head fitted in %.1fs: %s", config.method, fit.meta["seconds"], fit.meta["lambda"])
+        feature_seconds = time.perf_counter() - tick
         warnings: list[str] = []
         sets = registered_eval_sets(loaded, missing=warnings)
         for message in warnings:
@@ -598,6 +617,8 @@ def learn_stage(
         tensors = {"prototypes": model.real_prototypes[-len(images.class_names) :]}
         if stage is not None:
             tensors.update({f"{method.tensor_prefix}{k}": v for k, v in stage.state_dict().items()})
+        if fit is not None:
+            tensors.update(fit.tensors)
         bad = non_finite(tensors)
         if bad is not None:
             if writer is not None:
@@ -622,14 +643,20 @@ def learn_stage(
             }
             if eval_images is not None
             else None,
-            "num_params": stage.num_params() if stage is not None else 0,
+            "num_params": stage.num_params() if stage is not None else fit.num_params if fit else 0,
             "eval_missing": warnings,
             "metrics": {
                 "eval": report.to_dict() if report else None,
-                "train": asdict(train_result) if train_result else None,
+                "train": asdict(train_result)
+                if train_result
+                else {"seconds": feature_seconds}  # the feature pass and solve
+                if fit
+                else None,
             },
         }
-        files = stage_files(stage_index, meta, tensors)
+        if fit is not None:
+            meta[config.method] = fit.meta
+        files = stage_files(stage_index, meta, tensors, fit.statistics if fit else None)
         if writer is not None:
             tick = time.perf_counter()
             writer.commit(files, manifest=manifest, new_stage=stage_index)
@@ -647,7 +674,7 @@ def learn_stage(
         stage=stage_index,
         classes=list(images.class_names),
         num_images=len(images),
-        train_seconds=train_result.seconds if train_result else 0.0,
+        train_seconds=train_result.seconds if train_result else feature_seconds if fit else 0.0,
         total_seconds=time.perf_counter() - start,
         epoch_losses=train_result.epoch_losses if train_result else [],
         scale=train_result.scale if train_result else None,

@@ -10,6 +10,10 @@ command continues unfinished variants from their last committed stage and reuses
 
 A variant is ``method[/key=value...]``, e.g. ``drl/loss=ce``, ``drl/gate=sum``, ``ease/epochs=3``;
 keys are config fields (``train.lr`` or just ``lr`` when the name is unique across sections).
+
+Several class orders (``--seeds 1993,1994,1995``): each seed is the benchmark above in its own
+``OUT/seed_<seed>/`` (resumed per seed), and ``OUT/results.{json,md}`` and the plot add the mean and
+the sample standard deviation (n − 1) over the orders, per variant.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ import torch
 import yaml
 
 from . import api, distributed, jsonio
-from .config import EaseConfig, IPAConfig, RunConfig, ScoreConfig, TrainConfig
+from .config import EaseConfig, IPAConfig, RanpacConfig, RunConfig, ScoreConfig, TrainConfig
 from .data import ImageDataset, eval_transform, scan_class_folders
 from .errors import DataError, UsageError
 from .evaluate import AccuracyReport, accuracy_report, summarize_history
@@ -39,7 +43,13 @@ from .model import embed_images
 from .prototypes import score, synthesize
 from .rundir import RunDir
 
-SECTIONS = {"ipa": IPAConfig, "ease": EaseConfig, "train": TrainConfig, "score": ScoreConfig}
+SECTIONS = {
+    "ipa": IPAConfig,
+    "ease": EaseConfig,
+    "ranpac": RanpacConfig,
+    "train": TrainConfig,
+    "score": ScoreConfig,
+}
 DEFAULT_METHODS = "drl,ease,simplecil"
 ABLATIONS = "drl,drl/loss=ce,drl/kd_weight=0,drl/attention=none,drl/gate=sum,drl/rule=concat"
 
@@ -120,6 +130,19 @@ def parse_score(text: str) -> dict[str, Any]:
         out[name] = yaml.safe_load(raw)
     RunConfig.for_method("drl", {"score": out})  # validate the values now
     return out
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``1993,1994,1995`` -> (1993, 1994, 1995)."""
+    try:
+        seeds = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(
+            f"--seeds {text!r} is not a comma-separated list of integers; use e.g. 1993,1994,1995"
+        ) from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UsageError(f"--seeds {text!r} must list distinct integers, e.g. 1993,1994,1995")
+    return seeds
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -547,10 +570,78 @@ def run_benchmark(
     return report
 
 
+def run_seeds(
+    settings: BenchmarkSettings,
+    variants: list[Variant],
+    seeds: tuple[int, ...],
+    *,
+    progress: Callable[[api.Progress], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """``run_benchmark`` once per class order, in ``OUT/seed_<seed>/``; then the mean ± std report."""
+    say = log or (lambda _: None)
+    out = Path(settings.out_dir)
+    reports = {}
+    for k, seed in enumerate(seeds, 1):
+        say(f"class order {k}/{len(seeds)}: seed {seed}")
+        reports[seed] = run_benchmark(
+            replace(settings, seed=seed, out_dir=out / f"seed_{seed}"), variants, progress=progress, log=log
+        )
+    report = aggregate(reports)
+    report["artifacts"] = write_reports(report, out) if distributed.is_main() else {}
+    return report
+
+
+SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "inference_ms_per_image")
+
+
+def mean_std(values: list[float | None]) -> dict[str, float | None]:
+    """Mean and sample standard deviation (n − 1; 0 for one value); None when a value is missing."""
+    if not values or any(v is None for v in values):
+        return {"mean": None, "std": None}
+    return {
+        "mean": round(statistics.fmean(values), 4),
+        "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+    }
+
+
+def aggregate(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One report over class orders: per variant, mean ± std of Ā, A_T, forgetting, times and each A_t;
+    every order's own results kept under ``per_seed``."""
+    seeds = list(reports)
+    first = reports[seeds[0]]
+    summary = []
+    for row in first["results"]:
+        rows = [next(r for r in reports[seed]["results"] if r["label"] == row["label"]) for seed in seeds]
+        num_stages = min(len(r["accuracy"]) for r in rows)
+        summary.append(
+            {
+                "label": row["label"],
+                "method": row["method"],
+                "num_seeds": len(rows),
+                **{key: mean_std([r[key] for r in rows]) for key in SUMMARY_KEYS},
+                "accuracy": [mean_std([r["accuracy"][t] for r in rows]) for t in range(num_stages)],
+            }
+        )
+    protocol = {k: v for k, v in first["protocol"].items() if k not in ("seed", "class_order")}
+    return {
+        "protocol": {
+            **protocol,
+            "seeds": seeds,
+            "class_orders": {str(seed): reports[seed]["protocol"]["class_order"] for seed in seeds},
+        },
+        "summary": summary,
+        "per_seed": {str(seed): reports[seed]["results"] for seed in seeds},
+        "wall_seconds": round(sum(r["wall_seconds"] for r in reports.values()), 1),
+    }
+
+
 # ------------------------------------------------------------------------------- reports
 
 
 def markdown_table(report: dict[str, Any]) -> str:
+    if "summary" in report:
+        return seeds_markdown(report)
     results = report["results"]
     num_stages = max((r["num_stages"] for r in results), default=0)
     head = ["variant", "Ā", "A_T", "forgetting"] + [f"A_{t}" for t in range(1, num_stages + 1)]
@@ -576,6 +667,33 @@ def _fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
 
 
+def _pm(stat: dict[str, float | None], digits: int = 2) -> str:
+    if stat["mean"] is None:
+        return "–"
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def seeds_markdown(report: dict[str, Any]) -> str:
+    """Mean ± std over class orders per variant, then every order's Ā / A_T / forgetting."""
+    seeds = report["protocol"]["seeds"]
+    lines = [
+        f"Mean ± std (sample, n − 1) over {len(seeds)} class orders (seeds {', '.join(map(str, seeds))}).",
+        "",
+        "| variant | Ā | A_T | forgetting | train s | infer ms/img |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["summary"]:
+        cells = [_pm(r["average"]), _pm(r["last"]), _pm(r["mean_forgetting"]), _pm(r["train_seconds"], 0)]
+        lines.append(f"| `{r['label']}` | " + " | ".join([*cells, _pm(r["inference_ms_per_image"], 1)]) + " |")
+    lines += ["", "| variant | seed | Ā | A_T | forgetting | train s |", "|---|---|---|---|---|---|"]
+    for r in report["summary"]:
+        for seed in seeds:
+            row = next(x for x in report["per_seed"][str(seed)] if x["label"] == r["label"])
+            cells = [_fmt(row["average"]), _fmt(row["last"]), _fmt(row["mean_forgetting"])]
+            lines.append(f"| `{r['label']}` | {seed} | " + " | ".join([*cells, f"{row['train_seconds']:.0f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(report: dict[str, Any], path: Path) -> bool:
     """Accuracy vs stage; False when matplotlib (the ``plot`` extra) is not installed."""
     from .errors import DependencyError
@@ -587,14 +705,23 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     classes = np.cumsum(report["protocol"]["stages"])
-    for r in report["results"]:
-        ax.plot(
-            classes[: len(r["accuracy"])], r["accuracy"], marker="o", label=f"{r['label']} (Ā {_fmt(r['average'])})"
-        )
+    p = report["protocol"]
+    if "summary" in report:  # mean ± std band over class orders
+        for r in report["summary"]:
+            mean = np.array([a["mean"] for a in r["accuracy"]])
+            std = np.array([a["std"] for a in r["accuracy"]])
+            x = classes[: len(mean)]
+            (line,) = ax.plot(x, mean, marker="o", label=f"{r['label']} (Ā {_pm(r['average'])})")
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{p['split']}, mean ± std over seeds {', '.join(map(str, p['seeds']))}, {p['ptm']}")
+    else:
+        for r in report["results"]:
+            ax.plot(
+                classes[: len(r["accuracy"])], r["accuracy"], marker="o", label=f"{r['label']} (Ā {_fmt(r['average'])})"
+            )
+        ax.set_title(f"{p['split']}, seed {p['seed']}, {p['ptm']}")
     ax.set_xlabel("classes seen")
     ax.set_ylabel("top-1 on all seen classes (%)")
-    p = report["protocol"]
-    ax.set_title(f"{p['split']}, seed {p['seed']}, {p['ptm']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

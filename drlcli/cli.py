@@ -328,7 +328,7 @@ def init(
     ptm_weights: Path | None = WeightsOpt,
     random_init: bool = RandomInitOpt,
     ptm_arg: list[str] = PtmArgOpt,
-    method: str | None = typer.Option(None, "--method", help="drl (default), ease or simplecil."),
+    method: str | None = typer.Option(None, "--method", help="drl (default), ease, simplecil or ranpac."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
     allow_nonempty: bool = typer.Option(
@@ -618,8 +618,15 @@ def benchmark(
         help="Comma-separated variants method[/key=value...], e.g. drl,drl/loss=ce,ease/epochs=3,simplecil.",
     ),
     split: str = typer.Option("B0Inc10", "--split", help="B<m>Inc<n>: m classes first (0: n), then n per stage."),
-    seed: int = typer.Option(
-        1993, "--seed", min=0, max=MAX_SEED, help="Class-order permutation seed (PILOT's), also the train seed."
+    seed: int | None = typer.Option(
+        None,
+        "--seed",
+        min=0,
+        max=MAX_SEED,
+        help="Class-order permutation seed (PILOT's), also the train seed [default: 1993].",
+    ),
+    seeds: str | None = typer.Option(
+        None, "--seeds", help="Several class orders, e.g. 1993,1994,1995: one subfolder each, mean ± std over them."
     ),
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Sorted class order."),
     epochs: int | None = typer.Option(None, "--epochs", min=1, help="Epochs for every trained variant."),
@@ -641,7 +648,7 @@ def benchmark(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Run B-m Inc-n for several methods/variants; write results.json, results.md and a plot."""
-    from .benchmark import BenchmarkSettings, parse_methods, run_benchmark
+    from .benchmark import BenchmarkSettings, parse_methods, parse_seeds, run_benchmark, run_seeds
 
     def action(reporter: Reporter) -> Any:
         settings = BenchmarkSettings(
@@ -652,7 +659,7 @@ def benchmark(
             random_init=random_init,
             ptm_kwargs=_parse_ptm_args(ptm_arg),
             split=split,
-            seed=seed,
+            seed=1993 if seed is None else seed,
             shuffle=not no_shuffle,
             epochs=epochs,
             max_train_per_class=max_train,
@@ -663,7 +670,11 @@ def benchmark(
             device=device,
             rescore=tuple(rescore),
         )
-        return run_benchmark(settings, parse_methods(methods), progress=reporter, log=reporter.log)
+        if seeds is None:
+            return run_benchmark(settings, parse_methods(methods), progress=reporter, log=reporter.log)
+        if seed is not None:
+            raise UsageError("pass --seed or --seeds, not both")
+        return run_seeds(settings, parse_methods(methods), parse_seeds(seeds), progress=reporter, log=reporter.log)
 
     def render(r: dict[str, Any]) -> None:
         from .benchmark import markdown_table

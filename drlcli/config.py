@@ -16,7 +16,7 @@ import yaml
 
 from .errors import UsageError
 
-METHODS = ("drl", "simplecil", "ease")
+METHODS = ("drl", "simplecil", "ease", "ranpac")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,16 @@ class EaseConfig:
     adapter_dim: int = 64  # r
     scale: float = 0.1  # s
     dropout: float = 0.1  # on the bottleneck, training only (as in the public EASE code)
+
+
+@dataclass(frozen=True)
+class RanpacConfig:
+    """The RanPAC baseline's analytic head (``ranpac.py``): random projection + ReLU + ridge."""
+
+    proj_dim: int = 3000  # M: width of the random projection of the PTM feature
+    val_fraction: float = 0.2  # of each stage's images, held out in the statistics to choose λ
+    lambda_min_exp: int = -8  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
+    lambda_max_exp: int = 8
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,7 @@ class RunConfig:
     method: str = "drl"
     ipa: IPAConfig = field(default_factory=IPAConfig)
     ease: EaseConfig = field(default_factory=EaseConfig)
+    ranpac: RanpacConfig = field(default_factory=RanpacConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
 
@@ -208,7 +219,13 @@ class Range:
         return f"{'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
 
 
-_DEFAULTS = {"ipa": IPAConfig(), "ease": EaseConfig(), "train": TrainConfig(), "score": ScoreConfig()}
+_DEFAULTS = {
+    "ipa": IPAConfig(),
+    "ease": EaseConfig(),
+    "train": TrainConfig(),
+    "score": ScoreConfig(),
+    "ranpac": RanpacConfig(),
+}
 
 # Every number a run config holds, with the values that make sense (NaN and ±inf never do).
 _RANGES = {
@@ -236,6 +253,10 @@ _RANGES = {
     ("score", "rho"): Range(0, 100),
     ("score", "beta"): Range(0, 100),
     ("score", "tau"): Range(0, 100, low_open=True),
+    ("ranpac", "proj_dim"): Range(1, 65_536),
+    ("ranpac", "val_fraction"): Range(0, 1, low_open=True, high_open=True),
+    ("ranpac", "lambda_min_exp"): Range(-30, 30),
+    ("ranpac", "lambda_max_exp"): Range(-30, 30),
 }
 
 
@@ -255,6 +276,8 @@ def validate(cfg: RunConfig) -> None:
             raise UsageError(f"{section}.{name} must be a number in {allowed}{hint}, got {value}")
     if cfg.method == "ease" and cfg.train.kd_weight:
         raise UsageError("train.kd_weight must be 0 for method ease (it has no PTM stream to distil from)")
+    if cfg.ranpac.lambda_min_exp > cfg.ranpac.lambda_max_exp:
+        raise UsageError("ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp")
 
 
 MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `predict --workers`

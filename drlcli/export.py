@@ -67,6 +67,8 @@ def write_export(
     tensors = {f"ptm.{k}": v for k, v in network.ptm.state_dict().items()}
     for i, stage in enumerate(network.stages):
         tensors.update({f"stage.{i}.{k}": v for k, v in stage.state_dict().items()})
+    if model.head is not None:
+        tensors.update({f"head.{k}": v for k, v in model.head.state_dict().items()})
     tensors["prototypes"] = model.real_prototypes
     tensors["class_stage"] = model.class_stage
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
@@ -153,6 +155,8 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
             stage.requires_grad_(False)
             stage.eval()
         class_stage, prototypes = _class_tensors(path, tensors, len(spec["class_names"]), network, method.offset)
+        head_state = {k[len("head.") :]: v for k, v in tensors.items() if k.startswith("head.")}
+        head = method.head.from_state(head_state) if method.head is not None else None
     network.to(torch.device(device))
     return IncrementalModel(
         network=network,
@@ -162,6 +166,7 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
         score_cfg=config.score,
         data_config=spec["data_config"],
         offset=method.offset,
+        head=head,
     )
 
 

@@ -31,6 +31,7 @@ class IncrementalModel:
     score_cfg: ScoreConfig
     data_config: dict[str, Any]
     offset: int = 1  # 1 when subspace 0 is the PTM's (drl, simplecil); 0 for ease
+    head: nn.Module | None = None  # scores features instead of the prototype bank (ranpac)
     _bank: Tensor | None = field(default=None, repr=False)
 
     @property
@@ -61,6 +62,8 @@ class IncrementalModel:
 
     def scores(self, features: Tensor) -> Tensor:
         """(B, C) class scores for subspace features (B, S, d)."""
+        if self.head is not None:
+            return self.head(features)
         bank = self.prototype_bank().to(features)
         cfg = self.score_cfg
         return score(

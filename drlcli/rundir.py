@@ -7,6 +7,8 @@ Layout (format version 1)::
     ptm.safetensors            PTM weights, only for --random-init runs
     stages/NNN/stage.json      classes, data fingerprint, options, metrics of stage NNN
     stages/NNN/weights.safetensors   stage parameters + real prototypes of its classes
+    stages/NNN/statistics.safetensors  accumulated statistics of the stage's images (ranpac's Gram
+                               increments); read only to learn a later stage, never for inference
     .lock                      writer lock (flock) with the holder's pid, host and start time
     .staging/                  files being written; never trusted, cleaned by the next writer
     .checkpoint/               the last finished epoch of an interrupted learn-stage (not part
@@ -75,6 +77,8 @@ _STAGING_NAME = re.compile(r"[0-9a-f]{32}")
 _CHECKPOINT_TENSORS = re.compile(r"[0-9a-f]{32}\.safetensors")
 _CHECKPOINT_TMP = f".{CHECKPOINT_META}.tmp"
 log = logging.getLogger(__name__)
+
+STATISTICS = "statistics.safetensors"
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -317,6 +321,12 @@ class RunDir:
         meta = self.stage_meta(index, manifest)
         tensors = self.parsed(f"{base}/weights.safetensors", manifest, st_load)
         return StageRecord(index, meta, tensors)
+
+    def stage_statistics(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
+        """A stage's statistics file (empty when the stage has none)."""
+        manifest = manifest or self.manifest()
+        name = f"{stage_dir(index)}/{STATISTICS}"
+        return st_load(self.read_bytes(name, manifest)) if name in manifest["files"] else {}
 
     def stages(self, manifest: dict[str, Any] | None = None) -> list[StageRecord]:
         manifest = manifest or self.manifest()
@@ -628,9 +638,14 @@ def encode_tensors(tensors: dict[str, Tensor]) -> bytes:
     return st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
 
 
-def stage_files(index: int, meta: dict[str, Any], tensors: dict[str, Tensor]) -> dict[str, bytes]:
+def stage_files(
+    index: int, meta: dict[str, Any], tensors: dict[str, Tensor], statistics: dict[str, Tensor] | None = None
+) -> dict[str, bytes]:
     base = stage_dir(index)
-    return {f"{base}/stage.json": encode_json(meta), f"{base}/weights.safetensors": encode_tensors(tensors)}
+    files = {f"{base}/stage.json": encode_json(meta), f"{base}/weights.safetensors": encode_tensors(tensors)}
+    if statistics:
+        files[f"{base}/{STATISTICS}"] = encode_tensors(statistics)
+    return files
 
 
 def init_files(run_config: dict[str, Any], ptm_state: dict[str, Tensor] | None) -> dict[str, bytes]:

@@ -67,9 +67,12 @@ class ScoringGraph(nn.Module):
         cfg = model.score_cfg
         weights = score_weights(model.class_stage, bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=model.offset)
         self.register_buffer("weights", weights)  # (C, S)
+        self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
 
     def forward(self, images: Tensor) -> Tensor:
         features = self.network(images)  # (B, S, d)
+        if self.head is not None:
+            return self.head(features)
         if self.concat:
             return concat_scores(features, self.bank)
         return weighted_scores(features, self.bank, self.weights)

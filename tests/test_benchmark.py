@@ -133,3 +133,67 @@ def test_stages_runs_a_prefix_and_a_later_call_continues_it(tmp_path):
     assert full["protocol"]["stages"] == [2, 2, 1]
     assert full["results"][0]["accuracy"][:2] == report["results"][0]["accuracy"]
     assert len(RunDir(tmp_path / "out" / "runs" / "simplecil").stage_indices()) == 3
+
+
+def test_mean_and_std_over_class_orders_on_known_inputs():
+    from drlcli.benchmark import aggregate, markdown_table
+
+    def row(label, acc, forgetting, seconds):
+        avg = sum(acc) / len(acc)
+        return {
+            "label": label,
+            "method": label,
+            "accuracy": acc,
+            "average": avg,
+            "last": acc[-1],
+            "mean_forgetting": forgetting,
+            "train_seconds": seconds,
+            "inference_ms_per_image": 1.0,
+        }
+
+    reports = {
+        s: {"protocol": {"split": "B0Inc2", "seed": s, "class_order": [str(s)], "stages": [2, 2]}, "wall_seconds": 1}
+        for s in (1, 2, 3)
+    }
+    reports[1]["results"] = [row("a", [90.0, 80.0], 2.0, 10.0), row("b", [100.0, 70.0], None, 0.0)]
+    reports[2]["results"] = [row("a", [94.0, 84.0], 4.0, 20.0), row("b", [100.0, 70.0], 1.0, 0.0)]
+    reports[3]["results"] = [row("a", [92.0, 88.0], 6.0, 30.0), row("b", [100.0, 70.0], 1.0, 0.0)]
+    report = aggregate(reports)
+    a, b = report["summary"]
+    assert a["last"] == {"mean": 84.0, "std": 4.0}  # 80, 84, 88: sample std 4
+    assert a["average"]["mean"] == 88.0 and a["average"]["std"] == pytest.approx(7**0.5, abs=1e-4)  # 85, 89, 90
+    assert a["mean_forgetting"] == {"mean": 4.0, "std": 2.0} and a["train_seconds"] == {"mean": 20.0, "std": 10.0}
+    assert a["accuracy"][0] == {"mean": 92.0, "std": 2.0}
+    assert b["last"] == {"mean": 70.0, "std": 0.0} and b["mean_forgetting"] == {"mean": None, "std": None}
+    assert report["protocol"]["seeds"] == [1, 2, 3] and "seed" not in report["protocol"]
+    assert set(report["per_seed"]) == {"1", "2", "3"}
+    table = markdown_table(report)
+    assert "| `a` | 88.00 ± 2.65 | 84.00 ± 4.00 | 4.00 ± 2.00 | 20 ± 10 |" in table
+    assert "| `b` | 1 | 85.00 | 70.00 | – | 0 |" in table
+
+
+def test_several_class_orders_in_one_command_each_in_its_folder(tmp_path):
+    data = tmp_path / "data"
+    make_class_folders(data / "train", list(range(4)), images_per_class=5)
+    make_class_folders(data / "test", list(range(4)), images_per_class=2, offset=5)
+    out = tmp_path / "out"
+    args = ["benchmark", "--data", data, "--out", out, *TINY_ARGS, "--split", "B0Inc2", "--device", "cpu"]
+    args += ["--methods", "simplecil,ranpac/proj_dim=32", "--seeds", "5,6", "--json"]
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [r["label"] for r in report["summary"]] == ["simplecil", "ranpac/proj_dim=32"]
+    for seed in (5, 6):
+        single = json.loads((out / f"seed_{seed}" / "results.json").read_text())
+        assert single["protocol"]["seed"] == seed and single["results"] == report["per_seed"][str(seed)]
+        assert len(RunDir(out / f"seed_{seed}" / "runs" / "ranpac__proj_dim=32").stage_indices()) == 2
+    orders = report["protocol"]["class_orders"]
+    assert orders["5"] != orders["6"]
+    lasts = [r["last"] for r in report["per_seed"].values() for r in [r[0]]]
+    assert report["summary"][0]["last"]["mean"] == pytest.approx(sum(lasts) / 2, abs=1e-3)
+    assert "± " in (out / "results.md").read_text()
+    # the same command again reuses both orders' runs; --seed with --seeds is refused
+    again = json.loads(CliRunner().invoke(app, [str(a) for a in args]).stdout)
+    assert [r["average"] for r in again["summary"]] == [r["average"] for r in report["summary"]]
+    both = CliRunner().invoke(app, [str(a) for a in [*args, "--seed", "1"]])
+    assert both.exit_code == 2 and "not both" in both.stderr

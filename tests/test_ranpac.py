@@ -1,0 +1,174 @@
+"""The RanPAC baseline: exact incremental ridge, λ from statistics, storage, and the run/export round trip."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from typer.testing import CliRunner
+
+from drlcli import evaluate, export_run, init_run, learn_stage, load_export, load_run
+from drlcli.api import info, verify
+from drlcli.cli import app
+from drlcli.config import RunConfig
+from drlcli.data import eval_transform, scan_class_folders
+from drlcli.errors import UsageError
+from drlcli.model import embed_images
+from drlcli.predict import expand_sources, predict
+from drlcli.ranpac import (
+    RanpacHead,
+    Statistics,
+    choose_lambda,
+    expand,
+    pack,
+    solve,
+    unpack,
+    validation_errors,
+    validation_mask,
+)
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+PROJ = {"ranpac": {"proj_dim": 96}}
+LAMBDAS = [10.0**e for e in range(-8, 9)]
+
+
+def _ranpac_run(tmp_path, stage_folders, num_stages=3):
+    run = tmp_path / "run"
+    init_run(
+        run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("ranpac", PROJ)
+    )
+    results = [
+        learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders[:num_stages]
+    ]
+    return run, results
+
+
+def _stats(phi, labels, num_classes, val):
+    return Statistics.of(phi, labels, num_classes, val)
+
+
+def test_incremental_statistics_give_the_batch_ridge():
+    g = torch.Generator().manual_seed(0)
+    phi = torch.rand(90, 20, generator=g, dtype=torch.float64)
+    labels = torch.arange(9).repeat_interleave(10)  # 3 stages of 3 classes
+    val = validation_mask(labels, fraction=0.2, seed=0)
+    parts = [
+        _stats(phi[k * 30 : (k + 1) * 30], labels[k * 30 : (k + 1) * 30] - 3 * k, 3, val[k * 30 : (k + 1) * 30])
+        for k in range(3)
+    ]
+    total = Statistics.accumulate(parts)
+    batch = _stats(phi, labels, 9, val)
+    for name in ("gram_fit", "gram_val", "q_fit", "q_val"):
+        assert torch.allclose(getattr(total, name), getattr(batch, name), atol=1e-12)
+    lam = 0.1
+    y = F.one_hot(labels, 9).double()
+    direct = torch.linalg.solve(phi.T @ phi + lam * torch.eye(20, dtype=torch.float64), phi.T @ y)
+    assert torch.allclose(solve(total, lam), direct, atol=1e-10)
+    assert (total.num_fit, total.num_val) == (72, 18)
+
+
+def test_statistics_survive_storage():
+    g = torch.Generator().manual_seed(1)
+    phi = torch.rand(40, 12, generator=g, dtype=torch.float64)
+    labels = torch.arange(4).repeat_interleave(10)
+    stats = _stats(phi, labels, 4, validation_mask(labels, fraction=0.2, seed=1))
+    back = Statistics.from_tensors(stats.to_tensors())
+    assert torch.allclose(back.gram_fit, stats.gram_fit, rtol=1e-6) and torch.equal(back.gram_fit, back.gram_fit.T)
+    assert pack(stats.gram_val).shape == (12 * 13 // 2,)
+    assert torch.allclose(unpack(pack(stats.gram_val), 12), stats.gram_val, rtol=1e-6)
+
+
+def test_validation_errors_equal_the_direct_squared_error():
+    g = torch.Generator().manual_seed(2)
+    phi = torch.rand(60, 8, generator=g, dtype=torch.float64)
+    labels = torch.arange(3).repeat_interleave(20)
+    val = validation_mask(labels, fraction=0.2, seed=0)
+    assert int(val.sum()) == 12 and all(int(val[labels == c].sum()) == 4 for c in range(3))
+    stats = _stats(phi, labels, 3, val)
+    y = F.one_hot(labels, 3).double()
+    for lam, err in zip([1e-3, 1.0, 1e3], validation_errors(stats, [1e-3, 1.0, 1e3])):
+        w = torch.linalg.solve(phi[~val].T @ phi[~val] + lam * torch.eye(8, dtype=torch.float64), phi[~val].T @ y[~val])
+        assert err == pytest.approx(float(((phi[val] @ w - y[val]) ** 2).sum()), rel=1e-8)
+
+
+def test_lambda_follows_the_signal():
+    """A clean linear problem with many images picks a small λ; labels unrelated to φ a large one."""
+    g = torch.Generator().manual_seed(3)
+    centres = torch.randn(4, 30, generator=g, dtype=torch.float64) * 3
+    labels = torch.arange(4).repeat_interleave(100)
+    phi = centres[labels] + 0.1 * torch.randn(400, 30, generator=g, dtype=torch.float64)
+    val = validation_mask(labels, fraction=0.2, seed=0)
+    clean, errors = choose_lambda(_stats(phi, labels, 4, val), LAMBDAS)
+    assert clean <= 1.0 and len(errors) == len(LAMBDAS)
+    noise = 5 + torch.randn(400, 30, generator=g, dtype=torch.float64)  # φ carries no class information
+    shuffled = labels[torch.randperm(400, generator=g)]
+    noisy, _ = choose_lambda(_stats(noise, shuffled, 4, validation_mask(shuffled, fraction=0.2, seed=0)), LAMBDAS)
+    assert noisy >= 1e2
+
+
+def test_run_round_trip_equals_the_batch_ridge_and_keeps_old_stages(tmp_path, stage_folders):
+    run, results = _ranpac_run(tmp_path, stage_folders, num_stages=2)
+    before = {p.name: p.read_bytes() for p in (run / "stages" / "001").iterdir()}
+    third = learn_stage(run, data_dir=stage_folders[2][0], eval_data_dir=stage_folders[2][1], device="cpu")
+    assert {p.name: p.read_bytes() for p in (run / "stages" / "001").iterdir()} == before
+    assert sorted(before) == ["stage.json", "statistics.safetensors", "weights.safetensors"]
+    assert [r.num_params for r in [*results, third]] == [96 * 3, 96 * 6, 96 * 9]
+    assert third.train_seconds > 0 and third.eval.top1 > 60  # separable generated classes
+    loaded = load_run(run, device="cpu")
+    meta = loaded.stage_metas[-1]["ranpac"]
+    assert meta["num_fit"] + meta["num_val"] == 108 and meta["num_val"] == 18  # 12 images x 9 classes, 2 held out
+    # the stored head equals the ridge on all three stages' images at once (same λ, same R)
+    model = loaded.model
+    feats, labels = [], []
+    for k, (train, _) in enumerate(stage_folders[:3]):
+        f, y = embed_images(model.network, scan_class_folders(train), model.data_config, batch_size=64)
+        feats.append(f[:, 0])
+        labels.append(y + 3 * k)
+    phi = expand(torch.cat(feats), model.head.projection.double())
+    y = F.one_hot(torch.cat(labels), 9).double()
+    eye = torch.eye(96, dtype=torch.float64)
+    direct = torch.linalg.solve(phi.T @ phi + meta["lambda"] * eye, phi.T @ y)
+    assert torch.allclose(model.head.weight.double(), direct, rtol=1e-3, atol=1e-4 * float(direct.abs().max()))
+    # eval, .drl, TorchScript and predict agree
+    assert evaluate(run, all_seen=True, device="cpu").report.top1 == third.eval.top1
+    export_run(run, tmp_path / "m.drl")
+    exported = load_export(tmp_path / "m.drl")
+    assert isinstance(exported.head, RanpacHead)
+    images = scan_class_folders(stage_folders[2][1])
+    x = torch.stack([eval_transform(model.data_config)(Image.open(p).convert("RGB")) for p in images.paths[:5]])
+    with torch.no_grad():
+        want = model.score_images(x)
+        assert torch.allclose(exported.score_images(x), want, atol=1e-5)
+    graph = export_run(run, tmp_path / "m.pt", fmt="torchscript")
+    assert graph.check_max_abs_diff <= 1e-3
+    paths = expand_sources([str(stage_folders[2][1])])
+    from_run = [p.top[0]["class"] for p in predict(model, paths)]
+    assert from_run == [p.top[0]["class"] for p in predict(exported, paths)]
+    summary = info(run)
+    assert summary["method"] == "ranpac" and summary["stages"][0]["bytes"] > summary["stages"][1]["bytes"] - 96 * 3 * 4
+    assert verify(run).num_stages == 3
+
+
+def test_cli_init_method_ranpac(tmp_path, stage_folders):
+    runner = CliRunner()
+    run = tmp_path / "run"
+    args = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
+    config = tmp_path / "ranpac.yaml"
+    config.write_text("ranpac:\n  proj_dim: 64\n")
+    init = ["init", "--run", str(run), *args, "--random-init", "--method", "ranpac", "--config", str(config)]
+    assert runner.invoke(app, init).exit_code == 0
+    result = runner.invoke(
+        app, ["learn-stage", "--run", str(run), "--data", str(stage_folders[0][0]), "--device", "cpu", "--json"]
+    )
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["num_params"] == 64 * 3 and out["stage_bytes"] > 2 * 4 * 64 * 65 // 2  # two packed Grams
+    assert json.loads(runner.invoke(app, ["info", "--run", str(run), "--json"]).stdout)["method"] == "ranpac"
+
+
+def test_ranpac_config_is_validated():
+    with pytest.raises(UsageError, match="ranpac"):
+        RunConfig.for_method("ranpac", {"ranpac": {"val_fraction": 1.0}})
+    with pytest.raises(UsageError, match="ranpac"):
+        RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 0}})
