@@ -326,7 +326,7 @@ class RunDir:
         """A stage's statistics file (empty when the stage has none)."""
         manifest = manifest or self.manifest()
         name = f"{stage_dir(index)}/{STATISTICS}"
-        return st_load(self.read_bytes(name, manifest)) if name in manifest["files"] else {}
+        return self.parsed(name, manifest, st_load) if name in manifest["files"] else {}
 
     def stages(self, manifest: dict[str, Any] | None = None) -> list[StageRecord]:
         manifest = manifest or self.manifest()
