@@ -56,6 +56,9 @@ def resolve_device(device: str) -> torch.device:
         raise UsageError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device {device} requested but CUDA is not available; use --device cpu")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise UsageError(f"device {device} requested but this host has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
     if resolved.type == "cuda" and distributed.launched():
         resolved = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return resolved

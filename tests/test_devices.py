@@ -1,0 +1,65 @@
+"""Device handling that a CPU host can pin (issue 18); what needs CUDA is marked ``gpu`` elsewhere."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from drlcli import distributed, export_run, learn_stage
+from drlcli.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("device", "available", "count", "message"),
+    [
+        ("cuda:1", True, 1, "device cuda:1 requested but this host has 1 GPU(s) (cuda:0 to cuda:0)"),
+        ("cuda:0", False, 0, "device cuda:0 requested but CUDA is not available; use --device cpu"),
+        ("cuda", False, 0, "device cuda requested but CUDA is not available; use --device cpu"),
+    ],
+)
+def test_a_gpu_the_host_lacks_is_a_usage_error(run_dir, stage_folders, monkeypatch, device, available, count, message):
+    """Exit 2 with one line, not an internal error from deep inside torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    args = ["learn-stage", "--run", str(run_dir), "--data", str(stage_folders[0][0]), "--device", device]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_no_rng_fork_touches_cuda(run_dir, stage_folders, tmp_path, monkeypatch):
+    """fork_rng without devices= initialises CUDA (and warns on multi-GPU hosts) on a CPU-only command."""
+    real, calls = torch.random.fork_rng, []
+
+    def checked(*args, **kwargs):
+        calls.append(kwargs.get("devices", args[0] if args else None))
+        assert calls[-1] is not None, "torch.random.fork_rng called without devices="
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.random, "fork_rng", checked)
+    from drlcli import init_run
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    init_run(tmp_path / "r", ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    learn_stage(
+        tmp_path / "r", data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu"
+    )
+    export_run(tmp_path / "r", tmp_path / "m.pt", fmt="torchscript")
+    assert calls  # init (random PTM), the stage's adapters and training all fork
+
+
+def test_process_group_is_bound_to_the_local_gpu(monkeypatch):
+    """NCCL gets device_id=cuda:LOCAL_RANK (recent torch warns, and may hang a barrier, without it)."""
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(set_device=d))
+    distributed.setup()
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1) == seen["set_device"]
+    seen.clear()
+    distributed.setup(cpu=True)
+    assert seen["backend"] == "gloo" and "device_id" not in seen and "set_device" not in seen
