@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Subset
 from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, ImageSet, eval_transform, start_workers
-from .prototypes import score, synthesize
+from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
 
 @dataclass
@@ -32,6 +32,7 @@ class IncrementalModel:
     data_config: dict[str, Any]
     offset: int = 1  # 1 when subspace 0 is the PTM's (drl, simplecil); 0 for ease
     _bank: Tensor | None = field(default=None, repr=False)
+    _scoring: dict[Any, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def num_subspaces(self) -> int:
@@ -58,20 +59,28 @@ class IncrementalModel:
             old = torch.cat([old, pad], dim=1)
         self.real_prototypes = torch.cat([old, prototypes.to(old)])
         self._bank = None
+        self._scoring.clear()
+
+    def scoring_state(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The bank (C, S, d) and score weights (C, S) on ``device`` in ``dtype``: built once per device,
+        dtype and scoring options, then reused, so that scoring a batch copies nothing to the GPU
+        and indexes no CPU tensor with a GPU one (each a device sync)."""
+        key = (torch.device(device), dtype, self.score_cfg)
+        state = self._scoring.get(key)
+        if state is None:
+            bank, cfg = self.prototype_bank(), self.score_cfg
+            weights = score_weights(
+                self.class_stage.cpu(), bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=self.offset
+            )
+            state = self._scoring[key] = (bank.to(device, dtype), weights.to(device, dtype))
+        return state
 
     def scores(self, features: Tensor) -> Tensor:
         """(B, C) class scores for subspace features (B, S, d)."""
-        bank = self.prototype_bank().to(features)
-        cfg = self.score_cfg
-        return score(
-            features,
-            bank,
-            self.class_stage.to(features.device),
-            rule=cfg.rule,
-            rho=cfg.rho,
-            beta=cfg.beta,
-            offset=self.offset,
-        )
+        bank, weights = self.scoring_state(features.device, features.dtype)
+        if self.score_cfg.rule == "concat":
+            return concat_scores(features, bank)
+        return weighted_scores(features, bank, weights)
 
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""

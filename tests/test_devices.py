@@ -63,3 +63,34 @@ def test_process_group_is_bound_to_the_local_gpu(monkeypatch):
     seen.clear()
     distributed.setup(cpu=True)
     assert seen["backend"] == "gloo" and "device_id" not in seen and "set_device" not in seen
+
+
+def test_scoring_state_is_built_once_per_device(stage_folders, tmp_path, monkeypatch):
+    """The bank and score weights are made once and reused batch after batch (on a GPU each rebuild
+    is a host-to-device copy and a sync); adding classes rebuilds them."""
+    from drlcli import init_run, load_run
+    from drlcli import model as model_module
+    from drlcli.prototypes import score
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    run = tmp_path / "r"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    learn_stage(run, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    model = load_run(run, device="cpu").model
+    builds = []
+    real = model_module.score_weights
+    monkeypatch.setattr(model_module, "score_weights", lambda *a, **k: builds.append(1) or real(*a, **k))
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = model.network(images)
+        first = [model.scores(features) for _ in range(3)]
+    assert len(builds) == 1 and all(torch.equal(first[0], s) for s in first)
+    bank, weights = model.scoring_state(features.device, features.dtype)
+    assert model.scoring_state(features.device, features.dtype)[0] is bank and len(builds) == 1
+    cfg = model.score_cfg
+    direct = score(
+        features, model.prototype_bank(), model.class_stage, rule=cfg.rule, rho=cfg.rho, beta=cfg.beta, offset=1
+    )
+    assert torch.allclose(first[0], direct, atol=1e-6)
+    model.add_classes(["extra"], 1, torch.randn(1, *model.real_prototypes.shape[1:]))
+    assert model.scores(features).shape == (5, 4) and len(builds) == 2
