@@ -94,3 +94,47 @@ def test_scoring_state_is_built_once_per_device(stage_folders, tmp_path, monkeyp
     assert torch.allclose(first[0], direct, atol=1e-6)
     model.add_classes(["extra"], 1, torch.randn(1, *model.real_prototypes.shape[1:]))
     assert model.scores(features).shape == (5, 4) and len(builds) == 2
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["drl", "ease"])
+def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
+    """The whole cycle on CUDA: learn two stages (the second interrupted and resumed), evaluate,
+    predict; a CUDA checkpoint is refused on CPU; the run's scores on CUDA match CPU's."""
+    from drlcli import RunConfig, evaluate, init_run, load_run
+    from drlcli.errors import RunStateError
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    run, opts = tmp_path / "r", {"epochs": 2, "batch_size": 12}
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method(method))
+    learn_stage(
+        run, data_dir=stage_folders[0][0], eval_data_dir=stage_folders[0][1], train_overrides=opts, device="cuda"
+    )
+
+    def stop(event):
+        if event.phase == "train" and event.detail.startswith("epoch 2/"):
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        learn_stage(run, data_dir=stage_folders[1][0], train_overrides=opts, device="cuda", progress=stop)
+    with pytest.raises(RunStateError, match="on cuda.*on cpu.*--restart"):
+        learn_stage(run, data_dir=stage_folders[1][0], train_overrides=opts, device="cpu")
+    resumed = learn_stage(
+        run, data_dir=stage_folders[1][0], eval_data_dir=stage_folders[1][1], train_overrides=opts, device="cuda"
+    )
+    assert resumed.resumed_from_epoch == 1
+    result = evaluate(run, all_seen=True, device="cuda")
+    assert result.num_stages == 2 and result.num_classes == 6
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        on_gpu = load_run(run, device="cuda").model.score_images(images.cuda()).cpu()
+        on_cpu = load_run(run, device="cpu").model.score_images(images)
+    assert (on_gpu - on_cpu).abs().max() <= 1e-3
+    predicted = runner.invoke(
+        app, ["predict", str(stage_folders[0][1]), "--run", str(run), "--device", "cuda", "--json"]
+    )
+    assert predicted.exit_code == 0, predicted.output
