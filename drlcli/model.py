@@ -77,10 +77,14 @@ class IncrementalModel:
 
     def scores(self, features: Tensor) -> Tensor:
         """(B, C) class scores for subspace features (B, S, d)."""
-        bank, weights = self.scoring_state(features.device, features.dtype)
-        if self.score_cfg.rule == "concat":
-            return concat_scores(features, bank)
-        return weighted_scores(features, bank, weights)
+        # always fp32, also under bf16 autocast: cosines of near-equal prototypes differ in the
+        # third decimal, below bf16's resolution, and the (B, C) scoring is cheap next to the ViT
+        features = features.float()
+        bank, weights = self.scoring_state(features.device, torch.float32)
+        with torch.autocast(features.device.type, enabled=False):
+            if self.score_cfg.rule == "concat":
+                return concat_scores(features, bank)
+            return weighted_scores(features, bank, weights)
 
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""

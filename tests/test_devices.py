@@ -138,3 +138,19 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
         app, ["predict", str(stage_folders[0][1]), "--run", str(run), "--device", "cuda", "--json"]
     )
     assert predicted.exit_code == 0, predicted.output
+
+
+def test_prototype_scoring_is_fp32_under_bf16_autocast(run_dir, stage_folders):
+    """The cosine scoring runs in fp32 whatever autocast does to the network (CPU autocast here)."""
+    from drlcli import load_run
+
+    learn_stage(run_dir, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    model = load_run(run_dir, device="cpu").model
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = model.network(images)
+        expected = model.scores(features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model.scores(features.bfloat16())
+    assert got.dtype == expected.dtype == torch.float32
+    assert (got - model.scores(features.bfloat16().float())).abs().max() <= 1e-6  # bf16 only in the input
