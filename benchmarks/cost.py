@@ -211,6 +211,7 @@ def measure_memory_case(arch: str, case: str, args) -> dict[str, float]:
     fn = cases[case]
     with autocast(device, args.bf16):
         if device.type == "cuda":
+            fn()  # warm-up: cuBLAS workspaces and lazily built kernels are not the case's memory
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)

@@ -56,6 +56,9 @@ def resolve_device(device: str) -> torch.device:
         raise UsageError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device {device} requested but CUDA is not available; use --device cpu")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise UsageError(f"device {device} requested but this host has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
     if resolved.type == "cuda" and distributed.launched():
         resolved = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return resolved
@@ -541,7 +544,7 @@ def learn_stage(
                 if progress
                 else None
             )
-            key = _checkpoint_key(manifest, stage_index, config, fingerprint)
+            key = _checkpoint_key(manifest, stage_index, config, fingerprint, resolve_device(device).type)
             resume = None
             if writer is not None:
                 resume = None if restart else _resumable(run, key)
@@ -730,8 +733,11 @@ def _check_ranks_agree(stage: torch.nn.Module) -> None:
         )
 
 
-def _checkpoint_key(manifest: dict[str, Any], stage: int, config: RunConfig, fingerprint: str) -> dict[str, Any]:
-    """What must match for a checkpoint to be resumed: base state, stage, data, options."""
+def _checkpoint_key(
+    manifest: dict[str, Any], stage: int, config: RunConfig, fingerprint: str, device_type: str
+) -> dict[str, Any]:
+    """What must match for a checkpoint to be resumed: base state, stage, data, options, device type
+    (kernels and RNG streams differ between CPU and CUDA: a resume across them is not the same run)."""
     train = asdict(config.train)  # num_workers included: worker seeding changes the augmentations
     train["world_size"] = distributed.world_size()
     return {
@@ -739,6 +745,7 @@ def _checkpoint_key(manifest: dict[str, Any], stage: int, config: RunConfig, fin
         "stage": stage,
         "data_fingerprint": fingerprint,
         "train": train,
+        "device": device_type,
     }
 
 
@@ -757,6 +764,13 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
     if not _checkpoint_meta_ok(meta):
         raise RunStateError(
             f"the epoch checkpoint of stage {key['stage']} in {run.path} is malformed; pass --restart to discard it"
+        )
+    written_on = meta.get("device", key["device"])  # absent: written before drl recorded it
+    if written_on != key["device"]:
+        raise RunStateError(
+            f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} on {written_on}, and this run "
+            f"is on {key['device']}: a resume across device types would not continue the same training; re-run "
+            f"with --device {written_on} to resume, or pass --restart to discard it"
         )
     differs = ["--data images"] if meta.get("data_fingerprint") != key["data_fingerprint"] else []
     differs += [

@@ -62,7 +62,7 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
             _require_hub(name)
             model = timm.create_model(name, pretrained=True, num_classes=0, **kwargs)
         else:
-            with torch.random.fork_rng():
+            with torch.random.fork_rng(devices=[]):  # CPU init: no CUDA context, no multi-GPU warning
                 torch.manual_seed(source.seed)
                 model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
     except PTMError:

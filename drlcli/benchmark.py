@@ -335,7 +335,7 @@ def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
             start = time.perf_counter()
             model.score_images(x)
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)  # the run's GPU, not the current one
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) / n
 

@@ -43,9 +43,12 @@ def setup(*, cpu: bool = False) -> None:
     use_cuda = not cpu and torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(seconds=float(os.environ.get("DRL_DIST_TIMEOUT", "1800")))
+    kwargs: dict[str, Any] = {}
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timeout)
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = local  # binds NCCL to this GPU up front (recent torch warns without it)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
 
 
 def teardown() -> None:

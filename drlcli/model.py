@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Subset
 from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, ImageSet, eval_transform, start_workers
-from .prototypes import score, synthesize
+from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
 
 @dataclass
@@ -33,6 +33,7 @@ class IncrementalModel:
     offset: int = 1  # 1 when subspace 0 is the PTM's (drl, simplecil); 0 for ease
     head: nn.Module | None = None  # scores features instead of the prototype bank (ranpac)
     _bank: Tensor | None = field(default=None, repr=False)
+    _scoring: dict[Any, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def num_subspaces(self) -> int:
@@ -59,22 +60,34 @@ class IncrementalModel:
             old = torch.cat([old, pad], dim=1)
         self.real_prototypes = torch.cat([old, prototypes.to(old)])
         self._bank = None
+        self._scoring.clear()
+
+    def scoring_state(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The bank (C, S, d) and score weights (C, S) on ``device`` in ``dtype``: built once per device,
+        dtype and scoring options, then reused, so that scoring a batch copies nothing to the GPU
+        and indexes no CPU tensor with a GPU one (each a device sync)."""
+        key = (torch.device(device), dtype, self.score_cfg)
+        state = self._scoring.get(key)
+        if state is None:
+            bank, cfg = self.prototype_bank(), self.score_cfg
+            weights = score_weights(
+                self.class_stage.cpu(), bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=self.offset
+            )
+            state = self._scoring[key] = (bank.to(device, dtype), weights.to(device, dtype))
+        return state
 
     def scores(self, features: Tensor) -> Tensor:
         """(B, C) class scores for subspace features (B, S, d)."""
-        if self.head is not None:
-            return self.head(features)
-        bank = self.prototype_bank().to(features)
-        cfg = self.score_cfg
-        return score(
-            features,
-            bank,
-            self.class_stage.to(features.device),
-            rule=cfg.rule,
-            rho=cfg.rho,
-            beta=cfg.beta,
-            offset=self.offset,
-        )
+        # always fp32, also under bf16 autocast: cosines of near-equal prototypes differ in the
+        # third decimal, below bf16's resolution, and the (B, C) scoring is cheap next to the ViT
+        features = features.float()
+        with torch.autocast(features.device.type, enabled=False):
+            if self.head is not None:
+                return self.head(features)
+            bank, weights = self.scoring_state(features.device, torch.float32)
+            if self.score_cfg.rule == "concat":
+                return concat_scores(features, bank)
+            return weighted_scores(features, bank, weights)
 
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""

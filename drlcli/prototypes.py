@@ -74,7 +74,8 @@ def score(
 def weighted_scores(features: Tensor, bank: Tensor, weights: Tensor) -> Tensor:
     """Σ_s weights[c, s]·cos(f_s, P_s(c)): (B, S, d) features, (C, S, d) bank, (C, S) weights -> (B, C)."""
     cos = torch.einsum("bsd,csd->bcs", F.normalize(features, dim=-1), F.normalize(bank, dim=-1))  # (B, C, S)
-    return (cos * weights.to(cos)).sum(-1)
+    # dtype only: `.to(cos)` would record cos's device as a constant in a traced graph (issue 18)
+    return (cos * weights.to(dtype=cos.dtype)).sum(-1)
 
 
 def concat_scores(features: Tensor, bank: Tensor) -> Tensor:

@@ -168,14 +168,18 @@ def write_graph(
                 data = _onnx_bytes(graph, example, spec)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         write_durable(tmp, data)
-        loaded = load_graph(tmp, fmt=fmt, trust_code=True)  # the graph just traced from our own model
-        with torch.no_grad():
-            diff = float((loaded.score_images(check).float().cpu() - expected).abs().max())
-        if not diff <= CHECK_TOLERANCE:
-            raise IntegrityError(
-                f"the {fmt} graph disagrees with the model by {diff:.2e} on a check batch; nothing was written "
-                "(please report it with `drl info --json`)"
-            )
+        diff = 0.0
+        for device in check_devices(fmt):  # a graph must run wherever it may be loaded, not only here
+            loaded = load_graph(tmp, fmt=fmt, device=device, trust_code=True)  # just traced from our own model
+            with torch.no_grad():
+                got = loaded.score_images(check.to(loaded.device)).float().cpu()
+            on = float((got - expected).abs().max())
+            if not on <= CHECK_TOLERANCE:
+                raise IntegrityError(
+                    f"the {fmt} graph disagrees with the model by {on:.2e} on a check batch on {device}; "
+                    "nothing was written (please report it with `drl info --json`)"
+                )
+            diff = max(diff, on)
         os.replace(tmp, out_path)
     except OSError as exc:
         raise StorageError(
@@ -184,6 +188,12 @@ def write_graph(
     finally:
         tmp.unlink(missing_ok=True)
     return out_path.stat().st_size, diff
+
+
+def check_devices(fmt: str) -> list[str]:
+    """The device types a fresh export is checked on: CPU always; for TorchScript CUDA too when this
+    host has it (an ONNX graph runs on onnxruntime's CPU provider here)."""
+    return ["cpu", "cuda"] if fmt == "torchscript" and torch.cuda.is_available() else ["cpu"]
 
 
 def _torchscript_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:

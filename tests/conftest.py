@@ -64,3 +64,13 @@ def make_folder(tmp_path):
         return make_class_folders(tmp_path / name, class_ids, images_per_class=n)
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip without CUDA: ``pytest -m gpu`` is the one command for a GPU host."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

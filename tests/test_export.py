@@ -198,3 +198,62 @@ def test_a_graph_that_disagrees_with_the_run_is_never_written(method_runs, tmp_p
     with pytest.raises(IntegrityError, match="disagrees with the model by 1.00e\\+00"):
         export_run(method_runs["drl"], tmp_path / f"m.{'pt' if fmt == 'torchscript' else 'onnx'}", fmt=fmt)
     assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------- devices (issue 18)
+
+
+def _graph_text(path) -> str:
+    module = torch.jit.load(str(path))
+    return str(module.inlined_graph) + module.code
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+@pytest.mark.parametrize("method", ["drl", "ease", "simplecil"])
+def test_torchscript_graph_has_no_device_constant(exported, method):
+    """A traced graph that names a device fails when loaded on another one (map_location moves only weights)."""
+    _, path = exported(method, "torchscript")
+    text = _graph_text(path)
+    assert "aten::" in text  # the inlined graph, not an empty stub
+    assert 'Constant[value="cpu"]' not in text and "Device = prim::Constant" not in text
+    assert 'device="cpu"' not in text and "torch.device(" not in text
+
+
+def test_fresh_graph_is_checked_on_every_device_type(method_runs, tmp_path, monkeypatch):
+    """CPU always; CUDA too on a host that has it (faked here: the CUDA load is redirected to CPU)."""
+    from drlcli import traced
+
+    assert traced.check_devices("torchscript") == ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert traced.check_devices("torchscript") == ["cpu", "cuda"] and traced.check_devices("onnx") == ["cpu"]
+    real_load, seen = traced.load_graph, []
+
+    def recording(path, *, device="cpu", **kwargs):
+        seen.append(device)
+        return real_load(path, device="cpu", **kwargs)
+
+    monkeypatch.setattr(traced, "load_graph", recording)
+    export_run(method_runs["drl"], tmp_path / "m.pt", fmt="torchscript")
+    assert seen == ["cpu", "cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders):
+    """The nightly path: a .pt exported anywhere, loaded with map_location cuda, predicts like the run."""
+    from typer.testing import CliRunner
+
+    from drlcli.cli import app
+
+    _, path = exported("drl", "torchscript")
+    model = load_model(path, device="cuda", trust_code=True)
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model.score_images(images.cuda()).float().cpu()
+        expected = load_run(method_runs["drl"], device="cpu").model.score_images(images)
+    assert (got - expected).abs().max() <= 1e-3
+    folder = str(stage_folders[0][1])
+    result = CliRunner().invoke(
+        app, ["predict", folder, "--model", str(path), "--trust-code", "--device", "cuda", "--json"]
+    )
+    assert result.exit_code == 0, result.output

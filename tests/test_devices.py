@@ -1,0 +1,156 @@
+"""Device handling that a CPU host can pin (issue 18); what needs CUDA is marked ``gpu`` elsewhere."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from drlcli import distributed, export_run, learn_stage
+from drlcli.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("device", "available", "count", "message"),
+    [
+        ("cuda:1", True, 1, "device cuda:1 requested but this host has 1 GPU(s) (cuda:0 to cuda:0)"),
+        ("cuda:0", False, 0, "device cuda:0 requested but CUDA is not available; use --device cpu"),
+        ("cuda", False, 0, "device cuda requested but CUDA is not available; use --device cpu"),
+    ],
+)
+def test_a_gpu_the_host_lacks_is_a_usage_error(run_dir, stage_folders, monkeypatch, device, available, count, message):
+    """Exit 2 with one line, not an internal error from deep inside torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    args = ["learn-stage", "--run", str(run_dir), "--data", str(stage_folders[0][0]), "--device", device]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_no_rng_fork_touches_cuda(run_dir, stage_folders, tmp_path, monkeypatch):
+    """fork_rng without devices= initialises CUDA (and warns on multi-GPU hosts) on a CPU-only command."""
+    real, calls = torch.random.fork_rng, []
+
+    def checked(*args, **kwargs):
+        calls.append(kwargs.get("devices", args[0] if args else None))
+        assert calls[-1] is not None, "torch.random.fork_rng called without devices="
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.random, "fork_rng", checked)
+    from drlcli import init_run
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    init_run(tmp_path / "r", ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    learn_stage(
+        tmp_path / "r", data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu"
+    )
+    export_run(tmp_path / "r", tmp_path / "m.pt", fmt="torchscript")
+    assert calls  # init (random PTM), the stage's adapters and training all fork
+
+
+def test_process_group_is_bound_to_the_local_gpu(monkeypatch):
+    """NCCL gets device_id=cuda:LOCAL_RANK (recent torch warns, and may hang a barrier, without it)."""
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(set_device=d))
+    distributed.setup()
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1) == seen["set_device"]
+    seen.clear()
+    distributed.setup(cpu=True)
+    assert seen["backend"] == "gloo" and "device_id" not in seen and "set_device" not in seen
+
+
+def test_scoring_state_is_built_once_per_device(stage_folders, tmp_path, monkeypatch):
+    """The bank and score weights are made once and reused batch after batch (on a GPU each rebuild
+    is a host-to-device copy and a sync); adding classes rebuilds them."""
+    from drlcli import init_run, load_run
+    from drlcli import model as model_module
+    from drlcli.prototypes import score
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    run = tmp_path / "r"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    learn_stage(run, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    model = load_run(run, device="cpu").model
+    builds = []
+    real = model_module.score_weights
+    monkeypatch.setattr(model_module, "score_weights", lambda *a, **k: builds.append(1) or real(*a, **k))
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = model.network(images)
+        first = [model.scores(features) for _ in range(3)]
+    assert len(builds) == 1 and all(torch.equal(first[0], s) for s in first)
+    bank, weights = model.scoring_state(features.device, features.dtype)
+    assert model.scoring_state(features.device, features.dtype)[0] is bank and len(builds) == 1
+    cfg = model.score_cfg
+    direct = score(
+        features, model.prototype_bank(), model.class_stage, rule=cfg.rule, rho=cfg.rho, beta=cfg.beta, offset=1
+    )
+    assert torch.allclose(first[0], direct, atol=1e-6)
+    model.add_classes(["extra"], 1, torch.randn(1, *model.real_prototypes.shape[1:]))
+    assert model.scores(features).shape == (5, 4) and len(builds) == 2
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["drl", "ease"])
+def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
+    """The whole cycle on CUDA: learn two stages (the second interrupted and resumed), evaluate,
+    predict; a CUDA checkpoint is refused on CPU; the run's scores on CUDA match CPU's."""
+    from drlcli import RunConfig, evaluate, init_run, load_run
+    from drlcli.errors import RunStateError
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    run, opts = tmp_path / "r", {"epochs": 2, "batch_size": 12}
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method(method))
+    learn_stage(
+        run, data_dir=stage_folders[0][0], eval_data_dir=stage_folders[0][1], train_overrides=opts, device="cuda"
+    )
+
+    def stop(event):
+        if event.phase == "train" and event.detail.startswith("epoch 2/"):
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        learn_stage(run, data_dir=stage_folders[1][0], train_overrides=opts, device="cuda", progress=stop)
+    with pytest.raises(RunStateError, match="on cuda.*on cpu.*--restart"):
+        learn_stage(run, data_dir=stage_folders[1][0], train_overrides=opts, device="cpu")
+    resumed = learn_stage(
+        run, data_dir=stage_folders[1][0], eval_data_dir=stage_folders[1][1], train_overrides=opts, device="cuda"
+    )
+    assert resumed.resumed_from_epoch == 1
+    result = evaluate(run, all_seen=True, device="cuda")
+    assert result.num_stages == 2 and result.num_classes == 6
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        on_gpu = load_run(run, device="cuda").model.score_images(images.cuda()).cpu()
+        on_cpu = load_run(run, device="cpu").model.score_images(images)
+    assert (on_gpu - on_cpu).abs().max() <= 1e-3
+    predicted = runner.invoke(
+        app, ["predict", str(stage_folders[0][1]), "--run", str(run), "--device", "cuda", "--json"]
+    )
+    assert predicted.exit_code == 0, predicted.output
+
+
+def test_prototype_scoring_is_fp32_under_bf16_autocast(run_dir, stage_folders):
+    """The cosine scoring runs in fp32 whatever autocast does to the network (CPU autocast here)."""
+    from drlcli import load_run
+
+    learn_stage(run_dir, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    model = load_run(run_dir, device="cpu").model
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = model.network(images)
+        expected = model.scores(features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model.scores(features.bfloat16())
+    assert got.dtype == expected.dtype == torch.float32
+    assert (got - model.scores(features.bfloat16().float())).abs().max() <= 1e-6  # bf16 only in the input
