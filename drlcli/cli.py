@@ -670,7 +670,7 @@ def benchmark(
 
         print(markdown_table(r), end="")
         for name, path in r["artifacts"].items():
-            print(f"{name}: {path if path else 'skipped (pip install drl[plot] for the plot)'}")
+            print(f"{name}: {path if path else 'skipped (pip install drlcli[plot] for the plot)'}")
 
     _execute(as_json, quiet, action, render, verbose=verbose)
 
