@@ -130,3 +130,56 @@ def test_every_command_has_help():
         result = drl(name, "--help")
         assert result.exit_code == 0, (name, result.output)
         assert "Usage:" in result.stdout and "--help" in result.stdout
+
+
+def test_top_level_help_lists_every_exit_code_whole():
+    from drlcli.errors import EXIT_CODES
+
+    result = drl("--help")
+    assert result.exit_code == 0
+    out = " ".join(result.stdout.split())  # whatever the terminal width wrapped
+    for code, text in EXIT_CODES.items():
+        assert f"{code} {text}" in out, text  # e.g. "(a bug: please report it)", not cut at the colon
+    assert "--version" in out
+
+
+def test_help_shows_choices_and_effective_defaults():
+    from drlcli.config import METHODS
+    from drlcli.export import FORMATS
+
+    learn = " ".join(drl("learn-stage", "--help").stdout.split())
+    for option, value in (("--epochs", 20), ("--batch-size", 48), ("--lr", 0.01), ("--workers", 0)):
+        assert f"default: from the run's config ({value}" in learn.split(option, 1)[1], option
+    assert "ease 0.025" in learn  # a method's own default is named where it differs
+    assert f"<{'|'.join(METHODS)}>" in drl("init", "--help").stdout
+    assert f"<{'|'.join(FORMATS)}>" in drl("export", "--help").stdout
+    for args in (("init", "--ptm", "x", "--method", "nope"), ("export", "--out", "m.drl", "--format", "nope")):
+        result = drl(*args, "--json")
+        assert result.exit_code == 2 and json_out(result)[0]["error"]["kind"] == "usage"
+        assert "nope" in json_out(result)[0]["error"]["message"]
+
+
+def test_version_prints_drlcli_torch_timm_and_cuda():
+    import timm
+    import torch
+
+    import drlcli
+
+    result = drl("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"drlcli {drlcli.__version__}",
+        f"torch {torch.__version__}",
+        f"timm {timm.__version__}",
+        f"cuda_available {torch.cuda.is_available()}",
+    ]
+    (obj,) = json_out(drl("--version", "--json"))
+    assert obj == {
+        "ok": True,
+        "drlcli": drlcli.__version__,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    misplaced = drl("--json", "info")  # --json belongs to the command; never dropped silently
+    assert misplaced.exit_code == 2 and json_out(misplaced)[0]["error"]["kind"] == "usage"
