@@ -56,7 +56,7 @@ class OneLineErrors(TyperGroup):
 
 app = typer.Typer(
     cls=OneLineErrors,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, powershell)
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts are plain: brackets such as [/key=value] are not markup

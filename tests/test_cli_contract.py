@@ -183,3 +183,19 @@ def test_version_prints_drlcli_torch_timm_and_cuda():
     }
     misplaced = drl("--json", "info")  # --json belongs to the command; never dropped silently
     assert misplaced.exit_code == 2 and json_out(misplaced)[0]["error"]["kind"] == "usage"
+
+
+def test_shell_completion_offers_commands_and_choices():
+    """Typer's completion (drl --install-completion) completes command names and choice values."""
+
+    def complete(line: str) -> list[str]:
+        words = line.split(" ")
+        env = {"_DRL_COMPLETE": "complete_bash", "COMP_WORDS": line, "COMP_CWORD": str(len(words) - 1)}
+        result = runner.invoke(app, [], prog_name="drl", env=env)
+        assert result.exit_code == 0, result.output
+        return result.stdout.split()
+
+    assert complete("drl lea") == ["learn-stage"]
+    assert complete("drl init --method ") == ["drl", "simplecil", "ease"]
+    assert complete("drl export --format o") == ["onnx"]
+    assert "--install-completion" in drl("--help").stdout
