@@ -10,21 +10,25 @@ option-parsing errors the same form.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 import yaml
 from typer.core import TyperGroup
 
-from . import api, distributed, jsonio
+from . import jsonio
 from .config import MAX_SEED, MAX_WORKERS, METHOD_TRAIN_DEFAULTS, METHODS, TrainConfig
 from .errors import EXIT_CODES, DrlError, UsageError
+
+if TYPE_CHECKING:  # torch loads with the first command that runs, not for --help or --version
+    from . import api
 
 # "\b" keeps click from re-wrapping the list into one paragraph
 EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
@@ -223,6 +227,12 @@ class Reporter:
             self._bar = None
 
 
+def _api() -> Any:
+    from . import api
+
+    return api
+
+
 def _print_error(kind: str, message: str, code: int, as_json: bool) -> None:
     message = " ".join(message.split())  # one line, whatever the library or click wrote
     message = message.encode("utf-8", "backslashreplace").decode()  # a non-UTF-8 path: escapes, not a crash
@@ -244,6 +254,8 @@ def _execute(
     *,
     verbose: bool = False,
 ) -> None:
+    from . import distributed
+
     main_rank = distributed.is_main()
     quiet = quiet or not main_rank  # under torchrun only rank 0 reports and prints results
     start = time.perf_counter()
@@ -398,6 +410,8 @@ def init(
     from .config import RunConfig
 
     def action(_: Reporter) -> Any:
+        from . import api
+
         name = method.value if method else None
         cfg = RunConfig.from_yaml(config, method=name) if config else RunConfig.for_method(name or "drl")
         return api.init_run(
@@ -457,6 +471,8 @@ def learn_stage(
     overrides = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "num_workers": workers}
 
     def action(reporter: Reporter) -> Any:
+        from . import api
+
         return api.learn_stage(
             run,
             data_dir=data,
@@ -503,6 +519,8 @@ def eval_(
     history: A_t, the accuracy matrix (row t: after stage t, column g: stage g's classes), forgetting."""
 
     def action(reporter: Reporter) -> Any:
+        from . import api
+
         return api.evaluate(
             run,
             data_dir=data,
@@ -590,6 +608,7 @@ def predict(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Top-k classes per image: JSON lines on stdout (a table on a terminal); exit 3 if any image failed."""
+    from . import api
     from .export import load_model
     from .predict import PredictStats, expand_sources, timed
     from .predict import predict as run_predict
@@ -650,7 +669,7 @@ def verify(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, 
                 "learn-stage to resume it, or add --restart"
             )
 
-    _execute(as_json, quiet, lambda _: api.verify(run), render, verbose=verbose)
+    _execute(as_json, quiet, lambda _: _api().verify(run), render, verbose=verbose)
 
 
 @app.command()
@@ -671,7 +690,7 @@ def info(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, ve
             print("\n".join(_growth_lines(r["stages"])))
             print("\n".join(_history_lines(r["history"])))
 
-    _execute(as_json, quiet, lambda _: api.info(run), render, verbose=verbose)
+    _execute(as_json, quiet, lambda _: _api().info(run), render, verbose=verbose)
 
 
 @app.command()
@@ -774,7 +793,9 @@ def demo(
 
 def main() -> None:
     """Entry point; under torchrun (WORLD_SIZE > 1) every process joins the group first."""
-    if distributed.launched():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # distributed.launched(), without importing torch
+        from . import distributed
+
         args = sys.argv[1:]
         cpu = (
             "--device" in args and args.index("--device") + 1 < len(args) and args[args.index("--device") + 1] == "cpu"
@@ -783,7 +804,8 @@ def main() -> None:
     try:
         app()
     finally:
-        distributed.teardown()
+        if "drlcli.distributed" in sys.modules:  # a command ran (or torchrun set up the group)
+            sys.modules["drlcli.distributed"].teardown()
 
 
 if __name__ == "__main__":

@@ -199,3 +199,22 @@ def test_shell_completion_offers_commands_and_choices():
     assert complete("drl init --method ") == ["drl", "simplecil", "ease"]
     assert complete("drl export --format o") == ["onnx"]
     assert "--install-completion" in drl("--help").stdout
+
+
+def test_help_is_fast_and_does_not_import_torch():
+    """`drl --help` prints before torch loads (torch alone takes seconds to import)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = "import sys; from drlcli.cli import main; sys.argv = ['drl', '--help']\ntry:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
+        seconds.append(time.perf_counter() - start)
+        assert result.returncode == 0 and "Usage:" in result.stdout, result.stderr
+        assert result.stdout.rstrip().endswith("False"), "drl --help imported torch"
+    assert min(seconds) < 1.0, seconds
