@@ -11,10 +11,28 @@ The public API: each function backs one CLI command.
 
 __version__ = "0.1.0"
 
-from .api import evaluate, info, init_run, learn_stage, load_run  # noqa: E402
-from .config import IPAConfig, RunConfig, ScoreConfig, TrainConfig  # noqa: E402
-from .errors import DrlError  # noqa: E402
-from .export import export_run, load_export, load_model  # noqa: E402
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .config import IPAConfig, RunConfig, ScoreConfig, TrainConfig
+from .errors import DrlError
+
+if TYPE_CHECKING:
+    from .api import evaluate, info, init_run, learn_stage, load_run
+    from .export import export_run, load_export, load_model
+
+# imported on first use, so `drl --help` and `drl --version`'s parsing do not wait for torch
+_LAZY = {
+    **dict.fromkeys(("evaluate", "info", "init_run", "learn_stage", "load_run"), ".api"),
+    **dict.fromkeys(("export_run", "load_export", "load_model"), ".export"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DrlError",

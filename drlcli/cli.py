@@ -10,22 +10,28 @@ option-parsing errors the same form.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 import yaml
 from typer.core import TyperGroup
 
-from . import api, distributed, jsonio
-from .config import MAX_SEED, MAX_WORKERS
+from . import jsonio
+from .config import MAX_SEED, MAX_WORKERS, METHOD_TRAIN_DEFAULTS, METHODS, TrainConfig
 from .errors import EXIT_CODES, DrlError, UsageError
 
-EPILOG = "Exit codes: " + "; ".join(f"{code} {text.split(':')[0]}" for code, text in EXIT_CODES.items())
+if TYPE_CHECKING:  # torch loads with the first command that runs, not for --help or --version
+    from . import api
+
+# "\b" keeps click from re-wrapping the list into one paragraph
+EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
 # click's exception base (typer vendors click in recent releases, so take it from typer's own class)
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
@@ -54,7 +60,7 @@ class OneLineErrors(TyperGroup):
 
 app = typer.Typer(
     cls=OneLineErrors,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, powershell)
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts are plain: brackets such as [/key=value] are not markup
@@ -75,6 +81,21 @@ DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 WeightsOpt = typer.Option(
     None, "--ptm-weights", envvar="DRL_PTM_WEIGHTS", help="Local PTM weights (.safetensors); env DRL_PTM_WEIGHTS."
 )
+
+
+# choices that --help and shell completion show (the values are the library's own names)
+MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)
+ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "onnx")}, type=str)
+
+
+def _train_default(field: str) -> str:
+    """``field``'s effective default for learn-stage: the run's config, i.e. each method's default unless set."""
+    drl_value = getattr(TrainConfig(), field)
+    others = [f"{m} {getattr(c, field)}" for m, c in METHOD_TRAIN_DEFAULTS.items() if getattr(c, field) != drl_value]
+    return (
+        f"default: from the run's config ({drl_value}{''.join(f'; {o}' for o in others)} unless init --config set it)"
+    )
+
 
 RandomInitOpt = typer.Option(False, "--random-init", help="Random PTM weights, stored in the run (tests, demos).")
 PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable).")
@@ -206,6 +227,12 @@ class Reporter:
             self._bar = None
 
 
+def _api() -> Any:
+    from . import api
+
+    return api
+
+
 def _print_error(kind: str, message: str, code: int, as_json: bool) -> None:
     message = " ".join(message.split())  # one line, whatever the library or click wrote
     message = message.encode("utf-8", "backslashreplace").decode()  # a non-UTF-8 path: escapes, not a crash
@@ -227,6 +254,8 @@ def _execute(
     *,
     verbose: bool = False,
 ) -> None:
+    from . import distributed
+
     main_rank = distributed.is_main()
     quiet = quiet or not main_rank  # under torchrun only rank 0 reports and prints results
     start = time.perf_counter()
@@ -322,13 +351,48 @@ def _parse_ptm_args(items: list[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ commands
 
 
+def _versions() -> dict[str, Any]:
+    import timm
+    import torch
+
+    from . import __version__
+
+    return {
+        "drlcli": __version__,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+
+
+@app.callback(invoke_without_command=True)
+def _top_level(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False, "--version", help="Print the versions of drlcli, torch and timm and whether CUDA is available."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="With --version: one JSON object on stdout."),
+) -> None:
+    if version:
+        versions = _versions()
+        if as_json:
+            print(jsonio.dumps({"ok": True, **versions}))
+        else:
+            print("\n".join(f"{name} {value}" for name, value in versions.items()))
+        raise typer.Exit(0)
+    if as_json:  # `drl --json eval` would silently drop --json: it belongs to the command
+        _fail("usage", "--json goes after the command (e.g. drl eval --json) or with --version", 2, True)
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+
+
 @app.command()
 def init(
     ptm: str = typer.Option(..., "--ptm", help="timm ViT name, e.g. deit_tiny_patch16_224."),
     ptm_weights: Path | None = WeightsOpt,
     random_init: bool = RandomInitOpt,
     ptm_arg: list[str] = PtmArgOpt,
-    method: str | None = typer.Option(None, "--method", help="drl (default), ease, simplecil or ranpac."),
+    method: MethodName | None = typer.Option(None, "--method", help="Method; default drl, or the --config file's."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
     allow_nonempty: bool = typer.Option(
@@ -346,7 +410,10 @@ def init(
     from .config import RunConfig
 
     def action(_: Reporter) -> Any:
-        cfg = RunConfig.from_yaml(config, method=method) if config else RunConfig.for_method(method or "drl")
+        from . import api
+
+        name = method.value if method else None
+        cfg = RunConfig.from_yaml(config, method=name) if config else RunConfig.for_method(name or "drl")
         return api.init_run(
             run,
             ptm=ptm,
@@ -370,10 +437,23 @@ def init(
 def learn_stage(
     data: Path = typer.Option(..., "--data", help="Folder with one sub-folder of images per new class."),
     eval_data: Path | None = typer.Option(None, "--eval-data", help="Test folder, registered for later evals."),
-    epochs: int | None = typer.Option(None, "--epochs", min=1),
-    batch_size: int | None = typer.Option(None, "--batch-size", min=1),
-    lr: float | None = typer.Option(None, "--lr", min=0.0),
-    workers: int | None = typer.Option(None, "--workers", min=0, max=MAX_WORKERS, help="DataLoader worker processes."),
+    epochs: int | None = typer.Option(
+        None, "--epochs", min=1, show_default=False, help=f"Training epochs for this stage; {_train_default('epochs')}."
+    ),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", min=1, show_default=False, help=f"Images per step; {_train_default('batch_size')}."
+    ),
+    lr: float | None = typer.Option(
+        None, "--lr", min=0.0, show_default=False, help=f"SGD learning rate; {_train_default('lr')}."
+    ),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=0,
+        max=MAX_WORKERS,
+        show_default=False,
+        help=f"DataLoader worker processes; {_train_default('num_workers')}.",
+    ),
     restart: bool = typer.Option(
         False, "--restart", help="Discard an interrupted run's epoch checkpoint instead of resuming it."
     ),
@@ -391,6 +471,8 @@ def learn_stage(
     overrides = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "num_workers": workers}
 
     def action(reporter: Reporter) -> Any:
+        from . import api
+
         return api.learn_stage(
             run,
             data_dir=data,
@@ -437,6 +519,8 @@ def eval_(
     history: A_t, the accuracy matrix (row t: after stage t, column g: stage g's classes), forgetting."""
 
     def action(reporter: Reporter) -> Any:
+        from . import api
+
         return api.evaluate(
             run,
             data_dir=data,
@@ -466,7 +550,7 @@ def eval_(
 @app.command()
 def export(
     out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl, model.pt, model.onnx)."),
-    fmt: str | None = typer.Option(
+    fmt: ExportFormat | None = typer.Option(
         None,
         "--format",
         help="drl (the run's model in one file; default), torchscript or onnx (images -> scores graph, "
@@ -489,7 +573,13 @@ def export(
             f"({r['format']}, {r['bytes'] / 2**20:.1f} MiB{check})"
         )
 
-    _execute(as_json, quiet, lambda _: export_run(run, out, fmt=fmt, ptm_weights=ptm_weights), render, verbose=verbose)
+    _execute(
+        as_json,
+        quiet,
+        lambda _: export_run(run, out, fmt=fmt.value if fmt else None, ptm_weights=ptm_weights),
+        render,
+        verbose=verbose,
+    )
 
 
 @app.command()
@@ -518,6 +608,7 @@ def predict(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Top-k classes per image: JSON lines on stdout (a table on a terminal); exit 3 if any image failed."""
+    from . import api
     from .export import load_model
     from .predict import PredictStats, expand_sources, timed
     from .predict import predict as run_predict
@@ -578,7 +669,7 @@ def verify(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, 
                 "learn-stage to resume it, or add --restart"
             )
 
-    _execute(as_json, quiet, lambda _: api.verify(run), render, verbose=verbose)
+    _execute(as_json, quiet, lambda _: _api().verify(run), render, verbose=verbose)
 
 
 @app.command()
@@ -599,7 +690,7 @@ def info(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, ve
             print("\n".join(_growth_lines(r["stages"])))
             print("\n".join(_history_lines(r["history"])))
 
-    _execute(as_json, quiet, lambda _: api.info(run), render, verbose=verbose)
+    _execute(as_json, quiet, lambda _: _api().info(run), render, verbose=verbose)
 
 
 @app.command()
@@ -681,7 +772,7 @@ def benchmark(
 
         print(markdown_table(r), end="")
         for name, path in r["artifacts"].items():
-            print(f"{name}: {path if path else 'skipped (pip install drl[plot] for the plot)'}")
+            print(f"{name}: {path if path else 'skipped (pip install drlcli[plot] for the plot)'}")
 
     _execute(as_json, quiet, action, render, verbose=verbose)
 
@@ -713,7 +804,9 @@ def demo(
 
 def main() -> None:
     """Entry point; under torchrun (WORLD_SIZE > 1) every process joins the group first."""
-    if distributed.launched():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # distributed.launched(), without importing torch
+        from . import distributed
+
         args = sys.argv[1:]
         cpu = (
             "--device" in args and args.index("--device") + 1 < len(args) and args[args.index("--device") + 1] == "cpu"
@@ -722,7 +815,8 @@ def main() -> None:
     try:
         app()
     finally:
-        distributed.teardown()
+        if "drlcli.distributed" in sys.modules:  # a command ran (or torchrun set up the group)
+            sys.modules["drlcli.distributed"].teardown()
 
 
 if __name__ == "__main__":

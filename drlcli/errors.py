@@ -36,7 +36,7 @@ def require(module: str, *, extra: str, purpose: str):
     except ImportError as exc:
         raise DependencyError(
             f"{purpose} needs the Python package {module.split('.')[0]!r}, which is not installed; "
-            f"pip install 'drl[{extra}]'"
+            f"pip install 'drlcli[{extra}]'"
         ) from exc
 
 

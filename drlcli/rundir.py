@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -43,6 +42,7 @@ import re
 import shutil
 import socket
 import stat
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -58,6 +58,11 @@ from torch import Tensor
 
 from . import jsonio
 from .errors import IntegrityError, RunBusyError, RunStateError, StorageError, UsageError
+
+try:
+    import fcntl
+except ImportError:  # Windows: the package still imports; writing a run refuses (RunDir.writer)
+    fcntl = None  # type: ignore[assignment]
 
 FORMAT = "drl-run"
 FORMAT_VERSION = 1
@@ -380,6 +385,12 @@ class RunDir:
         """Hold the writer lock for the block. Fails fast (RunBusyError) if another holds it.
         ``create`` (init) first checks the folder holds nothing of a user's under the run's names
         (and nothing at all unless ``allow_nonempty``), before the lock file is even opened."""
+        if fcntl is None or not hasattr(os, "O_NOFOLLOW"):
+            raise StorageError(
+                f"cannot write run {self.path}: this platform ({sys.platform}) lacks POSIX file locks (fcntl) "
+                "and O_NOFOLLOW, which keep concurrent writers and symbolic links out of a run; "
+                "use Linux or macOS (on Windows: WSL)"
+            )
         if create:
             try:
                 self.path.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@
 # DRL_PTM_WEIGHTS (a .safetensors; without it timm's hub download is tried).
 #
 # Other settings: EPOCHS (default 20, 2 for the offline default), DEVICE (auto), FORMATS
-# (export formats, default "drl torchscript"; add onnx with pip install 'drl[export]').
+# (export formats, default "drl torchscript"; add onnx with pip install 'drlcli[export]').
 # Exit status: the failing drl command's (see README "Exit codes"); 0 when all went well.
 set -euo pipefail
 

@@ -238,7 +238,7 @@ def test_eval_plot_errors(trained, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
     result, out = drl_json("eval", "--run", trained, "--all-seen", "--plot", tmp_path / "a.png")
     assert result.exit_code == 2 and out["error"]["kind"] == "missing_dependency"
-    assert "pip install 'drl[plot]'" in out["error"]["message"] and not (tmp_path / "a.png").exists()
+    assert "pip install 'drlcli[plot]'" in out["error"]["message"] and not (tmp_path / "a.png").exists()
 
 
 def test_info_shows_growth_per_stage(trained):

@@ -130,3 +130,91 @@ def test_every_command_has_help():
         result = drl(name, "--help")
         assert result.exit_code == 0, (name, result.output)
         assert "Usage:" in result.stdout and "--help" in result.stdout
+
+
+def test_top_level_help_lists_every_exit_code_whole():
+    from drlcli.errors import EXIT_CODES
+
+    result = drl("--help")
+    assert result.exit_code == 0
+    out = " ".join(result.stdout.split())  # whatever the terminal width wrapped
+    for code, text in EXIT_CODES.items():
+        assert f"{code} {text}" in out, text  # e.g. "(a bug: please report it)", not cut at the colon
+    assert "--version" in out
+
+
+def test_help_shows_choices_and_effective_defaults():
+    from drlcli.config import METHODS
+    from drlcli.export import FORMATS
+
+    learn = " ".join(drl("learn-stage", "--help").stdout.split())
+    for option, value in (("--epochs", 20), ("--batch-size", 48), ("--lr", 0.01), ("--workers", 0)):
+        assert f"default: from the run's config ({value}" in learn.split(option, 1)[1], option
+    assert "ease 0.025" in learn  # a method's own default is named where it differs
+    assert f"<{'|'.join(METHODS)}>" in drl("init", "--help").stdout
+    assert f"<{'|'.join(FORMATS)}>" in drl("export", "--help").stdout
+    for args in (("init", "--ptm", "x", "--method", "nope"), ("export", "--out", "m.drl", "--format", "nope")):
+        result = drl(*args, "--json")
+        assert result.exit_code == 2 and json_out(result)[0]["error"]["kind"] == "usage"
+        assert "nope" in json_out(result)[0]["error"]["message"]
+
+
+def test_version_prints_drlcli_torch_timm_and_cuda():
+    import timm
+    import torch
+
+    import drlcli
+
+    result = drl("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"drlcli {drlcli.__version__}",
+        f"torch {torch.__version__}",
+        f"timm {timm.__version__}",
+        f"cuda_available {torch.cuda.is_available()}",
+    ]
+    (obj,) = json_out(drl("--version", "--json"))
+    assert obj == {
+        "ok": True,
+        "drlcli": drlcli.__version__,
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    misplaced = drl("--json", "info")  # --json belongs to the command; never dropped silently
+    assert misplaced.exit_code == 2 and json_out(misplaced)[0]["error"]["kind"] == "usage"
+
+
+def test_shell_completion_offers_commands_and_choices():
+    """Typer's completion (drl --install-completion) completes command names and choice values."""
+
+    def complete(line: str) -> list[str]:
+        words = line.split(" ")
+        env = {"_DRL_COMPLETE": "complete_bash", "COMP_WORDS": line, "COMP_CWORD": str(len(words) - 1)}
+        result = runner.invoke(app, [], prog_name="drl", env=env)
+        assert result.exit_code == 0, result.output
+        return result.stdout.split()
+
+    assert complete("drl lea") == ["learn-stage"]
+    assert complete("drl init --method ") == ["drl", "simplecil", "ease"]
+    assert complete("drl export --format o") == ["onnx"]
+    assert "--install-completion" in drl("--help").stdout
+
+
+def test_help_is_fast_and_does_not_import_torch():
+    """`drl --help` prints before torch loads (torch alone takes seconds to import)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = "import sys; from drlcli.cli import main; sys.argv = ['drl', '--help']\ntry:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
+        seconds.append(time.perf_counter() - start)
+        assert result.returncode == 0 and "Usage:" in result.stdout, result.stderr
+        assert result.stdout.rstrip().endswith("False"), "drl --help imported torch"
+    assert min(seconds) < 1.0, seconds

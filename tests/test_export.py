@@ -165,7 +165,7 @@ def test_format_from_suffix_and_bad_formats(method_runs, tmp_path, run_dir):
 def test_missing_onnx_extra_names_the_fix(method_runs, tmp_path, monkeypatch):
     for name in ("onnx", "onnxruntime"):  # as if the export extra were not installed
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(DependencyError, match=r"--format onnx needs .*; pip install 'drl\[export\]'") as info:
+    with pytest.raises(DependencyError, match=r"--format onnx needs .*; pip install 'drlcli\[export\]'") as info:
         export_run(method_runs["simplecil"], tmp_path / "m.onnx")
     assert info.value.exit_code == 2 and not list(tmp_path.iterdir())
 

@@ -1,5 +1,9 @@
 import errno
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -150,3 +154,25 @@ def test_committed_files_are_never_rewritten(tmp_path):
     _add_stage(run, 1)
     with pytest.raises(RunStateError, match="already committed"):
         _add_stage(run, 1)
+
+
+def test_package_imports_without_fcntl_and_writing_refuses(tmp_path):
+    """As on Windows: no fcntl module. drlcli imports; writing a run fails with a clear StorageError."""
+    code = f"""
+import sys
+sys.modules["fcntl"] = None  # import fcntl raises ImportError
+import drlcli
+from drlcli.errors import StorageError
+from drlcli.rundir import RunDir
+try:
+    with RunDir({str(tmp_path / "run")!r}).writer(create=True):
+        pass
+except StorageError as exc:
+    print("refused:", exc)
+"""
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's drlcli, whatever is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "refused: cannot write run" in result.stdout and "fcntl" in result.stdout
+    assert not (tmp_path / "run").exists()  # refused before anything was created
