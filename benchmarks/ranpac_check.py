@@ -27,8 +27,8 @@ from drlcli.backbone import PTMSource
 from drlcli.benchmark import class_order, load_data, stage_classes
 from drlcli.config import IPAConfig, RunConfig
 from drlcli.data import ImageDataset, ImageSet, eval_transform
-from drlcli.evaluate import accuracy_report, summarize_history
 from drlcli.ipa import IPANetwork
+from drlcli.metrics import accuracy_report, summarize_history
 from drlcli.ranpac import (
     RanpacHead,
     Statistics,

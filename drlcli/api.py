@@ -23,8 +23,8 @@ from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
-from .evaluate import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .methods import method_of
+from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .rundir import RUN_CONFIG, RUN_CONFIG_KIND, RunDir, StageRecord, init_files, stage_files
 from .train import TrainState, train_stage

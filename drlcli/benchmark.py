@@ -37,8 +37,8 @@ from . import api, distributed, jsonio
 from .config import EaseConfig, IPAConfig, RanpacConfig, RunConfig, ScoreConfig, TrainConfig
 from .data import ImageDataset, eval_transform, scan_class_folders
 from .errors import DataError, UsageError
-from .evaluate import AccuracyReport, accuracy_report, summarize_history
 from .methods import method_of
+from .metrics import AccuracyReport, accuracy_report, summarize_history
 from .model import embed_images
 from .prototypes import score, synthesize
 from .rundir import RunDir

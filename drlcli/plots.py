@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import StorageError, UsageError, require
-from .evaluate import HistorySummary
+from .metrics import HistorySummary
 from .rundir import refuse_inside_run
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")

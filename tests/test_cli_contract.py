@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from drlcli.cli import app
+from drlcli.config import METHODS
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 runner = CliRunner()
@@ -196,7 +197,7 @@ def test_shell_completion_offers_commands_and_choices():
         return result.stdout.split()
 
     assert complete("drl lea") == ["learn-stage"]
-    assert complete("drl init --method ") == ["drl", "simplecil", "ease"]
+    assert complete("drl init --method ") == list(METHODS)
     assert complete("drl export --format o") == ["onnx"]
     assert "--install-completion" in drl("--help").stdout
 

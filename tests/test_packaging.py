@@ -1,6 +1,9 @@
 """The distribution's metadata: its name, one version source, and a declared dependency for every import."""
 
 import ast
+import importlib
+import inspect
+import pkgutil
 import re
 import sys
 from pathlib import Path
@@ -66,3 +69,13 @@ def test_install_hints_name_the_distribution():
     for path in [*(ROOT / "drlcli").glob("*.py"), ROOT / "README.md"]:
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"pip install ['\"]?drl\[", text), path
+
+
+def test_public_api_names_stay_functions_after_every_submodule_is_imported():
+    """The lazy API names must never be shadowed by a submodule of the same name (`drlcli.evaluate`
+    was one: importing the metrics module replaced the function on the package)."""
+    for module in pkgutil.iter_modules(drlcli.__path__):
+        if module.name not in ("__main__", "cli"):
+            importlib.import_module(f"drlcli.{module.name}")
+    for name in drlcli.__all__:
+        assert callable(getattr(drlcli, name)) and not inspect.ismodule(getattr(drlcli, name)), name

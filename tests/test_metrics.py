@@ -1,6 +1,6 @@
 import torch
 
-from drlcli.evaluate import AccuracyReport, accuracy_report, most_confused, summarize_history
+from drlcli.metrics import AccuracyReport, accuracy_report, most_confused, summarize_history
 
 
 def test_accuracy_report_groups_and_old_new():
