@@ -284,6 +284,8 @@ MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `predict --w
 MAX_SEED = _RANGES[("train", "seed")].high  # also bounds `init --seed` and `benchmark --seed`
 MAX_INPUT_SIDE = 4096  # pixels; a PTM input above this is a crafted record, not a ViT
 PTM_SOURCES = ("random", "file", "hub")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")  # torchvision's modes
+CROP_MODES = ("center", "squash", "border")  # timm's
 
 
 def check_ptm_record(ptm: Any) -> None:
@@ -301,8 +303,12 @@ def check_ptm_record(ptm: Any) -> None:
     check_data_config(ptm["data_config"])
 
 
-def check_data_config(data_config: dict[str, Any]) -> None:
-    """A PTM's preprocessing: input size (3, H, W), mean/std of 3 finite numbers (std > 0), crop."""
+def check_data_config(data_config: Any) -> None:
+    """A PTM's preprocessing as ``data.eval_transform`` reads it (from run.yaml or an export):
+    input size (3, H, W), mean/std of 3 finite numbers (std > 0), crop, interpolation; else
+    ``UsageError`` naming the first field that is not."""
+    if not isinstance(data_config, dict):
+        raise UsageError(f"data_config must be a mapping, got {type(data_config).__name__}")
     size = data_config.get("input_size")
     if not (
         isinstance(size, list)
@@ -314,14 +320,15 @@ def check_data_config(data_config: dict[str, Any]) -> None:
     for key in ("mean", "std"):
         values = data_config.get(key)
         if not (isinstance(values, list) and len(values) == 3 and all(_is_number(v) for v in values)):
-            raise UsageError(f"data_config.{key} must be 3 finite numbers, got {values!r}")
+            raise UsageError(f"data_config.{key} must be 3 numbers (finite), got {values!r}")
     if not all(v > 0 for v in data_config["std"]):
         raise UsageError(f"data_config.std must be > 0, got {data_config['std']!r}")
     crop = data_config.get("crop_pct")
     if crop is not None and not (_is_number(crop) and 0 < crop <= 2):
         raise UsageError(f"data_config.crop_pct must be in (0, 2], got {crop!r}")
-    if not isinstance(data_config.get("interpolation", "bicubic"), str):
-        raise UsageError("data_config.interpolation must be a name such as bicubic")
+    for key, choices in (("interpolation", INTERPOLATIONS), ("crop_mode", CROP_MODES)):
+        if key in data_config and data_config[key] not in choices:
+            raise UsageError(f"data_config.{key} must be one of {list(choices)}, got {data_config[key]!r}")
 
 
 def _is_number(value: Any, kind: type = float) -> bool:

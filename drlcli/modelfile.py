@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from . import config
 from .errors import IntegrityError, UsageError
 
 SUFFIX_FORMATS = {".onnx": "onnx", ".pt": "torchscript", ".ts": "torchscript", ".torchscript": "torchscript"}
 FORMAT_SUFFIX = {"drl": ".drl", "torchscript": ".pt", "onnx": ".onnx"}
 CODE_FORMATS = ("torchscript",)  # formats whose files run their own code when loaded
 SPEC_SHA256 = "spec_sha256"
-INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
-CROP_MODES = ("center", "squash", "border")
 
 
 def format_of(path: Path | str) -> str:
@@ -141,42 +139,12 @@ def check_class_names(path: Path, names: Any) -> list[str]:
 
 
 def check_data_config(path: Path, cfg: Any) -> dict[str, Any]:
-    """The preprocessing that ``data.eval_transform`` reads, with sane types and values."""
-    problem = _data_config_problem(cfg)
-    if problem:
-        raise IntegrityError(f"{path} has a malformed data_config ({problem}); export it again")
+    """The preprocessing that ``data.eval_transform`` reads, checked as a run's is (``config.py``)."""
+    try:
+        config.check_data_config(cfg)
+    except UsageError as exc:
+        raise IntegrityError(f"{path} has a malformed data_config ({exc}); export it again") from exc
     return cfg
-
-
-def _data_config_problem(cfg: Any) -> str | None:
-    if not isinstance(cfg, dict):
-        return "not a mapping"
-    size = cfg.get("input_size")
-    if not (isinstance(size, list) and len(size) == 3 and all(_number(v, int) and 0 < v <= 8192 for v in size)):
-        return "input_size must be 3 positive ints"
-    if size[0] != 3:
-        return "input_size must have 3 channels"
-    for key in ("mean", "std"):
-        values = cfg.get(key)
-        if not (isinstance(values, list) and len(values) == 3 and all(_number(v, float) for v in values)):
-            return f"{key} must be 3 numbers"
-    if not all(v > 0 for v in cfg["std"]):
-        return "std must be > 0"
-    if "interpolation" in cfg and cfg["interpolation"] not in INTERPOLATIONS:
-        return f"interpolation must be one of {list(INTERPOLATIONS)}"
-    if "crop_pct" in cfg and not (_number(cfg["crop_pct"], float) and 0 < cfg["crop_pct"] <= 1):
-        return "crop_pct must be in (0, 1]"
-    if "crop_mode" in cfg and cfg["crop_mode"] not in CROP_MODES:
-        return f"crop_mode must be one of {list(CROP_MODES)}"
-    return None
-
-
-def _number(value: Any, kind: type) -> bool:
-    if isinstance(value, bool):
-        return False
-    if kind is int:
-        return isinstance(value, int)
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _name(kind: type) -> str:
