@@ -198,7 +198,7 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
             ) from exc
         metas.append(stage.meta)
     if method.head is not None and stages:
-        model.head = method.head.from_stages([stage.tensors for stage in stages])
+        model.head = method.head.from_stages([stage.tensors for stage in stages]).to(model.device)
     log.debug(
         "loaded run %s: %d stages, %d classes on %s in %.1fs",
         run.path,
@@ -602,7 +602,7 @@ def learn_stage(
                 config=config,
                 stage_index=stage_index,
             )
-            model.head = fit.head
+            model.head = fit.head.to(model.device)
             log.debug("%s head fitted in %.1fs: %s", config.method, fit.meta["seconds"], fit.meta["lambda"])
         feature_seconds = time.perf_counter() - tick
         warnings: list[str] = []

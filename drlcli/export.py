@@ -158,6 +158,8 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
         head_state = {k[len("head.") :]: v for k, v in tensors.items() if k.startswith("head.")}
         head = method.head.from_state(head_state) if method.head is not None else None
     network.to(torch.device(device))
+    if head is not None:
+        head.to(torch.device(device))
     return IncrementalModel(
         network=network,
         class_names=list(spec["class_names"]),

@@ -207,8 +207,10 @@ class RanpacHead(nn.Module):
         self.register_buffer("weight", weight.float().contiguous())  # (M, C)
 
     def forward(self, features: Tensor) -> Tensor:
-        phi = F.relu(features[:, 0] @ self.projection.to(features))  # (B, M)
-        return phi @ self.weight.to(features)
+        # the head lives on the model's device and scores in fp32 (``IncrementalModel.scores``): no
+        # per-batch copy, and no `.to(features)` that a traced graph would record with its device
+        phi = F.relu(features[:, 0] @ self.projection)  # (B, M)
+        return phi @ self.weight
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> RanpacHead:

@@ -67,7 +67,7 @@ def method_runs(tmp_path_factory, stage_folders):
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     runs = {}
-    for method in ("drl", "ease", "simplecil"):
+    for method in ("drl", "ease", "simplecil", "ranpac"):
         run = tmp_path_factory.mktemp(f"graph-{method}") / "run"
         init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method(method))
         for train, _ in stage_folders[:2]:
@@ -90,7 +90,7 @@ def exported(method_runs, tmp_path_factory):
     return export
 
 
-@pytest.mark.parametrize("method", ["drl", "ease", "simplecil"])
+@pytest.mark.parametrize("method", ["drl", "ease", "simplecil", "ranpac"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_scores_like_the_run(method_runs, exported, stage_folders, method, fmt):
     """Parity: same top-1 and scores within 1e-4 on generated images, for every method and format."""
@@ -209,7 +209,7 @@ def _graph_text(path) -> str:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
-@pytest.mark.parametrize("method", ["drl", "ease", "simplecil"])
+@pytest.mark.parametrize("method", ["drl", "ease", "simplecil", "ranpac"])
 def test_torchscript_graph_has_no_device_constant(exported, method):
     """A traced graph that names a device fails when loaded on another one (map_location moves only weights)."""
     _, path = exported(method, "torchscript")
