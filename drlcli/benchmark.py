@@ -34,7 +34,7 @@ import torch
 import yaml
 
 from . import api, distributed, jsonio
-from .config import EaseConfig, IPAConfig, RanpacConfig, RunConfig, ScoreConfig, TrainConfig
+from .config import MAX_SEED, EaseConfig, IPAConfig, RanpacConfig, RunConfig, ScoreConfig, TrainConfig
 from .data import ImageDataset, eval_transform, scan_class_folders
 from .errors import DataError, UsageError
 from .methods import method_of
@@ -142,6 +142,8 @@ def parse_seeds(text: str) -> tuple[int, ...]:
         ) from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise UsageError(f"--seeds {text!r} must list distinct integers, e.g. 1993,1994,1995")
+    if not all(0 <= s <= MAX_SEED for s in seeds):
+        raise UsageError(f"--seeds {text!r}: every seed must be in [0, {MAX_SEED}] (like --seed)")
     return seeds
 
 

@@ -197,3 +197,12 @@ def test_several_class_orders_in_one_command_each_in_its_folder(tmp_path):
     assert [r["average"] for r in again["summary"]] == [r["average"] for r in report["summary"]]
     both = CliRunner().invoke(app, [str(a) for a in [*args, "--seed", "1"]])
     assert both.exit_code == 2 and "not both" in both.stderr
+
+
+@pytest.mark.parametrize("text", ["-1,2", "1,99999999999", "1,1", "1,x"])
+def test_bad_seeds_are_usage_errors(text):
+    from drlcli.benchmark import parse_seeds
+    from drlcli.errors import UsageError
+
+    with pytest.raises(UsageError, match="--seeds"):
+        parse_seeds(text)
