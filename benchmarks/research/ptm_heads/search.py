@@ -90,9 +90,16 @@ def main():
     ap.add_argument("--head", action="append", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--feats", default=None, help="cached feature set (default: --data), e.g. caltech_ml")
+    ap.add_argument("--cols", default=None, help="extract_ml.py columns, e.g. c11,p11,c8: class token (c) / patch mean (p) of block b")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    feats = load_feats(a.data)
+    feats = load_feats(a.feats or a.data)
+    if a.cols:
+        idx = np.concatenate([np.arange(384 * int(t[1:]) + (192 if t[0] == "p" else 0), 384 * int(t[1:]) + (384 if t[0] == "p" else 192))
+                              for t in a.cols.split(",")])
+        feats["parts"] = {k: (x[:, idx], y, p) for k, (x, y, p) in feats["parts"].items()}
+        a.tag = (a.tag + " " if a.tag else "") + "cols=" + a.cols
     Xtr, ytr, _ = feats["parts"]["train"]
     out_f = HERE / "results" / f"{a.data}_{a.split}.jsonl"
     out_f.parent.mkdir(exist_ok=True)
@@ -126,7 +133,7 @@ def main():
                            for k, r in res["raw"].items())
             best_c = max((v for v in res if v.startswith("cosz")), key=lambda v: list(res[v].values())[0]["Abar"])
             msgc = " ".join(f"{k}:{r['Abar']:.2f}/{r['AT']:.2f}" for k, r in res[best_c].items())
-            print(f"{a.data} {a.split} {seed} {spec} [{dt:.0f}s] raw {msg} | {best_c} {msgc}"
+            print(f"{a.data} {a.split} {seed} {spec} {a.tag} [{dt:.0f}s] raw {msg} | {best_c} {msgc}"
                   + (f" lams={[f'{l:.0e}' for l in h.head.lams]}" if hasattr(h.head, "lams") else ""), flush=True)
 
 
