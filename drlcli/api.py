@@ -23,7 +23,7 @@ from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
-from .methods import method_of
+from .methods import analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .rundir import RUN_CONFIG, RUN_CONFIG_KIND, RunDir, StageRecord, init_files, stage_files
@@ -197,8 +197,9 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
                 f"({str(exc).splitlines()[0]}); restore it from a backup"
             ) from exc
         metas.append(stage.meta)
-    if method.head is not None and stages:
-        model.head = method.head.from_stages([stage.tensors for stage in stages]).to(model.device)
+    head = analytic_head(config)
+    if head is not None and stages:
+        model.head = head.from_stages([stage.tensors for stage in stages]).to(model.device)
     log.debug(
         "loaded run %s: %d stages, %d classes on %s in %.1fs",
         run.path,
@@ -591,8 +592,9 @@ def learn_stage(
         model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
         log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
         fit = None
-        if method.head is not None:  # an analytic head (ranpac): fitted on these same features
-            fit = method.head.fit_stage(
+        head = analytic_head(config)
+        if head is not None:  # an analytic head (ranpac, drl's ridge): fitted on these same features
+            fit = head.fit_stage(
                 loaded,
                 feats,
                 labels,
@@ -658,7 +660,7 @@ def learn_stage(
             },
         }
         if fit is not None:
-            meta[config.method] = fit.meta
+            meta["ranpac" if config.method == "ranpac" else "ridge"] = fit.meta
         files = stage_files(stage_index, meta, tensors, fit.statistics if fit else None)
         if writer is not None:
             tick = time.perf_counter()

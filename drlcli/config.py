@@ -52,6 +52,7 @@ class RanpacConfig:
     val_fraction: float = 0.2  # of each stage's images, held out in the statistics to choose λ
     lambda_min_exp: int = -8  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
     lambda_max_exp: int = 8
+    subspaces: int = 1  # leading subspaces the head reads: 1: f_0 (RanPAC's); 2: [f_0, f_1] (drl: + stage 1's)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class ScoreConfig:
     rho: float = 0.1  # weight of the other stages' subspaces (EASE's alpha)
     beta: float = 1.0  # weight of the PTM subspace
     tau: float = 1.0  # temperature of the semantic-guided prototype synthesis
+    head: str = "prototypes"  # prototypes: cosine to the bank (rule above) | ridge: the analytic head (ranpac.py)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ _CHOICES = {
     ("train", "loss"): ("das", "ce"),
     ("train", "head_init"): ("random", "prototypes"),
     ("score", "rule"): ("reweight", "concat"),
+    ("score", "head"): ("prototypes", "ridge"),
 }
 
 
@@ -257,6 +260,7 @@ _RANGES = {
     ("ranpac", "val_fraction"): Range(0, 1, low_open=True, high_open=True),
     ("ranpac", "lambda_min_exp"): Range(-30, 30),
     ("ranpac", "lambda_max_exp"): Range(-30, 30),
+    ("ranpac", "subspaces"): Range(1, 2),
 }
 
 
@@ -278,6 +282,10 @@ def validate(cfg: RunConfig) -> None:
         raise UsageError("train.kd_weight must be 0 for method ease (it has no PTM stream to distil from)")
     if cfg.ranpac.lambda_min_exp > cfg.ranpac.lambda_max_exp:
         raise UsageError("ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp")
+    if cfg.score.head == "ridge" and cfg.method == "ease":
+        raise UsageError("score.head ridge needs a PTM subspace, which method ease has not: use prototypes")
+    if cfg.ranpac.subspaces == 2 and not (cfg.method == "drl" and cfg.score.head == "ridge"):
+        raise UsageError("ranpac.subspaces 2 reads stage 1's subspace: only for method drl with score.head ridge")
 
 
 MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `predict --workers`

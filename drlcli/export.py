@@ -26,7 +26,7 @@ from . import __version__, backbone, jsonio, modelfile
 from .backbone import PTMSource
 from .config import RunConfig
 from .errors import IntegrityError, PTMError, StorageError, UsageError
-from .methods import method_of
+from .methods import analytic_head, method_of
 from .model import IncrementalModel
 from .modelfile import FORMAT_SUFFIX, format_of
 from .rundir import refuse_inside_run, write_durable
@@ -156,7 +156,8 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
             stage.eval()
         class_stage, prototypes = _class_tensors(path, tensors, len(spec["class_names"]), network, method.offset)
         head_state = {k[len("head.") :]: v for k, v in tensors.items() if k.startswith("head.")}
-        head = method.head.from_state(head_state) if method.head is not None else None
+        analytic = analytic_head(config)
+        head = analytic.from_state(head_state) if analytic is not None else None
     network.to(torch.device(device))
     if head is not None:
         head.to(torch.device(device))

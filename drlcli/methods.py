@@ -44,3 +44,12 @@ METHOD_TABLE = {
 
 def method_of(config: RunConfig) -> Method:
     return METHOD_TABLE[config.method]
+
+
+def analytic_head(config: RunConfig) -> ModuleType | None:
+    """The module of the head fitted from statistics that scores this run, or None (prototypes):
+    ranpac's always, drl's when ``score.head`` is ridge."""
+    method = method_of(config)
+    if method.head is None and config.score.head == "ridge":
+        return ranpac
+    return method.head

@@ -52,6 +52,12 @@ def random_projection(width: int, proj_dim: int, *, seed: int) -> Tensor:
     return torch.randn(width, proj_dim, generator=torch.Generator().manual_seed(seed))
 
 
+def head_input(features: Tensor, input_dim: int) -> Tensor:
+    """The head's input h: the leading subspaces of (B, S, d) features, concatenated, (B, input_dim);
+    one subspace (f_0, RanPAC's) or more (``ranpac.subspaces``: [f_0, f_1] adds stage 1's)."""
+    return features[:, : input_dim // features.shape[-1]].flatten(1)
+
+
 def expand(features: Tensor, projection: Tensor) -> Tensor:
     """φ = ReLU(h R): (N, d) -> (N, M), in the projection's dtype."""
     return F.relu(features.to(projection) @ projection)
@@ -209,7 +215,7 @@ class RanpacHead(nn.Module):
     def forward(self, features: Tensor) -> Tensor:
         # the head lives on the model's device and scores in fp32 (``IncrementalModel.scores``): no
         # per-batch copy, and no `.to(features)` that a traced graph would record with its device
-        phi = F.relu(features[:, 0] @ self.projection)  # (B, M)
+        phi = F.relu(head_input(features, self.projection.shape[0]) @ self.projection)  # (B, M)
         return phi @ self.weight
 
     @classmethod
@@ -255,14 +261,15 @@ def fit_stage(
     cfg = config.ranpac
     head = loaded.model.head
     if head is None:
-        projection = random_projection(features.shape[-1], cfg.proj_dim, seed=config.train.seed).to(STAT_DTYPE)
+        width = features.shape[-1] * cfg.subspaces
+        projection = random_projection(width, cfg.proj_dim, seed=config.train.seed).to(STAT_DTYPE)
     else:
         projection = head.projection.to(STAT_DTYPE)
     val_all = validation_mask(
         torch.tensor(image_labels), fraction=cfg.val_fraction, seed=config.train.seed + stage_index
     )
     val = val_all if indices is None else val_all[torch.tensor(indices, dtype=torch.long)]
-    phi = expand(features[:, 0].cpu(), projection)
+    phi = expand(head_input(features, projection.shape[0]).cpu(), projection)
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
     run, manifest = loaded.run, loaded.manifest
     previous = [Statistics.from_tensors(run.stage_statistics(i, manifest)) for i in run.stage_indices(manifest)]

@@ -172,3 +172,40 @@ def test_ranpac_config_is_validated():
         RunConfig.for_method("ranpac", {"ranpac": {"val_fraction": 1.0}})
     with pytest.raises(UsageError, match="ranpac"):
         RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 0}})
+
+
+@pytest.mark.parametrize("subspaces", [1, 2])
+def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
+    """drl with score.head ridge: the head reads [f_0] or [f_0, f_1] (stage 1's adapted subspace),
+    is refitted every stage from statistics, and every export format scores like the run."""
+    run = tmp_path / "run"
+    config = RunConfig.for_method(
+        "drl", {"score": {"head": "ridge"}, "ranpac": {"proj_dim": 64, "subspaces": subspaces}, "train": {"epochs": 2, "batch_size": 12}}
+    )
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    first = (run / "stages" / "001" / "weights.safetensors").read_bytes()
+    result = learn_stage(run, data_dir=stage_folders[1][0], eval_data_dir=stage_folders[1][1], device="cpu")
+    assert (run / "stages" / "001" / "weights.safetensors").read_bytes() == first
+    loaded = load_run(run, device="cpu")
+    model = loaded.model
+    assert isinstance(model.head, RanpacHead)
+    assert model.head.projection.shape == (subspaces * model.network.width, 64)
+    assert model.head.weight.shape == (64, 6)
+    assert "lambda" in loaded.stage_metas[-1]["ridge"] and result.eval.top1 > 50
+    images = scan_class_folders(stage_folders[1][1])
+    x = torch.stack([eval_transform(model.data_config)(Image.open(p).convert("RGB")) for p in images.paths[:4]])
+    with torch.no_grad():
+        want = model.score_images(x)
+        export_run(run, tmp_path / "m.drl")
+        assert torch.allclose(load_export(tmp_path / "m.drl").score_images(x), want, atol=1e-5)
+    assert export_run(run, tmp_path / "m.pt", fmt="torchscript").check_max_abs_diff <= 1e-3
+
+
+def test_ridge_head_options_are_checked():
+    with pytest.raises(UsageError, match="score.head ridge"):
+        RunConfig.for_method("ease", {"score": {"head": "ridge"}})
+    with pytest.raises(UsageError, match="subspaces 2"):
+        RunConfig.for_method("ranpac", {"ranpac": {"subspaces": 2}})
+    with pytest.raises(UsageError, match="ranpac.subspaces"):
+        RunConfig.for_method("drl", {"score": {"head": "ridge"}, "ranpac": {"subspaces": 3}})
