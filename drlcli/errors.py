@@ -1,6 +1,6 @@
 """The DrlError hierarchy: every failure a user can cause, each with its exit code.
 
-The CLI maps these to one-line messages and exit codes in one place (``cli.main``); the library
+The CLI maps these to one-line messages and exit codes in one place (``cli/boundary.py``); the library
 raises them and never prints. Exit codes are part of the public contract (README, "Exit codes").
 """
 

@@ -9,12 +9,13 @@ batch goes on.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from PIL import Image
@@ -22,6 +23,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from .data import IMAGE_EXTENSIONS, _hidden, eval_transform, load_rgb, start_workers
 from .errors import DataError, UsageError
+
+if TYPE_CHECKING:
+    from .api import ProgressFn
+
+log = logging.getLogger(__name__)
 
 
 class Classifier(Protocol):
@@ -167,3 +173,55 @@ def timed(predictions: Iterator[Prediction], stats: PredictStats) -> Iterator[Pr
         stats.failed += p.error is not None
         stats.seconds = time.perf_counter() - start
         yield p
+
+
+def load_classifier(
+    *,
+    model_path: Path | None = None,
+    run_dir: Path | str = ".",
+    device: str = "auto",
+    ptm_weights: Path | None = None,
+    trust_code: bool = False,
+) -> Classifier:
+    """An exported file (``model_path``; TorchScript only with ``trust_code``), else the run's model."""
+    from . import api
+    from .export import load_model
+
+    if model_path is not None:
+        return load_model(model_path, device=str(api.resolve_device(device)), trust_code=trust_code)
+    return api.load_run(run_dir, device=device, ptm_weights=ptm_weights).model
+
+
+def predict_sources(
+    sources: Iterable[str],
+    *,
+    model_path: Path | None = None,
+    run_dir: Path | str = ".",
+    device: str = "auto",
+    ptm_weights: Path | None = None,
+    trust_code: bool = False,
+    top_k: int = 5,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    stats: PredictStats | None = None,
+    progress: ProgressFn | None = None,
+) -> Iterator[Prediction]:
+    """``drl predict``: expand ``sources`` (see ``expand_sources``), load the model (``load_classifier``)
+    and yield one ``Prediction`` per image in order, counting them in ``stats``."""
+    from .api import Progress
+
+    stats = stats if stats is not None else PredictStats()
+    start = time.perf_counter()
+    paths = expand_sources(sources)
+    model = load_classifier(
+        model_path=model_path, run_dir=run_dir, device=device, ptm_weights=ptm_weights, trust_code=trust_code
+    )
+    log.debug(
+        "loaded %s (%d classes) in %.1fs", model_path or run_dir, len(model.class_names), time.perf_counter() - start
+    )
+    results = predict(model, paths, top_k=top_k, batch_size=batch_size, num_workers=num_workers)
+    for p in timed(results, stats):
+        if progress is not None:
+            progress(Progress("predict", stats.images, len(paths), f"{stats.failed} failed"))
+        yield p
+    log.info("%d images, %d failed, %.1f images/s", stats.images, stats.failed, stats.images_per_second)

@@ -1,0 +1,224 @@
+"""The benchmark's report: each variant's results row, the mean ± std over class orders, the markdown tables, the accuracy
+plot, and ``results.json``/``results.md``/``accuracy.png`` in the output folder."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import api, jsonio
+from ..config import RunConfig
+from ..metrics import AccuracyReport, summarize_history
+from ..rundir import RunDir
+from .variants import Variant
+
+SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "inference_ms_per_image")
+
+
+def mean_std(values: list[float | None]) -> dict[str, float | None]:
+    """Mean and sample standard deviation (n − 1; 0 for one value); None when a value is missing."""
+    if not values or any(v is None for v in values):
+        return {"mean": None, "std": None}
+    return {
+        "mean": round(statistics.fmean(values), 4),
+        "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+    }
+
+
+def aggregate(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One report over class orders: per variant, mean ± std of Ā, A_T, forgetting, times and each A_t;
+    every order's own results kept under ``per_seed``."""
+    seeds = list(reports)
+    first = reports[seeds[0]]
+    summary = []
+    for row in first["results"]:
+        rows = [next(r for r in reports[seed]["results"] if r["label"] == row["label"]) for seed in seeds]
+        num_stages = min(len(r["accuracy"]) for r in rows)
+        summary.append(
+            {
+                "label": row["label"],
+                "method": row["method"],
+                "num_seeds": len(rows),
+                **{key: mean_std([r[key] for r in rows]) for key in SUMMARY_KEYS},
+                "accuracy": [mean_std([r["accuracy"][t] for r in rows]) for t in range(num_stages)],
+            }
+        )
+    protocol = {k: v for k, v in first["protocol"].items() if k not in ("seed", "class_order")}
+    return {
+        "protocol": {
+            **protocol,
+            "seeds": seeds,
+            "class_orders": {str(seed): reports[seed]["protocol"]["class_order"] for seed in seeds},
+        },
+        "summary": summary,
+        "per_seed": {str(seed): reports[seed]["results"] for seed in seeds},
+        "wall_seconds": round(sum(r["wall_seconds"] for r in reports.values()), 1),
+    }
+
+
+# ------------------------------------------------------------------------------- rows
+
+
+def summary_row(label: str, variant: Variant, run_dir: Path, config: RunConfig, seconds_per_image: float) -> dict:
+    """A variant's results row: A_t, Ā, forgetting, parameters, bytes and times from its run."""
+    run = RunDir(run_dir)
+    manifest = run.manifest()
+    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    history = api.history_of(metas)
+    train = [(m["metrics"].get("train") or {}).get("seconds", 0.0) for m in metas]
+    return {
+        "label": label,
+        "method": variant.method,
+        "run_dir": str(run_dir),
+        "config": config.to_dict(),
+        "accuracy": history.accuracy,
+        "average": history.average,
+        "last": history.last,
+        "forgetting": history.forgetting,
+        "mean_forgetting": history.mean_forgetting,
+        "final_groups": (metas[-1]["metrics"]["eval"] or {}).get("groups", {}),
+        "params_per_stage": [m["num_params"] for m in metas],
+        "bytes_per_stage": [run.size_bytes(manifest, prefix=f"stages/{i:03d}/") for i in run.stage_indices(manifest)],
+        "train_seconds": round(sum(train), 2),
+        "stage_train_seconds": [round(s, 2) for s in train],
+        "inference_ms_per_image": round(1000 * seconds_per_image, 3),
+        "num_stages": len(metas),
+    }
+
+
+def rescored_row(row: dict[str, Any], text: str, options: dict[str, Any], reports: list[AccuracyReport]) -> dict:
+    """``row`` scored again with other options (``text``: as given to --rescore)."""
+    history = summarize_history(reports)
+    return {
+        **row,
+        "label": f"{row['label']} [score {text}]",
+        "rescored_from": row["label"],
+        "config": {**row["config"], "score": {**row["config"]["score"], **options}},
+        "accuracy": history.accuracy,
+        "average": history.average,
+        "last": history.last,
+        "forgetting": history.forgetting,
+        "mean_forgetting": history.mean_forgetting,
+        "final_groups": reports[-1].groups,
+    }
+
+
+# ------------------------------------------------------------------------------- tables
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    if "summary" in report:
+        return seeds_markdown(report)
+    results = report["results"]
+    num_stages = max((r["num_stages"] for r in results), default=0)
+    head = ["variant", "Ā", "A_T", "forgetting"] + [f"A_{t}" for t in range(1, num_stages + 1)]
+    head += ["params/stage", "train s", "infer ms/img"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        params = sorted(set(r["params_per_stage"]))
+        row = [
+            f"`{r['label']}`",
+            _fmt(r["average"]),
+            _fmt(r["last"]),
+            _fmt(r["mean_forgetting"]),
+            *[_fmt(a) for a in r["accuracy"]],
+            "/".join(f"{p:,}" for p in params) if params else "0",
+            f"{r['train_seconds']:.0f}",
+            f"{r['inference_ms_per_image']:.1f}",
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def _pm(stat: dict[str, float | None], digits: int = 2) -> str:
+    if stat["mean"] is None:
+        return "–"
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def seeds_markdown(report: dict[str, Any]) -> str:
+    """Mean ± std over class orders per variant, then every order's Ā / A_T / forgetting."""
+    seeds = report["protocol"]["seeds"]
+    lines = [
+        f"Mean ± std (sample, n − 1) over {len(seeds)} class orders (seeds {', '.join(map(str, seeds))}).",
+        "",
+        "| variant | Ā | A_T | forgetting | train s | infer ms/img |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["summary"]:
+        cells = [_pm(r["average"]), _pm(r["last"]), _pm(r["mean_forgetting"]), _pm(r["train_seconds"], 0)]
+        lines.append(f"| `{r['label']}` | " + " | ".join([*cells, _pm(r["inference_ms_per_image"], 1)]) + " |")
+    lines += ["", "| variant | seed | Ā | A_T | forgetting | train s |", "|---|---|---|---|---|---|"]
+    for r in report["summary"]:
+        for seed in seeds:
+            row = next(x for x in report["per_seed"][str(seed)] if x["label"] == r["label"])
+            cells = [_fmt(row["average"]), _fmt(row["last"]), _fmt(row["mean_forgetting"])]
+            lines.append(f"| `{r['label']}` | {seed} | " + " | ".join([*cells, f"{row['train_seconds']:.0f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------- plot
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Accuracy vs stage; False when matplotlib (the ``plot`` extra) is not installed."""
+    from ..errors import DependencyError
+    from ..plots import pyplot
+
+    try:
+        plt = pyplot(purpose="the benchmark plot")
+    except DependencyError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    classes = np.cumsum(report["protocol"]["stages"])
+    p = report["protocol"]
+    if "summary" in report:  # mean ± std band over class orders
+        for r in report["summary"]:
+            mean = np.array([a["mean"] for a in r["accuracy"]])
+            std = np.array([a["std"] for a in r["accuracy"]])
+            x = classes[: len(mean)]
+            (line,) = ax.plot(x, mean, marker="o", label=f"{r['label']} (Ā {_pm(r['average'])})")
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{p['split']}, mean ± std over seeds {', '.join(map(str, p['seeds']))}, {p['ptm']}")
+    else:
+        for r in report["results"]:
+            ax.plot(
+                classes[: len(r["accuracy"])], r["accuracy"], marker="o", label=f"{r['label']} (Ā {_fmt(r['average'])})"
+            )
+        ax.set_title(f"{p['split']}, seed {p['seed']}, {p['ptm']}")
+    ax.set_xlabel("classes seen")
+    ax.set_ylabel("top-1 on all seen classes (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# -------------------------------------------------------------------------------- files
+
+
+def write_reports(report: dict[str, Any], out: Path) -> dict[str, str | None]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, str | None] = {}
+    json_path, md_path, png_path = out / "results.json", out / "results.md", out / "accuracy.png"
+    atomic_write(json_path, jsonio.dumps(report, indent=2) + "\n")
+    paths["results_json"] = str(json_path)
+    atomic_write(md_path, markdown_table(report))
+    paths["results_md"] = str(md_path)
+    paths["plot"] = str(png_path) if plot(report, png_path) else None
+    return paths
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

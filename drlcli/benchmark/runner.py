@@ -1,0 +1,402 @@
+"""The benchmark runner: every variant over the same stages, each in its own run directory,
+through the same library calls as the CLI; resume, timing and rescoring.
+
+Each stage's images become a folder of symlinks under ``OUT/data``; each variant's run lives in
+``OUT/runs/<variant>``. Re-running the same command continues unfinished variants from their last
+committed stage and reuses finished ones. Several class orders (``seeds``): each seed is the
+benchmark above in its own ``OUT/seed_<seed>/`` (resumed per seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import api, distributed, jsonio
+from ..config import RunConfig
+from ..data import ImageDataset, eval_transform, scan_class_folders
+from ..errors import UsageError
+from ..methods import method_of
+from ..metrics import AccuracyReport, accuracy_report
+from ..model import embed_images
+from ..prototypes import score, synthesize
+from ..rundir import RunDir
+from .protocol import (
+    DEFAULT_SEED,
+    BenchmarkData,
+    StagePlan,
+    capped,
+    load_data,
+    num_images,
+    parse_seeds,
+    parse_split,
+    plan_stages,
+)
+from .report import aggregate, atomic_write, rescored_row, summary_row, write_reports
+from .variants import Variant, parse_methods, parse_score
+
+LogFn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchmarkSettings:
+    data_dir: Path
+    out_dir: Path
+    ptm: str
+    ptm_weights: Path | None = None
+    random_init: bool = False
+    ptm_kwargs: dict[str, Any] | None = None
+    split: str = "B0Inc10"
+    seed: int = DEFAULT_SEED
+    shuffle: bool = True
+    epochs: int | None = None
+    max_train_per_class: int | None = None
+    max_test_per_class: int | None = None
+    val_fraction: float | None = None
+    max_stages: int | None = None  # run only the first N stages of the protocol
+    skip_classes: tuple[str, ...] = ("BACKGROUND_Google",)
+    device: str = "auto"
+    timing_batch: int = 32
+    rescore: tuple[str, ...] = ()  # score options (e.g. "beta=0/rule=concat") also evaluated per run
+
+
+def benchmark(
+    settings: BenchmarkSettings,
+    methods: str,
+    *,
+    seeds: str | None = None,
+    seed_given: bool = False,
+    progress: api.ProgressFn | None = None,
+    log: LogFn | None = None,
+) -> dict[str, Any]:
+    """``drl benchmark``: parse ``methods`` (``drl,drl/loss=ce,...``) and the class orders
+    (``seeds``: ``1993,1994``; else ``settings.seed`` alone), then run them. ``seed_given``: whether
+    ``settings.seed`` was chosen rather than the default (it contradicts ``seeds``)."""
+    variants = parse_methods(methods)
+    if seeds is None:
+        return run_benchmark(settings, variants, progress=progress, log=log)
+    if seed_given:
+        raise UsageError("pass --seed or --seeds, not both")
+    return run_seeds(settings, variants, parse_seeds(seeds), progress=progress, log=log)
+
+
+# ------------------------------------------------------------------------------ stage data
+
+
+def materialise(
+    stages: list[list[str]],
+    data: BenchmarkData,
+    out: Path,
+    *,
+    max_train: int | None,
+    max_test: int | None,
+    write: bool = True,
+) -> list[tuple[Path, Path]]:
+    """Symlink each stage's images into OUT/data/stage_NN/{train,test}/<class>/ (idempotent);
+    with ``write`` False only the folder names are returned."""
+    folders = []
+    for k, classes in enumerate(stages, 1):
+        pair = []
+        for split, source, cap in (("train", data.train, max_train), ("test", data.test, max_test)):
+            root = out / f"stage_{k:02d}" / split
+            pair.append(root)
+            for cls in classes if write else []:
+                _link_class(root / cls, capped(source[cls], cap))
+        folders.append(tuple(pair))
+    return folders
+
+
+def _link_class(folder: Path, paths: list[Path]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    wanted = {f"{i:05d}_{p.name}": p.resolve() for i, p in enumerate(paths)}
+    for name, target in wanted.items():
+        link = folder / name
+        if link.is_symlink() and Path(link.readlink()) != target:
+            link.unlink()
+        if not link.is_symlink():
+            link.symlink_to(target)
+    for stale in folder.iterdir():
+        if stale.name not in wanted:
+            stale.unlink()
+
+
+def _protocol_record(settings: BenchmarkSettings) -> dict[str, Any]:
+    return {
+        "data": str(Path(settings.data_dir).resolve()),
+        "split": settings.split,
+        "seed": settings.seed,
+        "shuffle": settings.shuffle,
+        "max_train_per_class": settings.max_train_per_class,
+        "max_test_per_class": settings.max_test_per_class,
+        "val_fraction": settings.val_fraction,
+        "skip_classes": sorted(settings.skip_classes),
+        "ptm": settings.ptm,
+    }
+
+
+def _check_protocol(path: Path, protocol: dict[str, Any], *, write: bool) -> None:
+    """An --out folder holds one protocol: continuing it with other data or split would mix them."""
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path} is unreadable ({exc}); pass another --out") from exc
+        changed = sorted(k for k in protocol if stored.get(k) != protocol[k])
+        if changed:
+            raise UsageError(
+                f"--out {path.parent} holds a benchmark with other {', '.join(changed)}; "
+                "pass another --out or the same options"
+            )
+    elif write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, jsonio.dumps(protocol, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------- timing, scoring
+
+
+def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
+    """Median seconds per image of network + scoring on one batch of test images (after 1 warm-up)."""
+    model = loaded.model
+    images = scan_class_folders(test_dir, what="timing images")
+    dataset = ImageDataset(images, eval_transform(model.data_config))
+    n = min(batch, len(dataset))
+    device = model.device
+    x = torch.stack([dataset[i][0] for i in range(n)]).to(device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(6):  # the first is a warm-up
+            start = time.perf_counter()
+            model.score_images(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the run's GPU, not the current one
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / n
+
+
+def rescore(
+    loaded: api.LoadedRun, test_dirs: list[Path], scores: list[dict[str, Any]]
+) -> list[tuple[dict[str, Any], list[AccuracyReport]]]:
+    """A_t after every stage under other scoring options, without retraining.
+
+    Stage t's model is the final one restricted to the classes of stages 1..t and their
+    subspaces: a subspace never depends on later stages, so this is exact (with the run's own
+    options it reproduces the recorded A_t). One pass of the final network over the test images.
+    """
+    model = loaded.model
+    index = model.class_index()
+    feats, targets = [], []
+    for test_dir in test_dirs[: model.num_stages]:
+        images = scan_class_folders(test_dir, what="test data")
+        f, y = embed_images(model.network, images, model.data_config, batch_size=api.EVAL_BATCH_SIZE)
+        feats.append(f)
+        targets.append(torch.tensor([index[name] for name in images.class_names])[y])
+    features, target = torch.cat(feats), torch.cat(targets)
+    stage_of = model.class_stage
+    out = []
+    for options in scores:
+        cfg = dataclasses.replace(model.score_cfg, **options)
+        reports = []
+        for t in range(1, model.num_stages + 1):
+            classes = stage_of <= t
+            width = min(model.num_subspaces, model.offset + t)
+            real = model.real_prototypes[classes][:, :width]
+            bank = synthesize(real, stage_of[classes], tau=cfg.tau, offset=model.offset)
+            rows = stage_of[target] <= t
+            logits = score(
+                features[rows][:, :width],
+                bank,
+                stage_of[classes],
+                rule=cfg.rule,
+                rho=cfg.rho,
+                beta=cfg.beta,
+                offset=model.offset,
+            )
+            # classes of stages <= t come first in the class list, so indices are unchanged
+            reports.append(accuracy_report(logits.argmax(1), target[rows], stage_of, num_stages=t))
+        out.append((options, reports))
+    return out
+
+
+# -------------------------------------------------------------------------------- running
+
+
+@dataclass
+class _Session:
+    """One benchmark over one class order: its settings, plan and stage folders, where to report,
+    and the wall clock with the stages run so far (for the whole-benchmark estimate)."""
+
+    settings: BenchmarkSettings
+    plan: StagePlan
+    folders: list[tuple[Path, Path]]
+    num_variants: int
+    progress: api.ProgressFn | None
+    say: LogFn
+    main: bool  # under torchrun rank 0 alone writes files; all ranks train
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    stages_run: int = 0
+
+    def run_variant(self, v_index: int, variant: Variant, score_options: list[dict[str, Any]]) -> list[dict]:
+        """Learn the variant's missing stages; rank 0 returns its results rows."""
+        config = variant.config(epochs=self.settings.epochs, seed=self.settings.seed)
+        run_dir = Path(self.settings.out_dir) / "runs" / variant.dirname
+        for k in range(self._open_run(variant, run_dir, config), len(self.plan.stages)):
+            self._learn(v_index, variant, run_dir, k)
+        distributed.barrier()
+        return self._rows(variant, run_dir, config, score_options) if self.main else []
+
+    def _open_run(self, variant: Variant, run_dir: Path, config: RunConfig) -> int:
+        """Stages already committed in the variant's run (0 for a new one, created by rank 0)."""
+        settings = self.settings
+        distributed.barrier()  # a run rank 0 is about to create is not looked at half-made
+        if (run_dir / "manifest.json").exists():
+            run = RunDir(run_dir)
+            stored = RunConfig.from_dict(run.run_config()["config"])
+            if stored != config:
+                raise UsageError(
+                    f"{run_dir} was run with other settings for {variant.label}; pass another --out or remove it"
+                )
+            return len(run.stage_indices())
+        if self.main:
+            api.init_run(
+                run_dir,
+                ptm=settings.ptm,
+                ptm_weights=settings.ptm_weights,
+                random_init=settings.random_init,
+                ptm_kwargs=settings.ptm_kwargs,
+                config=config,
+                seed=settings.seed,
+            )
+        return 0
+
+    def _learn(self, v_index: int, variant: Variant, run_dir: Path, k: int) -> None:
+        num_stages = len(self.plan.stages)
+        elapsed = time.perf_counter() - self.started
+        left = ""
+        if self.stages_run:  # a rough whole-benchmark estimate from the stages run so far
+            remaining = (num_stages - k) + (self.num_variants - v_index) * num_stages
+            left = f", about {elapsed / self.stages_run * remaining / 60:.0f} min left"
+        self.say(
+            f"[{variant.label}] stage {k + 1}/{num_stages} ({len(self.plan.stages[k])} classes); "
+            f"variant {v_index}/{self.num_variants}, {elapsed / 60:.1f} min so far{left}"
+        )
+        self.stages_run += 1
+        tag = f"{variant.label} stage {k + 1}/{num_stages}"
+
+        def relay(event: api.Progress) -> None:
+            if self.progress:
+                self.progress(api.Progress(event.phase, event.step, event.total, f"{tag} {event.detail}".strip()))
+
+        train_dir, test_dir = self.folders[k]
+        result = api.learn_stage(
+            run_dir,
+            data_dir=train_dir,
+            eval_data_dir=test_dir,
+            device=self.settings.device,
+            ptm_weights=self.settings.ptm_weights,
+            progress=relay,
+        )
+        acc = result.eval.top1 if result.eval else float("nan")
+        self.say(f"[{variant.label}] stage {k + 1}: A = {acc:.2f}% ({result.total_seconds:.0f}s)")
+
+    def _rows(self, variant: Variant, run_dir: Path, config: RunConfig, score_options: list[dict]) -> list[dict]:
+        """The variant's results row, then one per ``--rescore`` option (trained methods only)."""
+        settings = self.settings
+        loaded = api.load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
+        per_image = _timing(loaded, self.folders[-1][1], settings.timing_batch)
+        row = summary_row(variant.label, variant, run_dir, config, per_image)
+        if not (score_options and method_of(config).trains):
+            return [row]
+        self.say(f"[{variant.label}] rescoring with {list(settings.rescore)}")
+        rescored = rescore(loaded, [f[1] for f in self.folders], score_options)
+        return [row] + [rescored_row(row, text, o, r) for text, (o, r) in zip(settings.rescore, rescored)]
+
+
+def run_benchmark(
+    settings: BenchmarkSettings,
+    variants: list[Variant],
+    *,
+    progress: api.ProgressFn | None = None,
+    log: LogFn | None = None,
+) -> dict[str, Any]:
+    """Run every variant over the same stages; write results.json, results.md and (if matplotlib) a plot."""
+    base, inc = parse_split(settings.split)
+    data = load_data(settings.data_dir, skip_classes=set(settings.skip_classes))
+    plan = plan_stages(
+        data,
+        base=base,
+        inc=inc,
+        seed=settings.seed,
+        shuffle=settings.shuffle,
+        val_fraction=settings.val_fraction,
+        max_stages=settings.max_stages,
+    )
+    out = Path(settings.out_dir)
+    main = distributed.is_main()
+    protocol = _protocol_record(settings)
+    _check_protocol(out / "protocol.json", protocol, write=main)
+    folders = materialise(
+        plan.stages,
+        plan.data,
+        out / "data",
+        max_train=settings.max_train_per_class,
+        max_test=settings.max_test_per_class,
+        write=main,
+    )
+    distributed.barrier()
+    score_options = [parse_score(text) for text in settings.rescore]
+    session = _Session(settings, plan, folders, len(variants), progress, log or (lambda _: None), main)
+    results = []
+    for v_index, variant in enumerate(variants, 1):
+        results += session.run_variant(v_index, variant, score_options)
+    report = {
+        "protocol": {**protocol, **_plan_record(settings, plan)},
+        "results": results,
+        "wall_seconds": round(time.perf_counter() - session.started, 1),
+    }
+    report["artifacts"] = write_reports(report, out) if main else {}
+    return report
+
+
+def _plan_record(settings: BenchmarkSettings, plan: StagePlan) -> dict[str, Any]:
+    return {
+        "class_order": plan.order,
+        "stages": [len(s) for s in plan.stages],
+        "data_source": plan.data.source,
+        "train_images": num_images(plan.data.train, plan.stages, settings.max_train_per_class),
+        "test_images": num_images(plan.data.test, plan.stages, settings.max_test_per_class),
+        "epochs": settings.epochs,
+        "device": str(api.resolve_device(settings.device)),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def run_seeds(
+    settings: BenchmarkSettings,
+    variants: list[Variant],
+    seeds: tuple[int, ...],
+    *,
+    progress: api.ProgressFn | None = None,
+    log: LogFn | None = None,
+) -> dict[str, Any]:
+    """``run_benchmark`` once per class order, in ``OUT/seed_<seed>/``; then the mean ± std report."""
+    say = log or (lambda _: None)
+    out = Path(settings.out_dir)
+    reports = {}
+    for k, seed in enumerate(seeds, 1):
+        say(f"class order {k}/{len(seeds)}: seed {seed}")
+        reports[seed] = run_benchmark(
+            replace(settings, seed=seed, out_dir=out / f"seed_{seed}"), variants, progress=progress, log=log
+        )
+    report = aggregate(reports)
+    report["artifacts"] = write_reports(report, out) if distributed.is_main() else {}
+    return report

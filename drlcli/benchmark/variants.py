@@ -1,0 +1,97 @@
+"""Benchmark variants: ``method[/key=value...]``, e.g. ``drl/loss=ce``, ``drl/gate=sum``,
+``ease/epochs=3``; keys are config fields (``train.lr`` or just ``lr`` when the name is unique
+across sections). ``--rescore`` options are score-section keys alone (``beta=0/rule=concat``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+import yaml
+
+from ..config import EaseConfig, IPAConfig, RanpacConfig, RunConfig, ScoreConfig, TrainConfig
+from ..errors import UsageError
+
+SECTIONS = {
+    "ipa": IPAConfig,
+    "ease": EaseConfig,
+    "ranpac": RanpacConfig,
+    "train": TrainConfig,
+    "score": ScoreConfig,
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    method: str
+    overrides: dict[str, dict[str, Any]]  # section -> field -> value
+
+    def config(self, *, epochs: int | None, seed: int) -> RunConfig:
+        sections = {name: dict(values) for name, values in self.overrides.items()}
+        train = sections.setdefault("train", {})
+        train.setdefault("seed", seed)
+        if epochs is not None:
+            train.setdefault("epochs", epochs)
+        return RunConfig.for_method(self.method, sections)
+
+    @property
+    def dirname(self) -> str:
+        return re.sub(r"[^A-Za-z0-9._=-]+", "_", self.label.replace("/", "__"))
+
+
+def _resolve_key(key: str) -> tuple[str, str]:
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section in SECTIONS and name in {f.name for f in fields(SECTIONS[section])}:
+            return section, name
+        raise UsageError(f"unknown variant option {key!r}; use a config key such as train.lr or ipa.gate")
+    owners = [s for s, cls in SECTIONS.items() if key in {f.name for f in fields(cls)}]
+    if len(owners) == 1:
+        return owners[0], key
+    if not owners:
+        raise UsageError(f"unknown variant option {key!r}; use a config key such as lr, loss, gate or rule")
+    raise UsageError(f"variant option {key!r} is ambiguous; write it as one of {[f'{s}.{key}' for s in owners]}")
+
+
+def parse_variant(text: str) -> Variant:
+    """``method[/key=value...]`` -> Variant (values parsed as YAML scalars)."""
+    parts = [p for p in text.strip().split("/") if p]
+    if not parts:
+        raise UsageError("empty --methods entry; use e.g. drl,ease,simplecil")
+    method, overrides = parts[0], {}
+    for part in parts[1:]:
+        if "=" not in part:
+            raise UsageError(f"variant option {part!r} in {text!r} is not KEY=VALUE; use e.g. drl/loss=ce")
+        key, raw = part.split("=", 1)
+        section, name = _resolve_key(key)
+        overrides.setdefault(section, {})[name] = yaml.safe_load(raw)
+    variant = Variant(text.strip(), method, overrides)
+    variant.config(epochs=None, seed=0)  # validate now, before any work
+    return variant
+
+
+def parse_methods(text: str) -> list[Variant]:
+    variants = [parse_variant(item) for item in text.split(",") if item.strip()]
+    labels = [v.label for v in variants]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"--methods lists a variant twice: {labels}")
+    if not variants:
+        raise UsageError("--methods is empty; use e.g. drl,ease,simplecil")
+    return variants
+
+
+def parse_score(text: str) -> dict[str, Any]:
+    """``key=value[/key=value]`` over the score section, e.g. ``beta=0/rule=concat``."""
+    out = {}
+    for part in [p for p in text.split("/") if p]:
+        if "=" not in part:
+            raise UsageError(f"--rescore {text!r}: {part!r} is not KEY=VALUE; use e.g. beta=0 or rule=concat")
+        key, raw = part.split("=", 1)
+        section, name = _resolve_key(key if "." in key else f"score.{key}")
+        if section != "score":
+            raise UsageError(f"--rescore takes score options (rule, rho, beta, tau), not {key!r}")
+        out[name] = yaml.safe_load(raw)
+    RunConfig.for_method("drl", {"score": out})  # validate the values now
+    return out

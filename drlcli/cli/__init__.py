@@ -1,0 +1,19 @@
+"""The ``drl`` command line: a thin Typer layer over the library (``drlcli.api`` and the modules
+that own each command: ``export``, ``predict``, ``benchmark``, ``demo``).
+
+    app.py       the commands: parse options, make one library call, hand the result to render
+    boundary.py  the one error boundary: every failure -> one ``error:`` line and its exit code
+    output.py    stdout/stderr plumbing: logging, progress (rich bar or plain lines), JSON emitters
+    render.py    the text of each command's result (what ``--json`` prints as one object)
+    options.py   options shared by several commands, choices, the exit-code epilog
+
+Results go to stdout (text, or one JSON object with ``--json``); logs and progress to stderr.
+"""
+
+import time  # noqa: F401  (drlcli.cli.time: tests pin the progress clock through it)
+
+from .app import app, main
+from .output import Reporter, setup_logging
+
+_setup_logging = setup_logging  # the pre-package name
+__all__ = ["Reporter", "app", "main", "setup_logging"]

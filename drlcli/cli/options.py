@@ -1,0 +1,58 @@
+"""Options that several ``drl`` commands share, the choices ``--help`` and shell completion show,
+and the top-level help's exit-code table. Imports no torch: ``drl --help`` stays fast."""
+
+# ruff: noqa: B008  (typer declares options as argument defaults)
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+from ..config import METHOD_TRAIN_DEFAULTS, METHODS, TrainConfig
+from ..errors import EXIT_CODES, UsageError
+
+# "\b" keeps click from re-wrapping the list into one paragraph
+EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
+
+RunOpt = typer.Option(
+    Path("."), "--run", "--run-dir", envvar="DRL_RUN", help="Run directory (env DRL_RUN; --run-dir under torchrun)."
+)
+JsonOpt = typer.Option(False, "--json", help="Print one machine-readable JSON object on stdout.")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or log lines on stderr (warnings and errors stay).")
+VerboseOpt = typer.Option(
+    False, "--verbose", "-v", help="More on stderr: per-epoch losses, timings, the trace of an internal error."
+)
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+WeightsOpt = typer.Option(
+    None, "--ptm-weights", envvar="DRL_PTM_WEIGHTS", help="Local PTM weights (.safetensors); env DRL_PTM_WEIGHTS."
+)
+RandomInitOpt = typer.Option(False, "--random-init", help="Random PTM weights, stored in the run (tests, demos).")
+PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable).")
+
+# choices that --help and shell completion show (the values are the library's own names)
+MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)
+ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "onnx")}, type=str)
+
+
+def train_default(field: str) -> str:
+    """``field``'s effective default for learn-stage: the run's config, i.e. each method's default unless set."""
+    drl_value = getattr(TrainConfig(), field)
+    others = [f"{m} {getattr(c, field)}" for m, c in METHOD_TRAIN_DEFAULTS.items() if getattr(c, field) != drl_value]
+    return (
+        f"default: from the run's config ({drl_value}{''.join(f'; {o}' for o in others)} unless init --config set it)"
+    )
+
+
+def parse_ptm_args(items: list[str]) -> dict[str, Any]:
+    """``--ptm-arg KEY=VALUE`` items as timm keyword arguments (values parsed as YAML scalars)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--ptm-arg {item!r} must look like KEY=VALUE (e.g. img_size=32)")
+        out[key] = yaml.safe_load(value)
+    return out

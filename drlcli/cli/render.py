@@ -1,0 +1,164 @@
+"""What each command prints on stdout without ``--json``: the text of its result, built from the
+result's JSON payload (so text and ``--json`` show the same facts). Pure functions: a payload in,
+the text out (with its trailing newline); ``output.emit`` prints it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import jsonio
+
+
+def _text(lines: list[str]) -> str:
+    return "\n".join(lines) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def history_lines(history: dict[str, Any]) -> list[str]:
+    acc = history["accuracy"]
+    lines = ["A_t by stage: " + "  ".join(f"A_{i + 1} {_pct(a)}" for i, a in enumerate(acc))]
+    lines.append(f"average A (Ā): {_pct(history['average'])}   last A_T: {_pct(history['last'])}")
+    if history["forgetting"]:
+        lines.append(
+            "forgetting by stage group: " + "  ".join(f"{g}: {v:.2f}" for g, v in history["forgetting"].items())
+        )
+    return lines
+
+
+def matrix_lines(matrix: list[list[float | None]]) -> list[str]:
+    """The accuracy matrix as a table: row t after stage t, column g the classes of stage g."""
+    if not any(v is not None for row in matrix for v in row):
+        return []
+    lines = ["accuracy matrix (row: after stage t; column: classes of stage g)"]
+    lines.append("     " + "".join(f"{f'g{g}':>7}" for g in range(1, len(matrix) + 1)))
+    for t, row in enumerate(matrix, 1):
+        lines.append(f"{f't{t}':<5}" + "".join(f"{_pct(v):>7}" for v in row))
+    return lines
+
+
+def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
+    """Per stage: what it added and the model's size so far (parameters trained, bytes on disk)."""
+    head = f"{'stage':>5} {'classes':>8} {'images':>7} {'params':>10} {'cum.params':>11} {'MiB':>7} {'cum.MiB':>8} {'A_t':>6}"
+    lines = [head]
+    for s in stages:
+        lines.append(
+            f"{s['stage']:>5} {s['num_classes']:>8} {s['num_images']:>7} {s['num_params']:>10,} "
+            f"{s['cumulative_params']:>11,} {s['bytes'] / 2**20:>7.2f} {s['cumulative_bytes'] / 2**20:>8.2f} "
+            f"{_pct(s['accuracy']):>6}"
+        )
+    return lines
+
+
+def accuracy_lines(acc: dict[str, Any]) -> list[str]:
+    lines = [f"top-1: {acc['top1']:.2f}% on {acc['num_images']} images"]
+    lines.append("by stage group: " + "  ".join(f"stage {g}: {v:.2f}" for g, v in acc["groups"].items()))
+    lines.append(f"old classes: {_pct(acc['old'])}   new classes: {_pct(acc['new'])}")
+    return lines
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+def init(r: dict[str, Any]) -> str:
+    return _text(
+        [
+            f"initialised {r['run_dir']}: method {r['method']}, PTM {r['ptm']} ({r['ptm_source']}, "
+            f"sha256 {r['ptm_sha256'][:12]}...)"
+        ]
+    )
+
+
+def learn_stage(r: dict[str, Any]) -> str:
+    if r["status"] == "unchanged":
+        return _text([f"stage {r['stage']} already learned exactly these images; nothing to do"])
+    lines = [f"resumed from the checkpoint after epoch {r['resumed_from_epoch']}"] if r["resumed_from_epoch"] else []
+    lines.append(
+        f"stage {r['stage']}: learned {len(r['classes'])} classes from {r['num_images']} images "
+        f"in {r['total_seconds']:.1f}s (training {r['train_seconds']:.1f}s, {r['num_params']} parameters)"
+    )
+    if r["eval"]:
+        lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
+    return _text(lines)
+
+
+def evaluate(r: dict[str, Any]) -> str:
+    lines = [f"{r['num_classes']} classes over {r['num_stages']} stages"]
+    lines += accuracy_lines(r["accuracy"]) + history_lines(r["history"])
+    lines.append("\n".join(matrix_lines(r["history"]["matrix"])))  # an empty line when nothing was evaluated
+    if r["confused"]:
+        lines.append(
+            "most confused (true -> predicted): "
+            + ", ".join(f"{c['true']} -> {c['predicted']} ({c['count']})" for c in r["confused"])
+        )
+    if r["plot"]:
+        lines.append(f"plot: {r['plot']}")
+    return _text(lines)
+
+
+def export(r: dict[str, Any]) -> str:
+    check = "" if r["check_max_abs_diff"] is None else f", max |Δscore| {r['check_max_abs_diff']:.1e} vs the run"
+    return _text(
+        [
+            f"exported {r['num_classes']} classes, {r['num_stages']} stages to {r['path']} "
+            f"({r['format']}, {r['bytes'] / 2**20:.1f} MiB{check})"
+        ]
+    )
+
+
+def prediction(p: dict[str, Any], *, json_lines: bool) -> str:
+    """One image's line: its JSON object (``json_lines``), else ``path: class score, ...``."""
+    if json_lines:
+        return jsonio.dumps(p)
+    if "error" in p:
+        return f"{p['path']}: error: {p['error']}"
+    return f"{p['path']}: " + ", ".join(f"{t['class']} {t['score']:.3f}" for t in p["top"])
+
+
+def verify(r: dict[str, Any]) -> str:
+    lines = [
+        f"run {r['run_dir']} is intact: format v{r['format_version']}, generation {r['generation']}, "
+        f"{r['num_stages']} stages, {r['files_checked']} files ({r['bytes_checked'] / 2**20:.2f} MiB) verified"
+    ]
+    if r["interrupted_stage"]:
+        w = r["interrupted_stage"]
+        lines.append(
+            f"stage {w['stage']} was interrupted after epoch {w['epoch']}/{w['epochs']}: re-run the same "
+            "learn-stage to resume it, or add --restart"
+        )
+    return _text(lines)
+
+
+def info(r: dict[str, Any]) -> str:
+    ptm = r["ptm"]
+    lines = [
+        f"run {r['run_dir']} (format v{r['format_version']}, generation {r['generation']}), method {r['method']}",
+        f"PTM {ptm['name']} ({ptm['source']}, sha256 {ptm['sha256'][:12]}...), input {ptm['data_config']['input_size']}",
+        f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB "
+        f"({r['base_bytes'] / 2**20:.2f} MiB before any stage)",
+    ]
+    if r["stages"]:
+        lines += growth_lines(r["stages"]) + history_lines(r["history"])
+    return _text(lines)
+
+
+def benchmark(r: dict[str, Any]) -> str:
+    from ..benchmark import markdown_table
+
+    lines = [
+        f"{name}: {path if path else 'skipped (pip install drlcli[plot] for the plot)'}"
+        for name, path in r["artifacts"].items()
+    ]
+    return markdown_table(r) + (_text(lines) if lines else "")
+
+
+def demo(r: dict[str, Any]) -> str:
+    lines = [
+        f"stage {s['stage']}: +{s['classes']} classes, accuracy on all seen {s['accuracy']:.2f}% ({s['seconds']:.1f}s)"
+        for s in r["stages"]
+    ]
+    lines += accuracy_lines(r["accuracy"]) + history_lines(r["history"])
+    lines.append(f"data: {r['data_dir']}\nrun directory: {r['run_dir']}\nexported model: {r['export']['path']}")
+    return _text(lines)
