@@ -2,7 +2,7 @@
 
 Each function takes explicit paths, options and a device, raises ``DrlError`` subclasses for
 anything a user can cause, and reports progress through an optional callback. Nothing here
-prints; ``cli.py`` renders the results.
+prints; ``cli/render.py`` renders the results.
 """
 
 from __future__ import annotations
