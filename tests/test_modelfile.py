@@ -27,7 +27,7 @@ from drlcli.modelfile import with_checksum
 from drlcli.predict import predict
 from drlcli.rundir import sha256_bytes
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
-from drlcli.traced import JSON_KEYS, SPEC_FILE
+from drlcli.serving import JSON_KEYS, SPEC_FILE
 
 runner = CliRunner()
 HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
