@@ -534,10 +534,11 @@ class RunWriter:
         if clash:
             raise RunStateError(f"{clash[0]} is already committed; committed files are never rewritten")
         finals = {name: self.run._inside(name) for name in files}  # refuses names escaping the run, links
-        staging = make_dirs(self.run.path, PurePosixPath(STAGING, uuid.uuid4().hex))
+        staging = self.run.path / STAGING / uuid.uuid4().hex
         placed: list[Path] = []  # files moved into place; taken back unless the manifest is replaced
         data = None
         try:
+            make_dirs(self.run.path, PurePosixPath(STAGING, staging.name))
             entries = self._place(files, staging, finals, placed)
             new_manifest = _next_manifest(manifest, entries, new_stage)
             data = encode_json(new_manifest)
