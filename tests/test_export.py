@@ -61,13 +61,13 @@ SUFFIX = {"drl": "drl", "torchscript": "pt", "onnx": "onnx"}
 
 
 @pytest.fixture(scope="module")
-def method_runs(tmp_path_factory, stage_folders):
+def method_runs(tmp_path_factory, stage_folders, learned_run):
     """A two-stage run of each method (ease: one ViT pass per stage)."""
     from drlcli import RunConfig, init_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-    runs = {}
-    for method in ("drl", "ease", "simplecil", "ranpac"):
+    runs = {"drl": learned_run}
+    for method in ("ease", "simplecil", "ranpac"):
         run = tmp_path_factory.mktemp(f"graph-{method}") / "run"
         init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method(method))
         for train, _ in stage_folders[:2]:
