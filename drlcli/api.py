@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, backbone, distributed
+from . import __version__, backbone, distributed, restore
 from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
@@ -26,7 +26,8 @@ from .errors import DataError, DivergedError, IntegrityError, PTMError, RunState
 from .methods import analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
-from .rundir import RUN_CONFIG, RUN_CONFIG_KIND, RunDir, StageRecord, init_files, stage_files
+from .restore import restore_model
+from .rundir import PTM_WEIGHTS, RUN_CONFIG, RUN_CONFIG_KIND, RunDir, StageRecord, init_files, stage_files
 from .train import TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
@@ -147,7 +148,7 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
     kwargs = backbone.check_ptm_kwargs(info.get("kwargs"), origin=f"run {run.path}", error=IntegrityError)
     if run.has_ptm_weights(manifest):
         model = backbone.create_ptm(info["name"], source=PTMSource(random_init=True), kwargs=kwargs)
-        backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / "ptm.safetensors"))
+        backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / PTM_WEIGHTS))
     else:
         path = ptm_weights
         if path is None and info.get("weights_hint"):
@@ -174,32 +175,25 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
     manifest = run.manifest()
     record, config = read_record(run, manifest)
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
-    method = method_of(config)
-    network = method.build(ptm, config)
-    model = IncrementalModel(
-        network=network,
-        class_names=[],
-        class_stage=torch.zeros(0, dtype=torch.long),
-        real_prototypes=empty_prototypes(network.width, method.offset),
-        score_cfg=config.score,
-        data_config=record["ptm"]["data_config"],
-        offset=method.offset,
-    )
-    metas = []
     stages = run.stages(manifest)
     for stage in stages:
         check_stage_meta(run, stage.index, stage.meta)
-        try:
-            _add_stage(model, method, stage)
-        except (RuntimeError, KeyError, ValueError) as exc:
-            raise IntegrityError(
-                f"stage {stage.index} of run {run.path} does not fit the run's network "
-                f"({str(exc).splitlines()[0]}); restore it from a backup"
-            ) from exc
-        metas.append(stage.meta)
-    head = analytic_head(config)
-    if head is not None and stages:
-        model.head = head.from_stages([stage.tensors for stage in stages]).to(model.device)
+    tensors = _run_tensors(run, method_of(config), analytic_head(config), stages, width=backbone.width(ptm))
+
+    def fit_error(position: int | None, exc: Exception) -> IntegrityError:
+        index = stages[position].index if position is not None else stages[-1].index
+        return _stage_error(run, index, exc)
+
+    model = restore_model(
+        ptm,
+        config,
+        tensors,
+        class_names=[name for stage in stages for name in stage.meta["classes"]],
+        num_stages=len(stages) if method_of(config).trains else 0,
+        data_config=record["ptm"]["data_config"],
+        fit_error=fit_error,
+    )
+    metas = [stage.meta for stage in stages]
     log.debug(
         "loaded run %s: %d stages, %d classes on %s in %.1fs",
         run.path,
@@ -209,6 +203,47 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
         time.perf_counter() - start,
     )
     return LoadedRun(run, manifest, record, config, model, metas)
+
+
+def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:
+    return IntegrityError(
+        f"stage {index} of run {run.path} does not fit the run's network "
+        f"({str(exc).splitlines()[0]}); restore it from a backup"
+    )
+
+
+def _run_tensors(
+    run: RunDir, method: Any, head: Any, stages: list[StageRecord], *, width: int
+) -> dict[str, torch.Tensor]:
+    """A run's stages under ``restore.py``'s tensor names: each stage's ``<method prefix><param>``
+    becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded
+    bank, the stage files' head tensors the head's state. Each stage's tensors are checked first."""
+    num_subspaces = method.offset + (len(stages) if method.trains else 0)
+    tensors: dict[str, torch.Tensor] = {}
+    rows, class_stage = [], []
+    for position, stage in enumerate(stages):
+        prototypes = stage.tensors.get("prototypes")
+        subspaces = method.offset + (position + 1 if method.trains else 0)
+        expected = (len(stage.meta["classes"]), subspaces, width)
+        if prototypes is None or tuple(prototypes.shape) != expected:
+            found = "none" if prototypes is None else tuple(prototypes.shape)
+            raise _stage_error(run, stage.index, ValueError(f"prototypes have shape {found}, expected {expected}"))
+        bad = non_finite(stage.tensors)
+        if bad:
+            raise _stage_error(run, stage.index, ValueError(f"tensor {bad} holds NaN or infinite values"))
+        padded = torch.zeros(expected[0], num_subspaces, width)  # subspaces added later: synthesised
+        padded[:, :subspaces] = prototypes
+        rows.append(padded)
+        class_stage += [stage.index] * expected[0]
+        if method.trains:
+            state = restore.with_prefix(stage.tensors, method.tensor_prefix)
+            tensors.update({restore.stage_prefix(position) + k: v for k, v in state.items()})
+    tensors[restore.PROTOTYPES] = torch.cat(rows) if rows else empty_prototypes(width, method.offset)
+    tensors[restore.CLASS_STAGE] = torch.tensor(class_stage, dtype=torch.long)
+    if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
+        state = head.from_stages([stage.tensors for stage in stages]).state_dict()
+        tensors.update({restore.HEAD + k: v for k, v in state.items()})
+    return tensors
 
 
 def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], RunConfig]:
@@ -258,26 +293,6 @@ def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
     except (TypeError, ValueError, AttributeError) as exc:
         return f"metrics are malformed: {exc}"
     return None
-
-
-def _add_stage(model: IncrementalModel, method: Any, stage: StageRecord) -> None:
-    """Append a committed stage to a loaded model: its parameters (trained methods) and prototypes."""
-    network = model.network
-    if method.trains:
-        adapters = network.new_stage(seed=0)
-        prefix = method.tensor_prefix
-        state = {k[len(prefix) :]: v for k, v in stage.tensors.items() if k.startswith(prefix)}
-        adapters.load_state_dict(state, strict=True)
-        adapters.requires_grad_(False)
-        adapters.eval()
-    prototypes = stage.tensors["prototypes"]
-    expected = (len(stage.meta["classes"]), model.num_subspaces, network.width)
-    if tuple(prototypes.shape) != expected:
-        raise ValueError(f"prototypes have shape {tuple(prototypes.shape)}, expected {expected}")
-    bad = non_finite(stage.tensors)
-    if bad:
-        raise ValueError(f"tensor {bad} holds NaN or infinite values")
-    model.add_classes(stage.meta["classes"], stage.index, prototypes)
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -716,7 +731,7 @@ def _already_committed(
         epoch_losses=[],
         scale=train.get("scale"),
         num_params=meta["num_params"],
-        stage_bytes=loaded.run.size_bytes(loaded.manifest, prefix=f"stages/{index:03d}/"),
+        stage_bytes=loaded.run.stage_bytes(index, loaded.manifest),
         eval=AccuracyReport(**evaluation) if evaluation else None,
         history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
         run_dir=str(loaded.run.path),
@@ -852,7 +867,7 @@ def info(run_dir: Path | str) -> dict[str, Any]:
     cum_params = cum_bytes = cum_classes = 0
     for index, meta in zip(run.stage_indices(manifest), metas):
         evaluation = meta["metrics"].get("eval")
-        stage_bytes = run.size_bytes(manifest, prefix=f"stages/{index:03d}/")
+        stage_bytes = run.stage_bytes(index, manifest)
         cum_params += meta["num_params"]
         cum_bytes += stage_bytes
         cum_classes += len(meta["classes"])

@@ -1,19 +1,18 @@
 """The single-file inference artifact: PTM weights, stage weights, real prototypes, class names,
 data config and scoring options in one safetensors file, loadable without the run directory.
-``export_run`` also writes the serving graphs (``--format torchscript|onnx``, see ``traced.py``),
+``export_run`` also writes the serving graphs (``--format torchscript|onnx``, see ``serving.py``),
 and ``load_model`` reads any of the three, the format told by the file name (``modelfile.py``).
 
 The file's metadata holds ``format``/``format_version`` and a JSON ``spec`` (class names, config,
 PTM identity, data config) that carries ``payload_sha256`` over every tensor (name, dtype, shape,
 bytes) and ``spec_sha256`` over the spec itself, so a damaged file is refused, never used.
 Format 2 added ``spec_sha256``; a format-1 file is refused with "export it again".
-It is written to a temporary name beside the target and renamed into place.
+It is written atomically (``storage.write_atomic``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -22,19 +21,21 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
-from . import __version__, backbone, jsonio, modelfile
+from . import __version__, backbone, jsonio, modelfile, storage
 from .backbone import PTMSource
 from .config import RunConfig
 from .errors import IntegrityError, PTMError, StorageError, UsageError
-from .methods import analytic_head, method_of
+from .methods import method_of
 from .model import IncrementalModel
 from .modelfile import FORMAT_SUFFIX, format_of
-from .rundir import refuse_inside_run, write_durable
-from .traced import GRAPH_FORMATS, GraphModel, load_graph, write_graph
+from .restore import CLASS_STAGE, PROTOTYPES, model_tensors, restore_model, with_prefix
+from .rundir import refuse_inside_run
+from .serving import GRAPH_FORMATS, GraphModel, load_graph, write_graph
 
 FORMAT = "drl-export"
 FORMAT_VERSION = "2"
 FORMATS = ("drl", *GRAPH_FORMATS)
+PTM_PREFIX = "ptm."  # the PTM's weights; every other tensor is named as restore.py says
 SPEC_TYPES = {
     "method": str,
     "config": dict,
@@ -64,13 +65,8 @@ def write_export(
     model: IncrementalModel, ptm_record: dict[str, Any], config: RunConfig, out_path: Path
 ) -> ExportResult:
     network = model.network
-    tensors = {f"ptm.{k}": v for k, v in network.ptm.state_dict().items()}
-    for i, stage in enumerate(network.stages):
-        tensors.update({f"stage.{i}.{k}": v for k, v in stage.state_dict().items()})
-    if model.head is not None:
-        tensors.update({f"head.{k}": v for k, v in model.head.state_dict().items()})
-    tensors["prototypes"] = model.real_prototypes
-    tensors["class_stage"] = model.class_stage
+    tensors = {PTM_PREFIX + k: v for k, v in network.ptm.state_dict().items()}
+    tensors.update(model_tensors(model))  # the file's names are restore.py's
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     spec = {
         "drl_version": __version__,
@@ -88,13 +84,10 @@ def write_export(
         "spec": jsonio.dumps(modelfile.with_checksum(spec)),
     }
     out_path = Path(out_path)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        write_durable(tmp, save(tensors, metadata=metadata))  # mode 0644 less the umask, as every export
-        os.replace(tmp, out_path)
+        storage.write_atomic(out_path, save(tensors, metadata=metadata))  # mode 0644 less the umask
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise StorageError(
             f"cannot write export {out_path}: {exc.strerror or exc}; free space or pick another --out"
         ) from exc
@@ -144,33 +137,27 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
     kwargs = backbone.check_ptm_kwargs(spec["ptm"].get("kwargs"), origin=str(path), error=IntegrityError)
     ptm = backbone.create_ptm(spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=kwargs)
     config = _config(path, spec["config"])
-    method = method_of(config)
-    network = method.build(ptm, config)
     with _fitting(path):
-        backbone.load_state(ptm, {k[4:]: v for k, v in tensors.items() if k.startswith("ptm.")}, origin=str(path))
-        for i in range(spec["num_stages"]):
-            stage = network.new_stage(seed=0)
-            prefix = f"stage.{i}."
-            stage.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
-            stage.requires_grad_(False)
-            stage.eval()
-        class_stage, prototypes = _class_tensors(path, tensors, len(spec["class_names"]), network, method.offset)
-        head_state = {k[len("head.") :]: v for k, v in tensors.items() if k.startswith("head.")}
-        analytic = analytic_head(config)
-        head = analytic.from_state(head_state) if analytic is not None else None
-    network.to(torch.device(device))
-    if head is not None:
-        head.to(torch.device(device))
-    return IncrementalModel(
-        network=network,
+        backbone.load_state(ptm, with_prefix(tensors, PTM_PREFIX), origin=str(path))
+    offset = method_of(config).offset
+    _check_class_tensors(path, tensors, len(spec["class_names"]), spec["num_stages"], backbone.width(ptm), offset)
+
+    def fit_error(position: int | None, exc: Exception) -> IntegrityError:
+        return _fit_error(path)
+
+    model = restore_model(
+        ptm,
+        config,
+        tensors,
         class_names=list(spec["class_names"]),
-        class_stage=class_stage,
-        real_prototypes=prototypes,
-        score_cfg=config.score,
+        num_stages=spec["num_stages"],
         data_config=spec["data_config"],
-        offset=method.offset,
-        head=head,
+        fit_error=fit_error,
     )
+    model.network.to(torch.device(device))
+    if model.head is not None:
+        model.head.to(torch.device(device))
+    return model
 
 
 def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -206,25 +193,28 @@ def _config(path: Path, data: dict[str, Any]) -> RunConfig:
         raise IntegrityError(f"{path} has an invalid config ({exc}); export it again") from exc
 
 
-def _class_tensors(
-    path: Path, tensors: dict[str, torch.Tensor], num_classes: int, network: torch.nn.Module, offset: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_class_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], num_classes: int, num_stages: int, width: int, offset: int
+) -> None:
     """``class_stage`` (C,) and ``prototypes`` (C, S, d), checked against the class names and the network."""
-    class_stage, prototypes = tensors.get("class_stage"), tensors.get("prototypes")
-    stages = network.num_stages  # 0 for simplecil: its classes score in the PTM subspace alone
+    class_stage, prototypes = tensors.get(CLASS_STAGE), tensors.get(PROTOTYPES)
+    # num_stages is 0 for simplecil and ranpac: their classes score in the PTM subspace alone
     fits = (
         class_stage is not None
         and prototypes is not None
         and class_stage.dtype == torch.long
         and tuple(class_stage.shape) == (num_classes,)
         and bool((class_stage >= 1).all())
-        and (stages == 0 or bool((class_stage <= stages).all()))
+        and (num_stages == 0 or bool((class_stage <= num_stages).all()))
         and prototypes.is_floating_point()
-        and tuple(prototypes.shape) == (num_classes, offset + stages, network.width)
+        and tuple(prototypes.shape) == (num_classes, offset + num_stages, width)
     )
     if not fits:
         raise IntegrityError(f"{path}: class names, class stages and prototypes do not fit together; export it again")
-    return class_stage, prototypes
+
+
+def _fit_error(path: Path) -> IntegrityError:
+    return IntegrityError(f"{path}: its weights do not fit the model its spec describes; export it again")
 
 
 @contextlib.contextmanager
@@ -233,7 +223,7 @@ def _fitting(path: Path) -> Iterator[None]:
     try:
         yield
     except (PTMError, RuntimeError, KeyError) as exc:
-        raise IntegrityError(f"{path}: its weights do not fit the model its spec describes; export it again") from exc
+        raise _fit_error(path) from exc
 
 
 def load_model(path: Path | str, *, device: str = "cpu", trust_code: bool = False) -> IncrementalModel | GraphModel:

@@ -21,7 +21,13 @@ sequential over stages. The attention probabilities are shared by all streams wi
 since each row sums to 1 they mix the r-wide adapter hidden (A·h, then W_up per head) rather than
 the d-wide output. On CPU the passes over (B, N, d) memory cost more than the small matmuls, so
 biases ride inside the matmuls, the gate is one fused lerp, and without autograd each block writes
-in place into buffers reused block after block. ``tests/test_ipa.py`` checks all of this against a
+in place into buffers reused block after block.
+
+Two bodies compute a block, chosen explicitly: the in-place one above (inference), and a
+functional one (autograd, and ``exportable`` networks: a traced or exported graph must neither
+write into ``out=`` slices, which not every exporter keeps, nor read a cached copy of the
+parameters). ``serving.exportable`` sets the flag while a graph is traced. Both share the adapter
+hidden and the gate's mixing step. ``tests/test_ipa.py`` checks all of this against a
 plain one-stage-at-a-time implementation of the equations; ``benchmarks/cost.py`` measures it.
 
 Initialisation (Interpretation I-3): W_up, G_up and the FFN's second layer start at zero and the
@@ -87,6 +93,8 @@ class IPANetwork(nn.Module):
         self.ffn_dim = cfg.ffn_dim or self.width
         self.stages = nn.ModuleList()
         self._act = {"relu": F.relu, "gelu": F.gelu}[cfg.activation]
+        # the functional path everywhere, for tracing and export (see the module docstring)
+        self.exportable = False
 
     @property
     def num_stages(self) -> int:
@@ -155,7 +163,7 @@ class IPANetwork(nn.Module):
 
     def _frozen_stack(self, stages: list[StageAdapters]) -> dict[str, Tensor]:
         """``_stack(stages)``, cached while those parameters are unchanged (no copy per forward)."""
-        if _tracing():  # a traced/exported graph must read the parameters, not a cached copy
+        if self.exportable:  # a traced/exported graph must read the parameters, not a cached copy
             return _stack(stages, self.num_heads)
         key = tuple((id(p), p._version, p.device, p.dtype) for st in stages for p in st.parameters())
         cached = self.__dict__.get("_stack_cache")
@@ -180,79 +188,103 @@ class IPANetwork(nn.Module):
         ``streams`` may be one (B, N, d) tensor when every stream's input is the same (block 0).
         Tensors of width d are touched as few times as possible (on CPU these passes over memory,
         not the matmuls, dominate): the attention mixing runs on the r-wide hidden, the up-projection
-        carries its bias, the gate is a fused lerp. Without autograd the output is written in place
-        into ``workspace`` buffers that the next block reuses (overwriting ``streams`` once read).
+        carries its bias, the gate is a fused lerp. Without autograd (and unless ``exportable``) the
+        output is written in place into ``workspace`` buffers that the next block reuses
+        (overwriting ``streams`` once read).
         """
-        num_stages, heads = params["down"].shape[0], self.num_heads
+        num_stages = params["down"].shape[0]
         b, n, d = f0.shape
-        r, dh = self.adapter_dim, d // heads
-        down, down_bias = params["down"][:, l], params["down_bias"][:, l]
-        rows = b * n
-        in_place = workspace is not None and not torch.is_grad_enabled() and not _tracing()
+        in_place = workspace is not None and not torch.is_grad_enabled() and not self.exportable
         space = workspace if in_place else {}
-        # the hidden gets a column of ones: [h, 1]·[W_up; c] carries the bias inside the matmul, and
-        # since each row of A sums to 1, A·[h, 1] = [A·h, 1] keeps that column through the mixing
-        hidden, fresh = _buffer(space, "hidden", f0, (b, n, num_stages, r + 1))  # f0's dtype, also under autocast
-        if fresh:
-            hidden[..., r] = 1.0
-        if streams.dim() == 3:  # one input for every stage: one matmul against the stages' W_down side by side
-            h = torch.addmm(down_bias.reshape(-1), streams.reshape(rows, d), down.transpose(0, 1).reshape(d, -1))
-            hidden[..., :r] = self._act(h).view(b, n, num_stages, r)
-        else:
-            h = torch.baddbmm(down_bias[:, None], streams.reshape(num_stages, rows, d), down)
-            hidden[..., :r] = self._act(h).view(num_stages, b, n, r).permute(1, 2, 0, 3)
-        flat = hidden.view(b, n, num_stages * (r + 1))
-        reuse = self.cfg.attention == "reuse"
-        # A ⊗ (W_up·h + c) = W_up·(A h) + c per head: mixing the r-wide hidden costs H·r < d per token
+        flat = self._adapter_hidden(params, l, streams, f0, space)  # (B, N, S·(r+1))
         up = params["up_heads"][:, l]  # (S, H, r+1, dh): each head's slice of [W_up; c]
-        if in_place:  # matmuls straight into token-major slices of the output: no copies
-            if reuse:
-                mixed, _ = _buffer(space, "mixed", f0, (heads, b, n, num_stages * (r + 1)))
-                for k in range(heads):  # (probs are bf16 under autocast; the streams stay in f0's dtype)
-                    torch.bmm(probs[:, k].to(f0.dtype), flat, out=mixed[k])
-                mixed = mixed.view(heads, b, n, num_stages, r + 1)
-            else:
-                mixed = hidden.unsqueeze(0).expand(heads, b, n, num_stages, r + 1)
-            a, _ = _buffer(space, "streams", f0, (num_stages, rows, heads, dh))
-            up = up.to(f0.dtype)
-            for s in range(num_stages):  # heads as the batch: (H, B·N, r+1) @ (H, r+1, dh), views only
-                torch.bmm(mixed[:, :, :, s].reshape(heads, rows, r + 1), up[s], out=a[s].transpose(0, 1))
-            a = a.view(num_stages, b, n, heads, dh)
-        else:  # the trained stream (autograd): batched, and a strided (S, B, N, H, dh) view
-            if reuse:
-                mixed = (probs.reshape(b, heads * n, n) @ flat).view(b, heads, n, num_stages, r + 1)
-                lhs = mixed.permute(3, 1, 0, 2, 4)  # (S, H, B, N, r+1)
-            else:
-                lhs = hidden.permute(2, 0, 1, 3).unsqueeze(1).expand(num_stages, heads, b, n, r + 1)
-            lhs = lhs.reshape(num_stages * heads, rows, r + 1)
-            a = torch.bmm(lhs, up.reshape(num_stages * heads, r + 1, dh))
-            a = a.view(num_stages, heads, b, n, dh).permute(0, 2, 3, 1, 4).to(f0.dtype)
+        a = self._attend_in_place(flat, up, probs, f0, space) if in_place else self._attend(flat, up, probs, f0)
         outs = []
         for s in range(num_stages):  # sequential: stage s's gate reads stage s-1's output
-            # g = (1-γ)·prev + γ·f0 (= f0 for the first stage, whose prev is f0)
-            g = f0 if prev is f0 else torch.lerp(prev, f0, self.cfg.gamma)
-            g4, a_s = g.view(b, n, heads, dh), a[s]
-            target = a_s if in_place else None  # the stream's output overwrites a[s]
-            if self.cfg.gate == "sum":  # no transfer gate: its parameters stay unused and frozen
-                y = torch.add(g4, a_s, out=target)
-            else:
-                gate_hidden = g.new_empty(rows, r + 1)
-                gate_hidden[:, r] = 1.0
-                gate_hidden[:, :r] = self._act(
-                    torch.addmm(params["gate_down_bias"][s, l], g.reshape(rows, d), params["gate_down"][s, l])
-                )
-                # 1 - M = sigmoid(-(G_up·h + bias)): the bias rides in the matmul, and g leads the
-                # elementwise op so the result is laid out like g when a is a strided view
-                keep = torch.mm(gate_hidden, params["gate_up_neg"][s, l]).sigmoid_().view(b, n, heads, dh)
-                if self.cfg.gate == "adapt":  # (1-M)·a + M·g = g + (1-M)·(a - g)
-                    y = torch.lerp(g4, a_s, keep.to(g.dtype), out=target)
-                else:  # part: a + M·g
-                    y = torch.addcmul(a_s, 1.0 - keep.to(g.dtype), g4, out=target)
-            prev = y.reshape(b, n, d)
+            prev = self._gate(params, l, s, a[s], prev, f0, out=a[s] if in_place else None)
             outs.append(prev)
         if in_place:
             return a.view(num_stages, b, n, d)
         return outs[0].unsqueeze(0) if num_stages == 1 else torch.stack(outs)
+
+    def _adapter_hidden(
+        self, params: dict[str, Tensor], l: int, streams: Tensor, f0: Tensor, space: dict[str, Tensor]
+    ) -> Tensor:
+        """act(W_down·f + b) of every stage, with a column of ones: (B, N, S·(r+1)), token-major.
+
+        [h, 1]·[W_up; c] carries the up-projection's bias inside the matmul, and since each row of
+        A sums to 1, A·[h, 1] = [A·h, 1] keeps that column through the attention mixing."""
+        num_stages, r = params["down"].shape[0], self.adapter_dim
+        b, n, d = f0.shape
+        down, down_bias = params["down"][:, l], params["down_bias"][:, l]
+        hidden, fresh = _buffer(space, "hidden", f0, (b, n, num_stages, r + 1))  # f0's dtype, also under autocast
+        if fresh:
+            hidden[..., r] = 1.0
+        if streams.dim() == 3:  # one input for every stage: one matmul against the stages' W_down side by side
+            h = torch.addmm(down_bias.reshape(-1), streams.reshape(b * n, d), down.transpose(0, 1).reshape(d, -1))
+            hidden[..., :r] = self._act(h).view(b, n, num_stages, r)
+        else:
+            h = torch.baddbmm(down_bias[:, None], streams.reshape(num_stages, b * n, d), down)
+            hidden[..., :r] = self._act(h).view(num_stages, b, n, r).permute(1, 2, 0, 3)
+        return hidden.view(b, n, num_stages * (r + 1))
+
+    def _attend_in_place(self, flat: Tensor, up: Tensor, probs: Tensor, f0: Tensor, space: dict[str, Tensor]) -> Tensor:
+        """a = A ⊗ (W_up·h + c) per head, computed as W_up·(A h) + c (mixing the r-wide hidden costs
+        H·r < d per token), with matmuls straight into token-major slices of a reused buffer: no
+        copies. (S, B, N, H, dh)."""
+        num_stages, heads, r1, dh = up.shape  # r1 = r + 1
+        b, n, _ = f0.shape
+        if self.cfg.attention == "reuse":
+            mixed, _ = _buffer(space, "mixed", f0, (heads, b, n, num_stages * r1))
+            for k in range(heads):  # (probs are bf16 under autocast; the streams stay in f0's dtype)
+                torch.bmm(probs[:, k].to(f0.dtype), flat, out=mixed[k])
+            mixed = mixed.view(heads, b, n, num_stages, r1)
+        else:
+            mixed = flat.view(b, n, num_stages, r1).unsqueeze(0).expand(heads, b, n, num_stages, r1)
+        a, _ = _buffer(space, "streams", f0, (num_stages, b * n, heads, dh))
+        up = up.to(f0.dtype)
+        for s in range(num_stages):  # heads as the batch: (H, B·N, r+1) @ (H, r+1, dh), views only
+            torch.bmm(mixed[:, :, :, s].reshape(heads, b * n, r1), up[s], out=a[s].transpose(0, 1))
+        return a.view(num_stages, b, n, heads, dh)
+
+    def _attend(self, flat: Tensor, up: Tensor, probs: Tensor, f0: Tensor) -> Tensor:
+        """What ``_attend_in_place`` computes, functionally (autograd, export): batched matmuls and a
+        strided (S, B, N, H, dh) view."""
+        num_stages, heads, r1, dh = up.shape
+        b, n, _ = f0.shape
+        if self.cfg.attention == "reuse":
+            mixed = (probs.reshape(b, heads * n, n) @ flat).view(b, heads, n, num_stages, r1)
+            lhs = mixed.permute(3, 1, 0, 2, 4)  # (S, H, B, N, r+1)
+        else:
+            hidden = flat.view(b, n, num_stages, r1)
+            lhs = hidden.permute(2, 0, 1, 3).unsqueeze(1).expand(num_stages, heads, b, n, r1)
+        lhs = lhs.reshape(num_stages * heads, b * n, r1)
+        a = torch.bmm(lhs, up.reshape(num_stages * heads, r1, dh))
+        return a.view(num_stages, heads, b, n, dh).permute(0, 2, 3, 1, 4).to(f0.dtype)
+
+    def _gate(
+        self, params: dict[str, Tensor], l: int, s: int, a_s: Tensor, prev: Tensor, f0: Tensor, *, out: Tensor | None
+    ) -> Tensor:
+        """The transfer gate's mixing step for stage s, shared by both paths: f_s = (1-M)·a + M·g
+        (``adapt``; ``sum``: a + g; ``part``: a + M·g), written into ``out`` when given. (B, N, d)."""
+        b, n, d = f0.shape
+        heads, r = self.num_heads, self.adapter_dim
+        # g = (1-γ)·prev + γ·f0 (= f0 for the first stage, whose prev is f0)
+        g = f0 if prev is f0 else torch.lerp(prev, f0, self.cfg.gamma)
+        g4 = g.view(b, n, heads, d // heads)
+        if self.cfg.gate == "sum":  # no transfer gate: its parameters stay unused and frozen
+            return torch.add(g4, a_s, out=out).reshape(b, n, d)
+        gate_hidden = g.new_empty(b * n, r + 1)
+        gate_hidden[:, r] = 1.0
+        gate_hidden[:, :r] = self._act(
+            torch.addmm(params["gate_down_bias"][s, l], g.reshape(b * n, d), params["gate_down"][s, l])
+        )
+        # 1 - M = sigmoid(-(G_up·h + bias)): the bias rides in the matmul, and g leads the
+        # elementwise op so the result is laid out like g when a is a strided view
+        keep = torch.mm(gate_hidden, params["gate_up_neg"][s, l]).sigmoid_().view(b, n, heads, d // heads)
+        if self.cfg.gate == "adapt":  # (1-M)·a + M·g = g + (1-M)·(a - g)
+            return torch.lerp(g4, a_s, keep.to(g.dtype), out=out).reshape(b, n, d)
+        return torch.addcmul(a_s, 1.0 - keep.to(g.dtype), g4, out=out).reshape(b, n, d)  # part: a + M·g
 
     def _transfer(self, params: dict[str, Tensor], streams: Tensor, cls_probs: Tensor) -> Tensor:
         """Transfer block for the class token of S streams: (S, B, N, d) -> features (S, B, d)."""
@@ -271,12 +303,6 @@ class IPANetwork(nn.Module):
         hidden = F.gelu(torch.einsum("sbd,sdf->sbf", block.norm2(y), params["ffn_in"]) + params["ffn_in_bias"][:, None])
         y = y + torch.einsum("sbf,sfd->sbd", hidden, params["ffn_out"]) + params["ffn_out_bias"][:, None]
         return self.ptm.fc_norm(self.ptm.norm(y))
-
-
-def _tracing() -> bool:
-    """True while TorchScript traces or torch.onnx/torch.export exports: in-place writes into
-    out= slices do not survive every exporter, so the functional path is used there."""
-    return torch.jit.is_tracing() or torch.compiler.is_exporting()
 
 
 def _buffer(workspace: dict[str, Tensor], name: str, like: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, bool]:

@@ -6,10 +6,11 @@ stage (the rows of the accuracy matrix), so forgetting shows as a falling line.
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 from typing import Any
 
+from . import storage
 from .errors import StorageError, UsageError, require
 from .metrics import HistorySummary
 from .rundir import refuse_inside_run
@@ -60,16 +61,16 @@ def history_plot(history: HistorySummary, path: Path, *, title: str) -> Path:
     left.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    image = io.BytesIO()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise StorageError(f"cannot write plot {path}: {exc.strerror or exc}; pick another --plot path") from exc
+        fig.savefig(image, dpi=120, format=path.suffix.lower().lstrip(".") or None)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        storage.write_atomic(path, image.getvalue())
+    except OSError as exc:
+        raise StorageError(f"cannot write plot {path}: {exc.strerror or exc}; pick another --plot path") from exc
     return path
 
 

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class Classifier(Protocol):
-    """What predict needs: ``IncrementalModel`` (run, .drl) and ``traced.GraphModel`` offer it."""
+    """What predict needs: ``IncrementalModel`` (run, .drl) and ``serving.GraphModel`` offer it."""
 
     class_names: list[str]
     data_config: dict[str, Any]

@@ -22,6 +22,9 @@ replaces ``manifest.json`` by an atomic rename and fsyncs the directory. A crash
 leaves the old manifest (and the old state) or the new one. Readers trust only files the manifest
 lists, and verify their sha256 on every read. Nothing here is ever unpickled.
 
+Files are created, written, renamed and removed only through ``storage.py`` (fsynced, no links
+followed); this module decides which names they get.
+
 A run directory is untrusted input (it is copied, downloaded, shared): no file or folder of a run
 is ever followed out of it. Every access goes through the no-follow helpers below (``O_NOFOLLOW``
 opens, ``lstat`` checks of every path component below the run's root), and a symbolic link where
@@ -39,7 +42,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import stat
 import sys
@@ -56,7 +58,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from . import jsonio
+from . import jsonio, storage
 from .errors import IntegrityError, RunBusyError, RunStateError, StorageError, UsageError
 
 try:
@@ -83,6 +85,8 @@ _CHECKPOINT_TENSORS = re.compile(r"[0-9a-f]{32}\.safetensors")
 _CHECKPOINT_TMP = f".{CHECKPOINT_META}.tmp"
 log = logging.getLogger(__name__)
 
+STAGE_META = "stage.json"
+STAGE_WEIGHTS = "weights.safetensors"
 STATISTICS = "statistics.safetensors"
 
 
@@ -91,17 +95,16 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def stage_dir(index: int) -> str:
+    """The run-relative folder of stage ``index`` (1-based): ``stages/NNN``."""
     return f"{STAGES}/{index:03d}"
 
 
+def stage_file(index: int, name: str) -> str:
+    """The run-relative name of one of stage ``index``'s files (``STAGE_META``, ``STAGE_WEIGHTS``...)."""
+    return f"{stage_dir(index)}/{name}"
+
+
 # --------------------------------------------------------------- no-follow access (the one place)
-
-
-def _link_error(path: Path) -> IntegrityError:
-    return IntegrityError(
-        f"{path} is a symbolic link; drl never follows links inside a run directory: replace it with "
-        "the run's own file or folder, or restore the run from a backup"
-    )
 
 
 def _not_plain_error(path: Path, what: str) -> IntegrityError:
@@ -114,21 +117,20 @@ def check_path(root: Path, rel: str | PurePosixPath) -> Path:
     for part in PurePosixPath(rel).parts:
         path = path / part
         if path.is_symlink():
-            raise _link_error(path)
+            raise storage.link_error(path)
     return path
 
 
 def real_dir(path: Path, *, create: bool = False) -> bool:
     """Whether ``path`` is a folder (made first when ``create``); a link or file in its place is refused."""
     if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path)
+        storage.make_dir(path)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return False
     if stat.S_ISLNK(mode):
-        raise _link_error(path)
+        raise storage.link_error(path)
     if not stat.S_ISDIR(mode):
         raise _not_plain_error(path, "folder")
     return True
@@ -143,48 +145,12 @@ def make_dirs(root: Path, rel: str | PurePosixPath) -> Path:
     return path
 
 
-def _open_nofollow(path: Path, flags: int) -> int:
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _link_error(path) from None
-        raise
-
-
 def read_nofollow(path: Path) -> bytes:
     """A regular file's bytes; a link, folder, FIFO or device in its place is refused (IntegrityError)."""
-    with open(_open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+    with open(storage.open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
             raise _not_plain_error(path, "regular file")
         return handle.read()
-
-
-def write_durable(path: Path, data: bytes) -> None:
-    """Write, flush and fsync ``path``; a link in its place is refused, never followed."""
-    with open(_open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def remove_own(path: Path) -> None:
-    """Delete a file or folder the run itself created; a link in its place is refused."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(mode):
-        raise _link_error(path)
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(path)  # fd-based on Linux: links inside are removed, never followed
-    else:
-        os.unlink(path)
-
-
-def _rmdir_if_empty(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not empty, absent, or a link (rmdir never follows)
-        os.rmdir(path)
 
 
 def _is_run(folder: Path) -> bool:
@@ -318,19 +284,18 @@ class RunDir:
         return list((manifest or self.manifest())["stages"])
 
     def stage_meta(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.parsed(f"{stage_dir(index)}/stage.json", manifest, json.loads)
+        return self.parsed(stage_file(index, STAGE_META), manifest, json.loads)
 
     def stage(self, index: int, manifest: dict[str, Any] | None = None) -> StageRecord:
         manifest = manifest or self.manifest()
-        base = stage_dir(index)
         meta = self.stage_meta(index, manifest)
-        tensors = self.parsed(f"{base}/weights.safetensors", manifest, st_load)
+        tensors = self.parsed(stage_file(index, STAGE_WEIGHTS), manifest, st_load)
         return StageRecord(index, meta, tensors)
 
     def stage_statistics(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
         """A stage's statistics file (empty when the stage has none)."""
         manifest = manifest or self.manifest()
-        name = f"{stage_dir(index)}/{STATISTICS}"
+        name = stage_file(index, STATISTICS)
         return self.parsed(name, manifest, st_load) if name in manifest["files"] else {}
 
     def stages(self, manifest: dict[str, Any] | None = None) -> list[StageRecord]:
@@ -371,6 +336,10 @@ class RunDir:
     def size_bytes(self, manifest: dict[str, Any] | None = None, prefix: str = "") -> int:
         files = (manifest or self.manifest())["files"]
         return sum(e["bytes"] for n, e in files.items() if n.startswith(prefix))
+
+    def stage_bytes(self, index: int, manifest: dict[str, Any] | None = None) -> int:
+        """Bytes on disk of stage ``index``'s files (parameters, prototypes, metadata, statistics)."""
+        return self.size_bytes(manifest, prefix=f"{stage_dir(index)}/")
 
     def _inside(self, name: str) -> Path:
         rel = PurePosixPath(name)
@@ -442,7 +411,7 @@ def _is_int(value: Any) -> bool:
 def _open_lock(path: Path) -> int:
     """The lock file, opened without following a link; anything but a plain file of its own is refused."""
     try:
-        fd = _open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
+        fd = storage.open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK)
     except OSError as exc:
         raise StorageError(f"cannot open lock {path}: {exc.strerror}") from exc
     info = os.fstat(fd)
@@ -471,14 +440,6 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class RunWriter:
     """Stages files and commits them atomically. Only exists while the writer lock is held."""
 
@@ -491,7 +452,7 @@ class RunWriter:
         unlisted stage folders and unknown names are moved to the quarantine, never deleted."""
         listed = {stage_dir(i) for i in self.run.stage_indices()} if self.run.exists() else set()
         self._tidy(STAGING, keep=_never, delete=_STAGING_NAME.fullmatch, why="not a name drl writes there")
-        _rmdir_if_empty(self.run.path / STAGING)
+        storage.remove_dir_if_empty(self.run.path / STAGING)
         if not self.run.exists():
             return
         self._tidy(
@@ -512,7 +473,7 @@ class RunWriter:
                 if keep(name):
                     continue
                 if delete(name):
-                    remove_own(root / name)
+                    storage.remove(root / name)
                 else:
                     self.quarantine(f"{folder}/{name}", why=why)
         except OSError as exc:
@@ -528,7 +489,7 @@ class RunWriter:
             self._quarantine = make_dirs(self.run.path, PurePosixPath(QUARANTINE, stamp))
         rel = PurePosixPath(name)
         target = make_dirs(self._quarantine, rel.parent) / rel.name
-        os.rename(check_path(self.run.path, rel), target)  # rename moves a link itself, never its target
+        storage.rename(check_path(self.run.path, rel), target)  # rename moves a link itself, never its target
         log.warning(
             "%s is not part of the run (%s); moved it to %s instead of deleting it: delete it when you "
             "no longer need it",
@@ -545,12 +506,9 @@ class RunWriter:
         name = f"{uuid.uuid4().hex}.safetensors"
         try:
             real_dir(folder, create=True)
-            write_durable(folder / name, data)
+            storage.write_durable(folder / name, data)
             full = {**meta, "tensors": {"file": name, "sha256": sha256_bytes(data)}}
-            tmp = folder / _CHECKPOINT_TMP
-            write_durable(tmp, encode_json(full))
-            os.replace(tmp, folder / CHECKPOINT_META)
-            _fsync_dir(folder)
+            storage.write_atomic(folder / CHECKPOINT_META, encode_json(full), tmp=folder / _CHECKPOINT_TMP)
         except OSError as exc:
             raise StorageError(
                 f"writing the epoch checkpoint in {folder} failed ({exc.strerror or exc}); the committed "
@@ -561,7 +519,7 @@ class RunWriter:
 
     def discard_checkpoint(self) -> None:
         self._tidy(CHECKPOINT, keep=_never, delete=_is_checkpoint_file, why="not a name drl writes there")
-        _rmdir_if_empty(self.run.path / CHECKPOINT)
+        storage.remove_dir_if_empty(self.run.path / CHECKPOINT)
 
     def commit(
         self,
@@ -576,48 +534,74 @@ class RunWriter:
         if clash:
             raise RunStateError(f"{clash[0]} is already committed; committed files are never rewritten")
         finals = {name: self.run._inside(name) for name in files}  # refuses names escaping the run, links
-        staging = make_dirs(self.run.path, PurePosixPath(STAGING, uuid.uuid4().hex))
-        entries = {}
+        staging = self.run.path / STAGING / uuid.uuid4().hex
         placed: list[Path] = []  # files moved into place; taken back unless the manifest is replaced
-        published = False
+        data = None
         try:
-            for name, data in files.items():
-                rel = PurePosixPath(name)
-                write_durable(make_dirs(staging, rel.parent) / rel.name, data)
-                entries[name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-            for name in files:  # move into place; parents that appear are fsynced below
-                make_dirs(self.run.path, PurePosixPath(name).parent)
-                os.replace(staging / name, finals[name])
-                placed.append(finals[name])
-            for parent in {final.parent for final in finals.values()} | {self.run.path}:
-                _fsync_dir(parent)
-            stages = list(manifest["stages"]) if manifest else []
-            if new_stage is not None:
-                stages.append(new_stage)
-            new_manifest = {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "generation": (manifest["generation"] + 1) if manifest else 1,
-                "committed": _now(),
-                "stages": stages,
-                "files": {**old_files, **entries},
-            }
-            tmp = staging / MANIFEST
-            write_durable(tmp, encode_json(new_manifest))
-            os.replace(tmp, self.run.path / MANIFEST)  # the commit point
-            published = True
-            _fsync_dir(self.run.path)
+            make_dirs(self.run.path, PurePosixPath(STAGING, staging.name))
+            entries = self._place(files, staging, finals, placed)
+            new_manifest = _next_manifest(manifest, entries, new_stage)
+            data = encode_json(new_manifest)
+            storage.write_atomic(self.run.path / MANIFEST, data, tmp=staging / MANIFEST)  # the commit point
         except OSError as exc:
-            raise StorageError(
-                f"writing to {self.run.path} failed ({exc.strerror or exc}); nothing was committed, "
-                "the previous state is intact" + ("; free some disk space" if exc.errno == errno.ENOSPC else "")
-            ) from exc
+            raise self._commit_error(exc, published=self._published(data)) from exc
         finally:
-            if not published:
+            if not self._published(data):
                 _take_back(placed, self.run.path)
-            shutil.rmtree(staging, ignore_errors=True)  # refuses a link in its place
-            _rmdir_if_empty(self.run.path / STAGING)
+            storage.discard(staging)
+            storage.remove_dir_if_empty(self.run.path / STAGING)
         return new_manifest
+
+    def _place(
+        self, files: dict[str, bytes], staging: Path, finals: dict[str, Path], placed: list[Path]
+    ) -> dict[str, dict[str, Any]]:
+        """Write ``files`` into ``staging``, fsynced, then rename each to its final name (recorded in
+        ``placed``), and fsync the folders they landed in. Returns their manifest entries."""
+        entries = {}
+        for name, data in files.items():
+            rel = PurePosixPath(name)
+            storage.write_durable(make_dirs(staging, rel.parent) / rel.name, data)
+            entries[name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+        for name in files:  # move into place; parents that appear are fsynced below
+            make_dirs(self.run.path, PurePosixPath(name).parent)
+            storage.replace(staging / name, finals[name])
+            placed.append(finals[name])
+        for parent in {final.parent for final in finals.values()} | {self.run.path}:
+            storage.fsync_dir(parent)
+        return entries
+
+    def _published(self, data: bytes | None) -> bool:
+        """Whether ``manifest.json`` is the one holding ``data`` (the commit point was passed)."""
+        if data is None:
+            return False
+        try:
+            return read_nofollow(self.run.path / MANIFEST) == data
+        except (OSError, IntegrityError):
+            return False
+
+    def _commit_error(self, exc: OSError, *, published: bool) -> StorageError:
+        reason = f"writing to {self.run.path} failed ({exc.strerror or exc})"
+        if published:  # only the folder's fsync after the rename failed: the new state is in place
+            return StorageError(f"{reason} after the new state was committed; check it with `drl verify`")
+        return StorageError(
+            f"{reason}; nothing was committed, the previous state is intact"
+            + ("; free some disk space" if exc.errno == errno.ENOSPC else "")
+        )
+
+
+def _next_manifest(manifest: dict[str, Any] | None, entries: dict[str, Any], new_stage: int | None) -> dict[str, Any]:
+    """The manifest after a commit: one generation on, the new files (and stage) listed."""
+    stages = list(manifest["stages"]) if manifest else []
+    if new_stage is not None:
+        stages.append(new_stage)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "generation": (manifest["generation"] + 1) if manifest else 1,
+        "committed": _now(),
+        "stages": stages,
+        "files": {**(manifest["files"] if manifest else {}), **entries},
+    }
 
 
 def _never(_: str) -> bool:
@@ -631,10 +615,9 @@ def _is_checkpoint_file(name: str) -> bool:
 def _take_back(placed: list[Path], root: Path) -> None:
     """Undo a commit that failed before its manifest: remove the files it moved in (its own, new names)."""
     for path in placed:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        storage.discard(path)
         if path.parent != root:
-            _rmdir_if_empty(path.parent)
+            storage.remove_dir_if_empty(path.parent)
 
 
 def encode_json(obj: Any) -> bytes:
@@ -652,10 +635,12 @@ def encode_tensors(tensors: dict[str, Tensor]) -> bytes:
 def stage_files(
     index: int, meta: dict[str, Any], tensors: dict[str, Tensor], statistics: dict[str, Tensor] | None = None
 ) -> dict[str, bytes]:
-    base = stage_dir(index)
-    files = {f"{base}/stage.json": encode_json(meta), f"{base}/weights.safetensors": encode_tensors(tensors)}
+    files = {
+        stage_file(index, STAGE_META): encode_json(meta),
+        stage_file(index, STAGE_WEIGHTS): encode_tensors(tensors),
+    }
     if statistics:
-        files[f"{base}/{STATISTICS}"] = encode_tensors(statistics)
+        files[stage_file(index, STATISTICS)] = encode_tensors(statistics)
     return files
 
 

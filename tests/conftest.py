@@ -58,6 +58,19 @@ def run_dir(tmp_path) -> Path:
 FAST = {"epochs": 2, "batch_size": 12}
 
 
+@pytest.fixture(scope="session")
+def learned_run(tmp_path_factory, stage_folders) -> Path:
+    """A DRL run with the first two stages of ``stage_folders`` learned (1 epoch, batch 12, no eval
+    data), shared by every module that only reads a learned run: a test that changes it copies it."""
+    from drlcli import init_run, learn_stage
+
+    path = tmp_path_factory.mktemp("learned") / "run"
+    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    for train, _ in stage_folders[:2]:
+        learn_stage(path, data_dir=train, train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    return path
+
+
 @pytest.fixture
 def make_folder(tmp_path):
     def make(name: str, class_ids: list[int], n: int = 4) -> Path:

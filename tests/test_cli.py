@@ -226,10 +226,29 @@ def test_eval_reports_matrix_forgetting_confusions_and_plot(trained, tmp_path):
     assert history["matrix"][1] == [ev["accuracy"]["groups"]["1"], ev["accuracy"]["groups"]["2"]]
     assert history["forgetting"]["1"] == round(history["matrix"][0][0] - history["matrix"][1][0], 4)
     assert history["mean_forgetting"] == history["forgetting"]["1"]
-    assert len(ev["confused"]) <= 2 and all(set(c) == {"true", "predicted", "count"} for c in ev["confused"])
+    mistakes = round(ev["accuracy"]["num_images"] * (1 - ev["accuracy"]["top1"] / 100))
+    assert (ev["confused"] == []) == (mistakes == 0) and sum(c["count"] for c in ev["confused"]) <= mistakes
     assert ev["plot"] == str(plot) and plot.read_bytes()[:4] == b"\x89PNG"
     text = drl("eval", "--run", trained, "--all-seen").stdout
     assert "accuracy matrix" in text and "t2" in text
+
+
+def test_eval_confusions_count_every_mistake(trained, stage_folders, tmp_path):
+    """Test images of class_00 filed as class_01 and the other way round: the run's mistakes there
+    are counted per (true, predicted) pair, most frequent first, and --confusions keeps the top."""
+    test = stage_folders[0][1]
+    swapped = tmp_path / "swapped"
+    for folder, name in (("class_00", "class_01"), ("class_01", "class_00"), ("class_02", "class_02")):
+        shutil.copytree(test / folder, swapped / name)
+    _, every = drl_json("eval", "--run", trained, "--data", swapped, "--confusions", "100")
+    accuracy, confused = every["accuracy"], every["confused"]
+    mistakes = round(accuracy["num_images"] * (1 - accuracy["top1"] / 100))
+    assert accuracy["num_images"] == 12 and mistakes >= 4  # the swapped images are mostly predicted as what they show
+    assert sum(c["count"] for c in confused) == mistakes
+    assert all(set(c) == {"true", "predicted", "count"} and c["true"] != c["predicted"] for c in confused)
+    assert [c["count"] for c in confused] == sorted((c["count"] for c in confused), reverse=True)
+    _, top = drl_json("eval", "--run", trained, "--data", swapped, "--confusions", "2")
+    assert len(confused) >= 2 and top["confused"] == confused[:2]
 
 
 def test_eval_plot_errors(trained, tmp_path, monkeypatch):
@@ -242,11 +261,20 @@ def test_eval_plot_errors(trained, tmp_path, monkeypatch):
 
 
 def test_info_shows_growth_per_stage(trained):
+    from drlcli.config import IPAConfig
+    from drlcli.ipa import IPANetwork
+
     result, info = drl_json("info", "--run", trained)
     stages = info["stages"]
-    assert [s["cumulative_params"] for s in stages] == [stages[0]["num_params"], sum(s["num_params"] for s in stages)]
-    assert [s["cumulative_bytes"] for s in stages] == [stages[0]["bytes"], stages[0]["bytes"] + stages[1]["bytes"]]
+    ptm = backbone.create_ptm(TINY_PTM, source=backbone.PTMSource(random_init=True), kwargs=TINY_PTM_KWARGS)
+    per_stage = IPANetwork(ptm, IPAConfig()).new_stage(seed=0).num_params()  # counted apart from the run
+    assert [s["num_params"] for s in stages] == [per_stage, per_stage]
+    assert [s["cumulative_params"] for s in stages] == [per_stage, 2 * per_stage]
+    on_disk = [sum(f.stat().st_size for f in (trained / "stages" / f"{i:03d}").iterdir()) for i in (1, 2)]
+    assert [s["bytes"] for s in stages] == on_disk
+    assert [s["cumulative_bytes"] for s in stages] == [on_disk[0], on_disk[0] + on_disk[1]]
     assert [s["cumulative_classes"] for s in stages] == [3, 6]
-    assert info["base_bytes"] + stages[-1]["cumulative_bytes"] == info["total_bytes"]
+    base = sum((trained / name).stat().st_size for name in ("run.yaml", "ptm.safetensors"))
+    assert info["base_bytes"] == base and info["total_bytes"] == base + sum(on_disk)
     text = drl("info", "--run", trained).stdout
     assert "cum.params" in text and f"{stages[-1]['cumulative_params']:,}" in text

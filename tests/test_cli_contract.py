@@ -57,52 +57,65 @@ def test_learn_stage_logs_plain_lines_and_verbose_details(work):
 
 
 def _cases(root, run, test_dir, bench_data):
-    """(command, success args, failure args, failure exit code) for every command."""
-    return [
-        ("init", ["--run", root / "new", *TINY_ARGS, "--random-init"], ["--run", run, *TINY_ARGS, "--random-init"], 7),
-        ("learn-stage", ["--run", run, "--data", test_dir.parent / "train", *FAST], ["--run", run, "--data", root], 3),
-        ("eval", ["--run", run, "--all-seen", "--device", "cpu"], ["--run", run], 2),
-        ("export", ["--run", run, "--out", root / "m.pt"], ["--run", run, "--out", root / "m.x", "--format", "x"], 2),
-        ("predict", [test_dir, "--run", run, "--device", "cpu"], [test_dir, "--run", root / "none"], 7),
-        ("verify", ["--run", run], ["--run", root], 7),
-        ("info", ["--run", run], ["--run", root], 7),
-        (
-            "benchmark",
+    """command -> (success args, failure args, failure exit code), for every command."""
+    return {
+        "init": (["--run", root / "new", *TINY_ARGS, "--random-init"], ["--run", run, *TINY_ARGS, "--random-init"], 7),
+        "learn-stage": (["--run", run, "--data", test_dir.parent / "train", *FAST], ["--run", run, "--data", root], 3),
+        "eval": (["--run", run, "--all-seen", "--device", "cpu"], ["--run", run], 2),
+        "export": (["--run", run, "--out", root / "m.pt"], ["--run", run, "--out", root / "m.x", "--format", "x"], 2),
+        "predict": ([test_dir, "--run", run, "--device", "cpu"], [test_dir, "--run", root / "none"], 7),
+        "verify": (["--run", run], ["--run", root], 7),
+        "info": (["--run", run], ["--run", root], 7),
+        "benchmark": (
             ["--data", bench_data, "--out", root / "bench", *TINY_ARGS, "--random-init", "--methods", "simplecil"]
             + ["--split", "B0Inc1", "--device", "cpu"],
             ["--data", root / "none", "--out", root / "bench2", *TINY_ARGS, "--random-init"],
             3,
         ),
-        ("demo", ["--out", root / "demo", "--epochs", "1", "--device", "cpu"], ["--out", root / "demo"], 7),
-    ]
+        "demo": (["--out", root / "demo", "--epochs", "1", "--device", "cpu"], ["--out", root / "demo"], 7),
+    }
 
 
-def test_every_command_json_and_plain_output(work, stage_folders):
+COMMANDS = ["init", "learn-stage", "eval", "export", "predict", "verify", "info", "benchmark", "demo"]
+
+
+def test_the_contract_covers_every_command():
+    names = {c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands}
+    assert names == set(COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def bench_data(work):
+    root = work[0] / "bench-data"
+    make_class_folders(root / "train", [0, 1], images_per_class=3)
+    make_class_folders(root / "test", [0, 1], images_per_class=2, offset=3)
+    return root
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_json_and_plain_output(work, stage_folders, bench_data, command):
     root, run, _ = work
-    bench_data = root / "bench-data"
-    make_class_folders(bench_data / "train", [0, 1], images_per_class=3)
-    make_class_folders(bench_data / "test", [0, 1], images_per_class=2, offset=3)
-    for command, good, bad, code in _cases(root, run, stage_folders[0][1], bench_data):
-        result = drl(command, *good, "--json")
-        assert result.exit_code == 0, (command, result.stdout, result.stderr)
-        objects = json_out(result)
-        if command == "predict":
-            assert all("top" in o for o in objects) and len(objects) == 12
-        else:
-            assert len(objects) == 1 and objects[0]["ok"] is True
-        failed = drl(command, *bad, "--json")
-        assert failed.exit_code == code, (command, failed.stdout, failed.stderr)
-        (error,) = json_out(failed)
-        assert error["ok"] is False and error["error"]["exit_code"] == code and error["error"]["message"]
-        assert failed.stderr.strip().splitlines()[-1] == f"error: {error['error']['message']}"
-        # an option-parsing error answers --json too, in one line
-        parse = drl(command, "--json", "--no-such-option")
-        assert parse.exit_code == 2 and json_out(parse)[0]["error"]["kind"] == "usage"
-        assert "--no-such-option" in parse.stderr and len(parse.stderr.strip().splitlines()) == 1
-        if command in ("init", "demo"):  # the success case made what the second run needs to find
-            shutil.rmtree(root / ("new" if command == "init" else "demo"))
-        plain = drl(command, *good)  # the human output: plain text, no control characters either
-        assert plain.exit_code == 0 and plain.stdout.strip(), (command, plain.stderr)
+    good, bad, code = _cases(root, run, stage_folders[0][1], bench_data)[command]
+    result = drl(command, *good, "--json")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    objects = json_out(result)
+    if command == "predict":
+        assert all("top" in o for o in objects) and len(objects) == 12
+    else:
+        assert len(objects) == 1 and objects[0]["ok"] is True
+    failed = drl(command, *bad, "--json")
+    assert failed.exit_code == code, (failed.stdout, failed.stderr)
+    (error,) = json_out(failed)
+    assert error["ok"] is False and error["error"]["exit_code"] == code and error["error"]["message"]
+    assert failed.stderr.strip().splitlines()[-1] == f"error: {error['error']['message']}"
+    # an option-parsing error answers --json too, in one line
+    parse = drl(command, "--json", "--no-such-option")
+    assert parse.exit_code == 2 and json_out(parse)[0]["error"]["kind"] == "usage"
+    assert "--no-such-option" in parse.stderr and len(parse.stderr.strip().splitlines()) == 1
+    if command in ("init", "demo"):  # the success case made what the second run needs to find
+        shutil.rmtree(root / ("new" if command == "init" else "demo"))
+    plain = drl(command, *good)  # the human output: plain text, no control characters either
+    assert plain.exit_code == 0 and plain.stdout.strip(), plain.stderr
 
 
 def test_quiet_and_verbose_together_are_refused(work):

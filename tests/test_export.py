@@ -61,13 +61,13 @@ SUFFIX = {"drl": "drl", "torchscript": "pt", "onnx": "onnx"}
 
 
 @pytest.fixture(scope="module")
-def method_runs(tmp_path_factory, stage_folders):
+def method_runs(tmp_path_factory, stage_folders, learned_run):
     """A two-stage run of each method (ease: one ViT pass per stage)."""
     from drlcli import RunConfig, init_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-    runs = {}
-    for method in ("drl", "ease", "simplecil", "ranpac"):
+    runs = {"drl": learned_run}
+    for method in ("ease", "simplecil", "ranpac"):
         run = tmp_path_factory.mktemp(f"graph-{method}") / "run"
         init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method(method))
         for train, _ in stage_folders[:2]:
@@ -186,15 +186,15 @@ def test_damaged_graph_is_refused(exported, tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=needs_onnx)])
 def test_a_graph_that_disagrees_with_the_run_is_never_written(method_runs, tmp_path, monkeypatch, fmt):
-    from drlcli import traced
+    from drlcli import serving
 
-    real_load = traced.load_graph
+    real_load = serving.load_graph
 
     def wrong_scores(path, **kwargs):  # as if the exporter had mistranslated the network
         loaded = real_load(path, **kwargs)
-        return traced.GraphModel(loaded.format, loaded.spec, lambda images: loaded.run(images) + 1.0, loaded.device)
+        return serving.GraphModel(loaded.format, loaded.spec, lambda images: loaded.run(images) + 1.0, loaded.device)
 
-    monkeypatch.setattr(traced, "load_graph", wrong_scores)
+    monkeypatch.setattr(serving, "load_graph", wrong_scores)
     with pytest.raises(IntegrityError, match="disagrees with the model by 1.00e\\+00"):
         export_run(method_runs["drl"], tmp_path / f"m.{'pt' if fmt == 'torchscript' else 'onnx'}", fmt=fmt)
     assert not list(tmp_path.iterdir())
@@ -221,18 +221,18 @@ def test_torchscript_graph_has_no_device_constant(exported, method):
 
 def test_fresh_graph_is_checked_on_every_device_type(method_runs, tmp_path, monkeypatch):
     """CPU always; CUDA too on a host that has it (faked here: the CUDA load is redirected to CPU)."""
-    from drlcli import traced
+    from drlcli import serving
 
-    assert traced.check_devices("torchscript") == ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    assert serving.check_devices("torchscript") == ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert traced.check_devices("torchscript") == ["cpu", "cuda"] and traced.check_devices("onnx") == ["cpu"]
-    real_load, seen = traced.load_graph, []
+    assert serving.check_devices("torchscript") == ["cpu", "cuda"] and serving.check_devices("onnx") == ["cpu"]
+    real_load, seen = serving.load_graph, []
 
     def recording(path, *, device="cpu", **kwargs):
         seen.append(device)
         return real_load(path, device="cpu", **kwargs)
 
-    monkeypatch.setattr(traced, "load_graph", recording)
+    monkeypatch.setattr(serving, "load_graph", recording)
     export_run(method_runs["drl"], tmp_path / "m.pt", fmt="torchscript")
     assert seen == ["cpu", "cuda"]
 

@@ -126,15 +126,52 @@ def test_fast_path_equals_the_plain_reference(tiny_ptm, images, cfg):
     assert torch.allclose(fs, reference[:, -1], atol=1e-5) and torch.allclose(f0, reference[:, 0], atol=1e-5)
 
 
-def test_stacked_weights_are_cached_until_a_parameter_changes(tiny_ptm, images):
+def test_stacked_weights_are_reused_and_follow_every_parameter_change(tiny_ptm, images, monkeypatch):
+    """Frozen stages are stacked once, not per forward, and a forward after any change of their
+    parameters (in place, or by load_state_dict) computes with the new values."""
+    from drlcli import ipa
+
     net = _network(tiny_ptm, stages=2)
+    stacks, stack = [], ipa._stack
+    monkeypatch.setattr(ipa, "_stack", lambda *args: stacks.append(1) or stack(*args))
+
+    def uncached():  # the same stages in a new network: nothing cached
+        fresh = IPANetwork(tiny_ptm, net.cfg)
+        fresh.stages.extend(net.stages)
+        return fresh(images)
+
     with torch.no_grad():
         before = net(images)
-        cached = net._frozen_stack(list(net.stages))
-        assert net._frozen_stack(list(net.stages)) is cached  # no copy per forward
-        _randomize(net.stages[1], 5)  # an in-place change bumps the parameters' versions
-        assert net._frozen_stack(list(net.stages)) is not cached
-        assert not torch.allclose(net(images)[:, 2], before[:, 2], atol=1e-4)
+        assert torch.equal(net(images), before) and len(stacks) == 1  # no copy per forward
+        _randomize(net.stages[1], 5)  # in place
+        changed = net(images)
+        assert torch.allclose(changed, uncached(), atol=1e-6)
+        assert not torch.allclose(changed[:, 2], before[:, 2], atol=1e-4)
+        other = _network(tiny_ptm, stages=1, randomize=True).stages[0].state_dict()
+        net.stages[0].load_state_dict(other)
+        assert torch.allclose(net(images), uncached(), atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [{}, {"gate": "sum"}, {"gate": "part"}, {"attention": "none"}])
+@torch.no_grad()
+def test_functional_path_equals_the_in_place_one(tiny_ptm, images, cfg, monkeypatch):
+    """The exportable (functional) body, which serving graphs record, gives the in-place body's
+    numbers for several frozen stages at once; serving.exportable selects it only for its block."""
+    from drlcli.serving import exportable
+
+    bodies = []
+    for name in ("_attend", "_attend_in_place"):
+        body = getattr(IPANetwork, name)
+        monkeypatch.setattr(IPANetwork, name, lambda *a, body=body, name=name: bodies.append(name) or body(*a))
+    net = _network(tiny_ptm, stages=4, randomize=True, **cfg)
+    in_place = net(images)
+    assert set(bodies) == {"_attend_in_place"}
+    bodies.clear()
+    with exportable(net):
+        functional = net(images)
+    assert set(bodies) == {"_attend"} and not net.exportable
+    assert torch.allclose(functional, in_place, atol=1e-5), (functional - in_place).abs().max()
+    assert torch.allclose(functional, _reference_forward(net, images), atol=1e-5)
 
 
 @torch.no_grad()

@@ -20,14 +20,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from drlcli import export_run, init_run, learn_stage, load_model
+from drlcli import export_run, init_run, load_model
 from drlcli.cli import app
 from drlcli.errors import DrlError, IntegrityError, UsageError
 from drlcli.modelfile import with_checksum
 from drlcli.predict import predict
 from drlcli.rundir import sha256_bytes
+from drlcli.serving import JSON_KEYS, SPEC_FILE
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
-from drlcli.traced import JSON_KEYS, SPEC_FILE
 
 runner = CliRunner()
 HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
@@ -38,12 +38,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit is
 
 
 @pytest.fixture(scope="module")
-def learned(tmp_path_factory, stage_folders) -> Path:
-    run = tmp_path_factory.mktemp("hostile") / "run"
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
-    for train, _ in stage_folders[:2]:
-        learn_stage(run, data_dir=train, train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
-    return run
+def learned(learned_run) -> Path:
+    return learned_run
 
 
 @pytest.fixture(scope="module")

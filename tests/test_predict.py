@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from drlcli import export_run, learn_stage
+from drlcli import export_run
 from drlcli.cli import app
 from drlcli.errors import UsageError
 from drlcli.predict import expand_sources
@@ -19,15 +19,8 @@ needs_onnx = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def learned(tmp_path_factory, stage_folders):
-    from drlcli import init_run
-    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
-
-    run = tmp_path_factory.mktemp("predict") / "run"
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
-    for train, _ in stage_folders[:2]:
-        learn_stage(run, data_dir=train, train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
-    return run
+def learned(learned_run):
+    return learned_run
 
 
 def _lines(result):
@@ -65,13 +58,14 @@ def test_exported_file_predicts_like_the_run(learned, stage_folders, tmp_path):
     assert all(abs(p["score"] - q["score"]) <= 1e-5 for x, y in zip(a, b) for p, q in zip(x["top"], y["top"]))
 
 
-def test_bad_invocations(learned, tmp_path):
+def test_bad_invocations(learned, stage_folders, tmp_path):
     with pytest.raises(UsageError, match="no images"):
         expand_sources([str(tmp_path)])
     result = runner.invoke(app, ["predict", str(tmp_path), "--run", str(learned), "--json"])
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage"
-    result = runner.invoke(app, ["predict", str(tmp_path), "--run", str(tmp_path / "none")])
-    assert result.exit_code in (2, 7)
+    images = stage_folders[0][1]  # the run is what is wrong here: no run directory there (exit 7)
+    result = runner.invoke(app, ["predict", str(images), "--run", str(tmp_path / "none"), "--json"])
+    assert result.exit_code == 7 and json.loads(result.stdout)["error"]["kind"] == "run_state"
 
 
 @pytest.mark.parametrize("suffix", ["pt", pytest.param("onnx", marks=needs_onnx)])

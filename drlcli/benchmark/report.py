@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import api, jsonio
+from .. import api, jsonio, storage
 from ..config import RunConfig
 from ..metrics import AccuracyReport, summarize_history
 from ..rundir import RunDir
@@ -81,7 +81,7 @@ def summary_row(label: str, variant: Variant, run_dir: Path, config: RunConfig, 
         "mean_forgetting": history.mean_forgetting,
         "final_groups": (metas[-1]["metrics"]["eval"] or {}).get("groups", {}),
         "params_per_stage": [m["num_params"] for m in metas],
-        "bytes_per_stage": [run.size_bytes(manifest, prefix=f"stages/{i:03d}/") for i in run.stage_indices(manifest)],
+        "bytes_per_stage": [run.stage_bytes(i, manifest) for i in run.stage_indices(manifest)],
         "train_seconds": round(sum(train), 2),
         "stage_train_seconds": [round(s, 2) for s in train],
         "inference_ms_per_image": round(1000 * seconds_per_image, 3),
@@ -219,6 +219,4 @@ def write_reports(report: dict[str, Any], out: Path) -> dict[str, str | None]:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    storage.write_atomic(path, text.encode())

@@ -257,7 +257,7 @@ class _Session:
         """Stages already committed in the variant's run (0 for a new one, created by rank 0)."""
         settings = self.settings
         distributed.barrier()  # a run rank 0 is about to create is not looked at half-made
-        if (run_dir / "manifest.json").exists():
+        if RunDir(run_dir).exists():
             run = RunDir(run_dir)
             stored = RunConfig.from_dict(run.run_config()["config"])
             if stored != config:

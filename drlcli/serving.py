@@ -1,4 +1,4 @@
-"""TorchScript and ONNX exports: the single-pass network and the prototype scoring as one graph.
+"""Serving graphs: the TorchScript and ONNX exports of the single-pass network and its scoring.
 
 The graph takes a preprocessed image batch ``images`` (B, 3, H, W) float32 (resized, centre-
 cropped and normalised as the PTM's data config says) and returns ``scores`` (B, C), one column
@@ -16,6 +16,10 @@ JSON). Graph format 2 added ``spec_sha256``.
 Loading a TorchScript file runs its code, so ``load_graph`` needs ``trust_code=True`` for it; an
 ONNX file is data for onnxruntime (standard operators only, no external data files), loaded freely.
 
+While a graph is traced, the network runs its functional path (``exportable``: no in-place writes
+into ``out=`` slices, no cached parameter copies), chosen explicitly here, never by asking the
+tracer; ``write_graph`` still checks the result against the eager model before writing it.
+
 A graph serves; it cannot learn more stages (export again from the run after ``learn-stage``).
 ``ease`` graphs run one ViT pass per stage, as the method does.
 """
@@ -26,9 +30,8 @@ import contextlib
 import hashlib
 import io
 import logging
-import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,13 +39,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import __version__, backbone, jsonio, modelfile
+from . import __version__, backbone, jsonio, modelfile, storage
 from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
 from .modelfile import format_of
 from .prototypes import concat_scores, score_weights, weighted_scores
-from .rundir import write_durable
 
 GRAPH_FORMATS = ("torchscript", "onnx")
 FORMAT_VERSION = "2"
@@ -155,20 +157,18 @@ def write_graph(
     check = torch.randn(3, *size, generator=generator)  # another batch size: the batch axis must be dynamic
     spec = graph_spec(model, ptm_record, config, fmt)
     out_path = Path(out_path)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # the tracer warns about shapes read as Python numbers (block and stage counts,
-            # head sizes): they are fixed by the model; the batch axis stays dynamic (checked below)
-            warnings.simplefilter("ignore")
-            expected = graph(check)
-            if fmt == "torchscript":
-                data = _torchscript_bytes(graph, example, spec)
-            else:
-                data = _onnx_bytes(graph, example, spec)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        write_durable(tmp, data)
-        diff = 0.0
+    with torch.no_grad(), warnings.catch_warnings():
+        # the tracer warns about shapes read as Python numbers (block and stage counts,
+        # head sizes): they are fixed by the model; the batch axis stays dynamic (checked below)
+        warnings.simplefilter("ignore")
+        expected = graph(check)  # the eager model, as predict runs it
+        with exportable(graph.network):
+            data = (
+                _torchscript_bytes(graph, example, spec) if fmt == "torchscript" else _onnx_bytes(graph, example, spec)
+            )
+    diffs = []
+
+    def agrees(tmp: Path) -> None:
         for device in check_devices(fmt):  # a graph must run wherever it may be loaded, not only here
             loaded = load_graph(tmp, fmt=fmt, device=device, trust_code=True)  # just traced from our own model
             with torch.no_grad():
@@ -179,15 +179,31 @@ def write_graph(
                     f"the {fmt} graph disagrees with the model by {on:.2e} on a check batch on {device}; "
                     "nothing was written (please report it with `drl info --json`)"
                 )
-            diff = max(diff, on)
-        os.replace(tmp, out_path)
+            diffs.append(on)
+
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        storage.write_atomic(out_path, data, check=agrees)
     except OSError as exc:
         raise StorageError(
             f"cannot write export {out_path}: {exc.strerror or exc}; free space or pick another --out"
         ) from exc
+    return out_path.stat().st_size, max(diffs)
+
+
+@contextlib.contextmanager
+def exportable(network: nn.Module) -> Iterator[None]:
+    """Run ``network`` on its functional path for the block (``IPANetwork.exportable``): what a
+    tracer or exporter must record. Networks without the flag (ease) have one path only."""
+    if not hasattr(network, "exportable"):
+        yield
+        return
+    before = network.exportable
+    network.exportable = True
+    try:
+        yield
     finally:
-        tmp.unlink(missing_ok=True)
-    return out_path.stat().st_size, diff
+        network.exportable = before
 
 
 def check_devices(fmt: str) -> list[str]:
@@ -206,7 +222,7 @@ def _torchscript_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any
 
 def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:
     """PyTorch's TorchScript-based ONNX exporter (seconds, a compact graph). The network takes its
-    functional path while traced (``ipa._tracing``); ``write_graph`` checks the result anyway."""
+    functional path while traced (``exportable``); ``write_graph`` checks the result anyway."""
     onnx = require("onnx", extra="export", purpose="--format onnx")
     printed = io.StringIO()  # the exporter reports its steps on stdout, which belongs to results
     buffer = io.BytesIO()

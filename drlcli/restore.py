@@ -1,0 +1,97 @@
+"""Rebuilding a model from named tensors: the one loader of stages, behind ``load_run`` and ``load_export``.
+
+Both a run directory and a ``.drl`` export come down to the same set of tensors, under these
+names (the ``.drl`` file's own; a run's names are mapped to them in ``api.load_run``)::
+
+    stage.<i>.<param>   stage i's network parameters (i from 0; trained methods only)
+    head.<name>         the analytic head's state (ranpac; drl with score.head ridge), when there is one
+    prototypes          (C, S, d) real prototypes of every class, zero where synthesised
+    class_stage         (C,) the 1-based stage each class was learned in
+
+Each format checks its own files (checksums, shapes, finiteness) before calling ``restore_model``;
+weights that still do not fit the network are reported through the caller's ``fit_error``, so a
+run names the stage and an export names the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from .config import RunConfig
+from .methods import analytic_head, method_of
+from .model import IncrementalModel
+
+STAGE = "stage.{}."
+HEAD = "head."
+PROTOTYPES = "prototypes"
+CLASS_STAGE = "class_stage"
+
+FitError = Callable[[int | None, Exception], Exception]  # (stage position or None for the head, cause)
+
+
+def stage_prefix(position: int) -> str:
+    """The name prefix of the stage at ``position`` (0 for the first stage)."""
+    return STAGE.format(position)
+
+
+def with_prefix(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The tensors named ``prefix...``, with the prefix taken off."""
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def restore_model(
+    ptm: nn.Module,
+    config: RunConfig,
+    tensors: Mapping[str, Tensor],
+    *,
+    class_names: list[str],
+    num_stages: int,
+    data_config: dict[str, Any],
+    fit_error: FitError,
+) -> IncrementalModel:
+    """The model of ``config``'s method on ``ptm``: ``num_stages`` frozen stages, the prototype bank
+    and the head, from ``tensors`` named as the module docstring says. Stages and head are placed
+    on the PTM's device; the prototype bank stays where it is."""
+    method = method_of(config)
+    network = method.build(ptm, config)
+    for position in range(num_stages):
+        try:
+            stage = network.new_stage(seed=0)
+            stage.load_state_dict(with_prefix(tensors, stage_prefix(position)), strict=True)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise fit_error(position, exc) from exc
+        stage.requires_grad_(False)
+        stage.eval()
+    head = None
+    analytic = analytic_head(config)
+    if analytic is not None and class_names:
+        try:
+            head = analytic.from_state(with_prefix(tensors, HEAD))
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise fit_error(None, exc) from exc
+        head = head.to(next(ptm.parameters()).device)
+    return IncrementalModel(
+        network=network,
+        class_names=list(class_names),
+        class_stage=tensors[CLASS_STAGE],
+        real_prototypes=tensors[PROTOTYPES],
+        score_cfg=config.score,
+        data_config=data_config,
+        offset=method.offset,
+        head=head,
+    )
+
+
+def model_tensors(model: IncrementalModel) -> dict[str, Tensor]:
+    """The inverse of ``restore_model`` (the PTM aside): a model's tensors under the names above."""
+    tensors: dict[str, Tensor] = {}
+    for position, stage in enumerate(model.network.stages):
+        tensors.update({stage_prefix(position) + k: v for k, v in stage.state_dict().items()})
+    if model.head is not None:
+        tensors.update({HEAD + k: v for k, v in model.head.state_dict().items()})
+    tensors[PROTOTYPES] = model.real_prototypes
+    tensors[CLASS_STAGE] = model.class_stage
+    return tensors
