@@ -180,7 +180,12 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
     is refitted every stage from statistics, and every export format scores like the run."""
     run = tmp_path / "run"
     config = RunConfig.for_method(
-        "drl", {"score": {"head": "ridge"}, "ranpac": {"proj_dim": 64, "subspaces": subspaces}, "train": {"epochs": 2, "batch_size": 12}}
+        "drl",
+        {
+            "score": {"head": "ridge"},
+            "ranpac": {"proj_dim": 64, "subspaces": subspaces},
+            "train": {"epochs": 2, "batch_size": 12},
+        },
     )
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     learn_stage(run, data_dir=stage_folders[0][0], device="cpu")

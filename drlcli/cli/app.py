@@ -1,7 +1,6 @@
 """The ``drl`` commands: each parses its options, makes one library call inside the error
 boundary (``boundary.execute``) and hands the result to its renderer (``render``)."""
 
-
 from __future__ import annotations
 
 import sys

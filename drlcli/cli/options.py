@@ -1,7 +1,6 @@
 """Options that several ``drl`` commands share, the choices ``--help`` and shell completion show,
 and the top-level help's exit-code table. Imports no torch: ``drl --help`` stays fast."""
 
-
 from __future__ import annotations
 
 from enum import Enum
