@@ -34,7 +34,7 @@ import torch
 import yaml
 
 from . import api, distributed, jsonio
-from .config import MAX_SEED, EaseConfig, IPAConfig, RanpacConfig, RunConfig, ScoreConfig, TrainConfig
+from .config import MAX_SEED, RunConfig, config_sections
 from .data import ImageDataset, eval_transform, scan_class_folders
 from .errors import DataError, UsageError
 from .methods import method_of
@@ -43,13 +43,7 @@ from .model import embed_images
 from .prototypes import score, synthesize
 from .rundir import RunDir
 
-SECTIONS = {
-    "ipa": IPAConfig,
-    "ease": EaseConfig,
-    "ranpac": RanpacConfig,
-    "train": TrainConfig,
-    "score": ScoreConfig,
-}
+SECTIONS = config_sections()  # ipa, ease, ranpac, train, score
 DEFAULT_METHODS = "drl,ease,simplecil"
 ABLATIONS = "drl,drl/loss=ce,drl/kd_weight=0,drl/attention=none,drl/gate=sum,drl/rule=concat"
 
