@@ -36,9 +36,8 @@ from pathlib import Path
 import timm
 import torch
 
-from drlcli.config import EaseConfig, IPAConfig, ScoreConfig, TrainConfig
-from drlcli.ease import EaseNetwork
-from drlcli.ipa import IPANetwork
+from drlcli.config import RunConfig, ScoreConfig
+from drlcli.methods import METHODS
 from drlcli.model import IncrementalModel
 from drlcli.train import CosineClassifier, _StageStep
 
@@ -53,7 +52,7 @@ def build_ptm(arch: str, device: torch.device, kwargs: dict | None = None) -> to
 
 def build_network(method: str, ptm: torch.nn.Module, stages: int) -> torch.nn.Module:
     """A network with ``stages`` frozen stages whose parameters are random (not the zero init)."""
-    network = IPANetwork(ptm, IPAConfig()) if method == "drl" else EaseNetwork(ptm, EaseConfig())
+    network = METHODS[method].build(ptm, RunConfig.for_method(method))
     generator = torch.Generator().manual_seed(0)
     for s in range(stages):
         stage = network.new_stage(seed=s)
@@ -64,8 +63,9 @@ def build_network(method: str, ptm: torch.nn.Module, stages: int) -> torch.nn.Mo
     return network
 
 
-def classifier_model(network: torch.nn.Module, offset: int) -> IncrementalModel:
-    """``network`` with random prototypes for CLASSES_PER_STAGE classes per stage: full inference."""
+def classifier_model(method: str, network: torch.nn.Module) -> IncrementalModel:
+    """``method``'s ``network`` with random prototypes for CLASSES_PER_STAGE classes per stage: full inference."""
+    offset = METHODS[method].offset
     stages = network.num_stages
     num_classes = max(stages, 1) * CLASSES_PER_STAGE
     class_stage = torch.arange(num_classes) // CLASSES_PER_STAGE + 1
@@ -91,7 +91,7 @@ def train_case(method: str, ptm: torch.nn.Module, stage: int, images: torch.Tens
     network = build_network(method, ptm, stage - 1)
     new = network.new_stage(seed=stage)
     new.train()
-    cfg = TrainConfig() if method == "drl" else TrainConfig(loss="ce", kd_weight=0.0, scale_init=1.0)
+    cfg = RunConfig.for_method(method).train  # the step uses the method's loss, distillation and σ init
     classifier = CosineClassifier(network.width, CLASSES_PER_STAGE, scale_init=cfg.scale_init).to(images.device)
     step = _StageStep(network, classifier, cfg)
     params = [p for p in new.parameters() if p.requires_grad] + list(classifier.parameters())
@@ -172,12 +172,12 @@ def cases_for(arch: str, args, device: torch.device, which: str | None = None) -
                 ptm.forward_features(images)
 
         cases["bare_no_grad"] = bare_no_grad
-    for t in args.stages:
-        if want(f"drl_T{t}"):
-            cases[f"drl_T{t}"] = inference_case(classifier_model(build_network("drl", ptm, t), 1), images)
-    for t in args.ease_stages:
-        if want(f"ease_T{t}"):
-            cases[f"ease_T{t}"] = inference_case(classifier_model(build_network("ease", ptm, t), 0), images)
+    for method, stage_counts in (("drl", args.stages), ("ease", args.ease_stages)):
+        for t in stage_counts:
+            if want(f"{method}_T{t}"):
+                cases[f"{method}_T{t}"] = inference_case(
+                    classifier_model(method, build_network(method, ptm, t)), images
+                )
     for s in args.train_stages:
         for method in ("drl", "ease"):
             if want(f"train_{method}_s{s}") and (method == "drl" or s in args.ease_train_stages):

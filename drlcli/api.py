@@ -23,12 +23,12 @@ from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
-from .methods import analytic_head, method_of
+from .methods import HeadFit, Method, analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .restore import restore_model
-from .rundir import PTM_WEIGHTS, RUN_CONFIG, RUN_CONFIG_KIND, RunDir, StageRecord, init_files, stage_files
-from .train import TrainState, train_stage
+from .rundir import PTM_WEIGHTS, RUN_CONFIG, RUN_CONFIG_KIND, RunDir, RunWriter, StageRecord, init_files, stage_files
+from .train import TrainProgress, TrainResult, TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
 log = logging.getLogger(__name__)  # debug lines: what --verbose shows (timings, per-epoch losses)
@@ -500,210 +500,369 @@ def learn_stage(
     Each finished epoch is checkpointed; an interrupted call resumes from its last epoch when run
     again with the same data and options (``restart`` discards it instead). Running again after
     the stage committed, with the same data, changes nothing.
+
+    The phases, in order: prepare (read the run and the data) -> the idempotence check -> check
+    the data -> train or resume -> prototypes (and an analytic head's fit) -> evaluate -> record
+    -> commit.
     """
     start = time.perf_counter()
     run = RunDir(run_dir)
     # under torchrun only rank 0 locks and writes; the others read the same committed state
     with run.writer() if distributed.is_main() else contextlib.nullcontext() as writer:
         distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
-        manifest = run.manifest()
-        _, config = read_record(run, manifest)
-        config = config.with_train(**(train_overrides or {}))
-        images = scan_class_folders(data_dir)
-        eval_images = scan_class_folders(eval_data_dir, what="--eval-data") if eval_data_dir else None
-        loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
-        model = loaded.model
-        learned = {name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())}
-        fingerprint = images.fingerprint()  # stats every file: once
-        unchanged = _already_committed(images, fingerprint, learned, loaded)
+        stage = _prepare(
+            run,
+            writer,
+            data_dir=data_dir,
+            eval_data_dir=eval_data_dir,
+            train_overrides=train_overrides,
+            device=device,
+            ptm_weights=ptm_weights,
+            progress=progress,
+        )
+        unchanged = _already_committed(stage.images, stage.fingerprint, stage.learned, stage.loaded)
         if unchanged is not None:
             return unchanged
-        for name in images.class_names:
-            if name in learned:
-                raise DataError(
-                    f"class {name!r} in --data was already learned in stage {learned[name]}; "
-                    "new stages bring new classes only: rename or remove that folder"
-                )
-        refuse_near_duplicates(images.class_names, learned)
-        if eval_images is not None:
-            unknown = [c for c in eval_images.class_names if c not in learned and c not in images.class_names]
-            if unknown:
-                raise DataError(
-                    f"--eval-data {eval_images.root} has class(es) neither learned nor in --data: "
-                    f"{unknown[:5]}; remove them or add them to --data"
-                )
-        for item in (images, eval_images):
-            if item is not None:
-                if progress:
-                    progress(Progress("validate", 0, len(item), str(item.root)))
-                tick = time.perf_counter()
-                validate_images(item)
-                log.debug("validated %d images of %s in %.1fs", len(item), item.root, time.perf_counter() - tick)
-        stage_index = max(loaded.run.stage_indices(manifest), default=0) + 1
-        network = model.network
-        method = method_of(config)
-        train_result = None
-        resumed_from = None
-        if method.trains:
-            network.new_stage(seed=config.train.seed + stage_index)
-            train_progress = (
-                (
-                    lambda p: progress(
-                        Progress(  # steps counted over the whole stage: one bar, one ETA
-                            "train",
-                            (p.epoch - 1) * p.steps + p.step,
-                            p.epochs * p.steps,
-                            f"epoch {p.epoch}/{p.epochs} loss {p.loss:.4f}",
-                        )
-                    )
-                )
-                if progress
-                else None
-            )
-            key = _checkpoint_key(manifest, stage_index, config, fingerprint, resolve_device(device).type)
-            resume = None
-            if writer is not None:
-                resume = None if restart else _resumable(run, key)
-                if restart:
-                    writer.discard_checkpoint()
-            resume = distributed.broadcast_object(resume)
-            resumed_from = resume.epoch if resume else None
-            if resume and progress:
-                progress(Progress("resume", resume.epoch, config.train.epochs, "from the last finished epoch"))
-
-            def epoch_done(state: TrainState, epochs: int = config.train.epochs) -> None:
-                log.debug("epoch %d/%d: loss %.4f (%.1fs)", state.epoch, epochs, state.epoch_losses[-1], state.seconds)
-                if writer is not None:
-                    writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors)
-
-            try:
-                train_result = train_stage(
-                    network,
-                    images,
-                    config.train,
-                    model.data_config,
-                    progress=train_progress,
-                    resume=resume,
-                    on_epoch=epoch_done,
-                )
-            except DivergedError:
-                if writer is not None:  # resuming it would diverge again: the re-run starts afresh
-                    writer.discard_checkpoint()
-                raise
-            log.debug(
-                "trained %d steps in %.1fs, scale σ %.2f", train_result.steps, train_result.seconds, train_result.scale
-            )
-            _check_ranks_agree(network.stages[-1])
-        tick = time.perf_counter()
-        shard = distributed.shard(len(images))
-        feats, labels = embed_images(
-            network,
-            images,
-            model.data_config,
-            batch_size=EVAL_BATCH_SIZE,
-            indices=shard,
-            progress=(lambda s, t: progress(Progress("prototypes", s, t))) if progress else None,
-        )
-        model.add_classes(list(images.class_names), stage_index, class_means(feats, labels, len(images.class_names)))
-        log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
-        fit = None
-        head = analytic_head(config)
-        if head is not None:  # an analytic head (ranpac, drl's ridge): fitted on these same features
-            fit = head.fit_stage(
-                loaded,
-                feats,
-                labels,
-                image_labels=images.labels,
-                indices=shard,
-                num_classes=len(images.class_names),
-                config=config,
-                stage_index=stage_index,
-            )
-            model.head = fit.head.to(model.device)
-            log.debug("%s head fitted in %.1fs: %s", config.method, fit.meta["seconds"], fit.meta["lambda"])
-        feature_seconds = time.perf_counter() - tick
-        warnings: list[str] = []
-        sets = registered_eval_sets(loaded, missing=warnings)
-        for message in warnings:
-            if progress:
-                progress(Progress("warning", 0, 0, message))
-        if eval_images is not None:
-            sets.append(eval_set(eval_images, model, what="--eval-data"))
-        tick = time.perf_counter()
-        report = evaluate_sets(model, sets, progress=progress) if sets else None
-        if report is not None:
-            log.debug("evaluated %d images in %.1fs", report.num_images, time.perf_counter() - tick)
-        stage = network.stages[-1] if method.trains else None
-        tensors = {"prototypes": model.real_prototypes[-len(images.class_names) :]}
-        if stage is not None:
-            tensors.update({f"{method.tensor_prefix}{k}": v for k, v in stage.state_dict().items()})
-        if fit is not None:
-            tensors.update(fit.tensors)
-        bad = non_finite(tensors)
-        if bad is not None:
-            if writer is not None:
-                writer.discard_checkpoint()
-            raise DivergedError(
-                f"training diverged: {bad} of stage {stage_index} holds NaN or infinite values; nothing was "
-                f"committed: lower --lr (now {config.train.lr:g})"
-            )
-        meta = {
-            "stage": stage_index,
-            "drl_version": __version__,
-            "classes": list(images.class_names),
-            "images_per_class": images.counts(),
-            "data_fingerprint": fingerprint,
-            "train": asdict(config.train) if method.trains else None,
-            "device": str(model.device),
-            "world_size": distributed.world_size(),
-            "eval_data": {
-                "path": os.path.relpath(Path(eval_data_dir).resolve(), run.path.resolve()),
-                "classes": list(eval_images.class_names),
-                "fingerprint": eval_images.fingerprint(),
-            }
-            if eval_images is not None
-            else None,
-            "num_params": stage.num_params() if stage is not None else fit.num_params if fit else 0,
-            "eval_missing": warnings,
-            "metrics": {
-                "eval": report.to_dict() if report else None,
-                "train": asdict(train_result)
-                if train_result
-                else {"seconds": feature_seconds}  # the feature pass and solve
-                if fit
-                else None,
-            },
-        }
-        if fit is not None:
-            meta["ranpac" if config.method == "ranpac" else "ridge"] = fit.meta
-        files = stage_files(stage_index, meta, tensors, fit.statistics if fit else None)
-        if writer is not None:
-            tick = time.perf_counter()
-            writer.commit(files, manifest=manifest, new_stage=stage_index)
-            writer.discard_checkpoint()
-            log.debug(
-                "committed stage %d (%d bytes) in %.2fs",
-                stage_index,
-                sum(map(len, files.values())),
-                time.perf_counter() - tick,
-            )
+        _check_data(stage)
+        trained = _train_or_resume(stage, restart=restart)
+        fitted = _prototypes(stage)
+        evaluated = _evaluate(stage)
+        record = _record(stage, trained, fitted, evaluated)
+        _commit(stage, record)
         distributed.barrier()  # every rank returns only once the stage is committed
+    return _learned(stage, trained, fitted, evaluated, record, start=start)
+
+
+@dataclass(frozen=True)
+class _StageContext:
+    """One learn-stage call, as ``_prepare`` read it: what every later phase works from."""
+
+    run: RunDir
+    writer: RunWriter | None  # rank 0 holds the run's lock; None on the other ranks
+    manifest: dict[str, Any]
+    config: RunConfig  # the run's, with this call's training overrides
+    method: Method
+    loaded: LoadedRun  # its model gains the new stage and classes as the phases go
+    learned: dict[str, int]  # class name -> stage, before this one
+    images: ImageSet
+    eval_images: ImageSet | None
+    eval_data_dir: Path | None
+    fingerprint: str  # of ``images``
+    index: int  # of the new stage
+    device: str
+    progress: ProgressFn | None
+
+    @property
+    def model(self) -> IncrementalModel:
+        return self.loaded.model
+
+    def say(self, phase: str, step: int, total: int, detail: str = "") -> None:
+        if self.progress is not None:
+            self.progress(Progress(phase, step, total, detail))
+
+    def discard_checkpoint(self) -> None:
+        if self.writer is not None:
+            self.writer.discard_checkpoint()
+
+
+@dataclass(frozen=True)
+class _Trained:
+    result: TrainResult | None  # None: the method trains nothing
+    resumed_from: int | None  # the epoch an interrupted call's checkpoint had reached
+
+
+@dataclass(frozen=True)
+class _Fitted:
+    fit: HeadFit | None  # the analytic head's, if the method has one
+    seconds: float  # the feature pass for the prototypes, and the head's fit
+
+
+@dataclass(frozen=True)
+class _Evaluated:
+    report: AccuracyReport | None  # None: no eval set registered or given
+    warnings: list[str]  # registered eval sets that were left out
+
+
+@dataclass(frozen=True)
+class _Record:
+    meta: dict[str, Any]  # stage.json
+    files: dict[str, bytes]  # the stage's files, as committed
+
+
+def _prepare(
+    run: RunDir,
+    writer: RunWriter | None,
+    *,
+    data_dir: Path,
+    eval_data_dir: Path | None,
+    train_overrides: dict[str, Any] | None,
+    device: str,
+    ptm_weights: Path | None,
+    progress: ProgressFn | None,
+) -> _StageContext:
+    """Read the run (under its lock), its config with the overrides, and the data folders' listings."""
+    manifest = run.manifest()
+    _, config = read_record(run, manifest)
+    config = config.with_train(**(train_overrides or {}))
+    images = scan_class_folders(data_dir)
+    eval_images = scan_class_folders(eval_data_dir, what="--eval-data") if eval_data_dir else None
+    loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
+    model = loaded.model
+    return _StageContext(
+        run=run,
+        writer=writer,
+        manifest=manifest,
+        config=config,
+        method=method_of(config),
+        loaded=loaded,
+        learned={name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())},
+        images=images,
+        eval_images=eval_images,
+        eval_data_dir=eval_data_dir,
+        fingerprint=images.fingerprint(),  # stats every file: once
+        index=max(run.stage_indices(manifest), default=0) + 1,
+        device=device,
+        progress=progress,
+    )
+
+
+def _check_data(stage: _StageContext) -> None:
+    """The class rules, then every image of --data and --eval-data decodes (DataError otherwise)."""
+    _check_classes(stage.images, stage.eval_images, stage.learned)
+    for item in (stage.images, stage.eval_images):
+        if item is not None:
+            stage.say("validate", 0, len(item), str(item.root))
+            tick = time.perf_counter()
+            validate_images(item)
+            log.debug("validated %d images of %s in %.1fs", len(item), item.root, time.perf_counter() - tick)
+
+
+def _check_classes(images: ImageSet, eval_images: ImageSet | None, learned: dict[str, int]) -> None:
+    """A stage brings new classes only, none a near-duplicate name of a learned one; --eval-data
+    holds learned classes or this stage's."""
+    for name in images.class_names:
+        if name in learned:
+            raise DataError(
+                f"class {name!r} in --data was already learned in stage {learned[name]}; "
+                "new stages bring new classes only: rename or remove that folder"
+            )
+    refuse_near_duplicates(images.class_names, learned)
+    if eval_images is not None:
+        unknown = [c for c in eval_images.class_names if c not in learned and c not in images.class_names]
+        if unknown:
+            raise DataError(
+                f"--eval-data {eval_images.root} has class(es) neither learned nor in --data: "
+                f"{unknown[:5]}; remove them or add them to --data"
+            )
+
+
+def _train_or_resume(stage: _StageContext, *, restart: bool) -> _Trained:
+    """A trained method's new stage: trained, from the last epoch checkpoint when one fits. Each
+    finished epoch is checkpointed (rank 0); a diverged training leaves no checkpoint behind."""
+    if not stage.method.trains:
+        return _Trained(None, None)
+    network, train = stage.model.network, stage.config.train
+    network.new_stage(seed=train.seed + stage.index)
+    key = _checkpoint_key(
+        stage.manifest, stage.index, stage.config, stage.fingerprint, resolve_device(stage.device).type
+    )
+    resume = _resume_state(stage, key, restart=restart)
+
+    def epoch_done(state: TrainState) -> None:
+        log.debug("epoch %d/%d: loss %.4f (%.1fs)", state.epoch, train.epochs, state.epoch_losses[-1], state.seconds)
+        if stage.writer is not None:
+            stage.writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors)
+
+    try:
+        result = train_stage(
+            network,
+            stage.images,
+            train,
+            stage.model.data_config,
+            progress=_train_progress(stage.progress),
+            resume=resume,
+            on_epoch=epoch_done,
+        )
+    except DivergedError:
+        stage.discard_checkpoint()  # resuming it would diverge again: the re-run starts afresh
+        raise
+    log.debug("trained %d steps in %.1fs, scale σ %.2f", result.steps, result.seconds, result.scale)
+    _check_ranks_agree(network.stages[-1])
+    return _Trained(result, resume.epoch if resume is not None else None)
+
+
+def _resume_state(stage: _StageContext, key: dict[str, Any], *, restart: bool) -> TrainState | None:
+    """The epoch checkpoint to continue from: read by rank 0, sent to every rank. ``restart`` discards it."""
+    resume = None
+    if stage.writer is not None:
+        resume = None if restart else _resumable(stage.run, key)
+        if restart:
+            stage.writer.discard_checkpoint()
+    resume = distributed.broadcast_object(resume)
+    if resume is not None:
+        stage.say("resume", resume.epoch, stage.config.train.epochs, "from the last finished epoch")
+    return resume
+
+
+def _train_progress(progress: ProgressFn | None) -> Callable[[TrainProgress], None] | None:
+    """Training steps as progress counted over the whole stage: one bar, one ETA."""
+    if progress is None:
+        return None
+    return lambda p: progress(
+        Progress(
+            "train",
+            (p.epoch - 1) * p.steps + p.step,
+            p.epochs * p.steps,
+            f"epoch {p.epoch}/{p.epochs} loss {p.loss:.4f}",
+        )
+    )
+
+
+def _prototypes(stage: _StageContext) -> _Fitted:
+    """The new classes' prototypes in every subspace (their mean feature); the run's analytic head
+    (ranpac's; drl's with score.head ridge) is fitted on the same features."""
+    tick = time.perf_counter()
+    images, model, head = stage.images, stage.model, analytic_head(stage.config)
+    shard = distributed.shard(len(images))
+    feats, labels = embed_images(
+        model.network,
+        images,
+        model.data_config,
+        batch_size=EVAL_BATCH_SIZE,
+        indices=shard,
+        progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
+    )
+    model.add_classes(list(images.class_names), stage.index, class_means(feats, labels, len(images.class_names)))
+    log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
+    fit = None
+    if head is not None:
+        fit = head.fit_stage(
+            stage.loaded,
+            feats,
+            labels,
+            image_labels=images.labels,
+            indices=shard,
+            num_classes=len(images.class_names),
+            config=stage.config,
+            stage_index=stage.index,
+        )
+        model.head = fit.head.to(model.device)
+        log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])
+    return _Fitted(fit, time.perf_counter() - tick)
+
+
+def _evaluate(stage: _StageContext) -> _Evaluated:
+    """Top-1 on every eval set earlier stages registered (a missing one is a warning) and on --eval-data."""
+    warnings: list[str] = []
+    sets = registered_eval_sets(stage.loaded, missing=warnings)
+    for message in warnings:
+        stage.say("warning", 0, 0, message)
+    if stage.eval_images is not None:
+        sets.append(eval_set(stage.eval_images, stage.model, what="--eval-data"))
+    tick = time.perf_counter()
+    report = evaluate_sets(stage.model, sets, progress=stage.progress) if sets else None
+    if report is not None:
+        log.debug("evaluated %d images in %.1fs", report.num_images, time.perf_counter() - tick)
+    return _Evaluated(report, warnings)
+
+
+def _record(stage: _StageContext, trained: _Trained, fitted: _Fitted, evaluated: _Evaluated) -> _Record:
+    """The stage's files: its tensors (refused if any is NaN or infinite) and its metadata."""
+    tensors = {"prototypes": stage.model.real_prototypes[-len(stage.images.class_names) :]}
+    if stage.method.trains:
+        new = stage.model.network.stages[-1].state_dict()
+        tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
+    if fitted.fit is not None:
+        tensors.update(fitted.fit.tensors)
+    bad = non_finite(tensors)
+    if bad is not None:
+        stage.discard_checkpoint()
+        raise DivergedError(
+            f"training diverged: {bad} of stage {stage.index} holds NaN or infinite values; nothing was "
+            f"committed: lower --lr (now {stage.config.train.lr:g})"
+        )
+    meta = _stage_meta(stage, trained, fitted, evaluated)
+    statistics = fitted.fit.statistics if fitted.fit is not None else None
+    return _Record(meta, stage_files(stage.index, meta, tensors, statistics))
+
+
+def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evaluated: _Evaluated) -> dict[str, Any]:
+    """stage.json: what the stage learned from, on what, and how well."""
+    images, fit, report = stage.images, fitted.fit, evaluated.report
+    if trained.result is not None:
+        train_metrics = asdict(trained.result)
+    else:
+        train_metrics = {"seconds": fitted.seconds} if fit is not None else None  # the feature pass and solve
+    if stage.method.trains:
+        num_params = stage.model.network.stages[-1].num_params()
+    else:
+        num_params = fit.num_params if fit is not None else 0
+    meta = {
+        "stage": stage.index,
+        "drl_version": __version__,
+        "classes": list(images.class_names),
+        "images_per_class": images.counts(),
+        "data_fingerprint": stage.fingerprint,
+        "train": asdict(stage.config.train) if stage.method.trains else None,
+        "device": str(stage.model.device),
+        "world_size": distributed.world_size(),
+        "eval_data": _eval_data_entry(stage),
+        "num_params": num_params,
+        "eval_missing": evaluated.warnings,
+        "metrics": {"eval": report.to_dict() if report else None, "train": train_metrics},
+    }
+    if fit is not None:
+        meta["ranpac" if stage.config.method == "ranpac" else "ridge"] = fit.meta
+    return meta
+
+
+def _eval_data_entry(stage: _StageContext) -> dict[str, Any] | None:
+    """--eval-data as registered for later evaluations: relative to the run, with its classes and fingerprint."""
+    if stage.eval_images is None:
+        return None
+    return {
+        "path": os.path.relpath(Path(stage.eval_data_dir).resolve(), stage.run.path.resolve()),
+        "classes": list(stage.eval_images.class_names),
+        "fingerprint": stage.eval_images.fingerprint(),
+    }
+
+
+def _commit(stage: _StageContext, record: _Record) -> None:
+    """Rank 0 commits the stage atomically, then drops the epoch checkpoint it no longer needs."""
+    if stage.writer is None:
+        return
+    tick = time.perf_counter()
+    stage.writer.commit(record.files, manifest=stage.manifest, new_stage=stage.index)
+    stage.writer.discard_checkpoint()
+    log.debug(
+        "committed stage %d (%d bytes) in %.2fs",
+        stage.index,
+        sum(map(len, record.files.values())),
+        time.perf_counter() - tick,
+    )
+
+
+def _learned(
+    stage: _StageContext, trained: _Trained, fitted: _Fitted, evaluated: _Evaluated, record: _Record, *, start: float
+) -> StageResult:
+    """What learn-stage reports for a stage it learned and committed."""
+    train = trained.result
     return StageResult(
         status="learned",
-        resumed_from_epoch=resumed_from,
-        stage=stage_index,
-        classes=list(images.class_names),
-        num_images=len(images),
-        train_seconds=train_result.seconds if train_result else feature_seconds if fit else 0.0,
+        resumed_from_epoch=trained.resumed_from,
+        stage=stage.index,
+        classes=list(stage.images.class_names),
+        num_images=len(stage.images),
+        train_seconds=train.seconds if train else fitted.seconds if fitted.fit else 0.0,
         total_seconds=time.perf_counter() - start,
-        epoch_losses=train_result.epoch_losses if train_result else [],
-        scale=train_result.scale if train_result else None,
-        num_params=meta["num_params"],
-        stage_bytes=sum(len(b) for b in files.values()),
-        eval=report,
-        history=history_of([*loaded.stage_metas, meta]),
-        warnings=warnings,
-        run_dir=str(run.path),
+        epoch_losses=train.epoch_losses if train else [],
+        scale=train.scale if train else None,
+        num_params=record.meta["num_params"],
+        stage_bytes=sum(len(b) for b in record.files.values()),
+        eval=evaluated.report,
+        history=history_of([*stage.loaded.stage_metas, record.meta]),
+        warnings=evaluated.warnings,
+        run_dir=str(stage.run.path),
     )
 
 

@@ -10,13 +10,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 import yaml
 
 from .errors import UsageError
 
-METHODS = ("drl", "simplecil", "ease", "ranpac")
+if TYPE_CHECKING:
+    from .methods import Method
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,7 @@ class RunConfig:
     @classmethod
     def for_method(cls, method: str, data: dict[str, Any] | None = None) -> RunConfig:
         """``method``'s defaults (EASE trains with its own recipe), overlaid by ``data``'s sections."""
-        if method not in METHODS:
-            raise UsageError(f"unknown method {method!r}; choose one of {list(METHODS)}")
-        base = cls(method=method, train=METHOD_TRAIN_DEFAULTS.get(method, TrainConfig())).to_dict()
+        base = cls(method=method, train=_method(method).train_defaults).to_dict()
         for section, values in (data or {}).items():
             if section == "method":
                 continue
@@ -184,11 +183,34 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     raise UsageError(f"{where} must be {target.__name__}, got {value!r}")
 
 
-# EASE's published recipe (the EASE paper / LAMDA-PILOT ease.json): CE through a cosine head whose
-# scale starts at 1, no feature distillation.
-METHOD_TRAIN_DEFAULTS = {
-    "ease": TrainConfig(loss="ce", kd_weight=0.0, scale_init=1.0, lr=0.025, epochs=20, batch_size=48),
-}
+def _registry() -> dict[str, Method]:
+    """The registered methods (``methods/``, which imports this module: so imported here, late)."""
+    from .methods import METHODS
+
+    return METHODS
+
+
+def _method(name: str) -> Method:
+    from .methods import get_method
+
+    return get_method(name)
+
+
+def __getattr__(name: str) -> Any:
+    """``METHODS`` (the method names, in the CLI's order) and ``METHOD_TRAIN_DEFAULTS`` (the methods whose
+    train section differs from ``TrainConfig()``), read from the registry in ``methods/``."""
+    if name == "METHODS":
+        return tuple(_registry())
+    if name == "METHOD_TRAIN_DEFAULTS":
+        return {n: m.train_defaults for n, m in _registry().items() if m.train_defaults != TrainConfig()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def config_sections() -> dict[str, type]:
+    """Each section of a run config (``ipa``, ``ease``, ``ranpac``, ``train``, ``score``) and its dataclass."""
+    hints = get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
+
 
 _CHOICES = {
     ("ipa", "activation"): ("relu", "gelu"),
@@ -265,9 +287,9 @@ _RANGES = {
 
 
 def validate(cfg: RunConfig) -> None:
-    """Raise ``UsageError`` naming the first option that is unknown, non-finite or out of range."""
-    if cfg.method not in METHODS:
-        raise UsageError(f"unknown method {cfg.method!r}; choose one of {list(METHODS)}")
+    """Raise ``UsageError`` naming the first option that is unknown, non-finite or out of range,
+    or that breaks a rule of the config's method (``methods/``)."""
+    method = _method(cfg.method)
     for (section, name), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), name)
         if value not in choices:
@@ -278,13 +300,12 @@ def validate(cfg: RunConfig) -> None:
             default = getattr(_DEFAULTS[section], name)
             hint = "" if default is None else f" (default {default})"
             raise UsageError(f"{section}.{name} must be a number in {allowed}{hint}, got {value}")
-    if cfg.method == "ease" and cfg.train.kd_weight:
-        raise UsageError("train.kd_weight must be 0 for method ease (it has no PTM stream to distil from)")
-    if cfg.ranpac.lambda_min_exp > cfg.ranpac.lambda_max_exp:
-        raise UsageError("ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp")
-    if cfg.score.head == "ridge" and cfg.method == "ease":
-        raise UsageError("score.head ridge needs a PTM subspace, which method ease has not: use prototypes")
-    if cfg.ranpac.subspaces == 2 and not (cfg.method == "drl" and cfg.score.head == "ridge"):
+    method.rules(cfg)
+    for other in _registry().values():  # every config holds every method's section
+        other.section_rules(cfg)
+    if cfg.score.head == "ridge" and not method.offset:
+        raise UsageError(f"score.head ridge needs a PTM subspace, which method {cfg.method} has not: use prototypes")
+    if cfg.ranpac.subspaces == 2 and not (method.trains and method.offset and cfg.score.head == "ridge"):
         raise UsageError("ranpac.subspaces 2 reads stage 1's subspace: only for method drl with score.head ridge")
 
 

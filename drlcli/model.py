@@ -2,7 +2,7 @@
 
 Shared by every method: a method only decides which subspaces the network produces (SimpleCIL:
 the PTM's alone; DRL: the PTM's and one per stage in one pass; EASE: one per stage, one pass
-each) and how a stage is trained (see ``methods.py``).
+each) and how a stage is trained (see ``methods/``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Subset
 from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, ImageSet, eval_transform, start_workers
+from .methods import StageNetwork
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
 
@@ -24,7 +25,7 @@ from .prototypes import concat_scores, score_weights, synthesize, weighted_score
 class IncrementalModel:
     """Everything inference needs. ``real_prototypes`` (C, S, d) is zero where synthesised."""
 
-    network: nn.Module  # IPANetwork or EaseNetwork: forward(images) -> (B, S, d)
+    network: StageNetwork  # IPANetwork or EaseNetwork: forward(images) -> (B, S, d)
     class_names: list[str]
     class_stage: Tensor  # (C,) 1-based stage of each class
     real_prototypes: Tensor  # (C, S, d)
@@ -105,13 +106,13 @@ def empty_prototypes(width: int, offset: int = 1) -> Tensor:
     return torch.zeros(0, offset, width)
 
 
-def _device_of(network: nn.Module) -> torch.device:
+def _device_of(network: StageNetwork) -> torch.device:
     return next(network.ptm.parameters()).device
 
 
 @torch.inference_mode()
 def embed_images(
-    network: nn.Module,
+    network: StageNetwork,
     images: ImageSet,
     data_config: dict[str, Any],
     *,

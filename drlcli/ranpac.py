@@ -39,11 +39,11 @@ from torch import Tensor, nn
 
 from . import distributed
 from .config import RanpacConfig, RunConfig
+from .methods.ranpac import TENSOR_PREFIX as PREFIX  # tensor names in a stage's weights file
 
 if TYPE_CHECKING:
     from .api import LoadedRun
 
-PREFIX = "ranpac."  # tensor names in a stage's weights file
 STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, stored as float32
 
 

@@ -27,6 +27,7 @@ from .config import TrainConfig
 from .data import ImageDataset, ImageSet, start_workers, train_transform
 from .errors import DivergedError, RunStateError, UsageError
 from .losses import ce_loss, das_loss, kd_loss
+from .methods import StageNetwork
 from .model import class_means, embed_images
 
 
@@ -90,7 +91,7 @@ def stage_loss(logits: Tensor, targets: Tensor, feats: Tensor, ptm_feats: Tensor
 
 
 def train_stage(
-    network: nn.Module,
+    network: StageNetwork,
     images: ImageSet,
     cfg: TrainConfig,
     data_config: dict[str, Any],
@@ -106,18 +107,73 @@ def train_stage(
     ``on_epoch`` receives the state after each epoch; ``resume`` continues from such a state and
     gives the same parameters as an uninterrupted run.
     """
-    num_classes = len(images.class_names)
     # loss ce on a single class is identically 0: the stage then keeps its initialisation, which
     # is what CE-trained methods (EASE) do on such a stage. DAS trains it (SPEC §2.2).
     device = next(network.ptm.parameters()).device
     stage = network.stages[-1]
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)  # the loader's order (and its workers' seeds)
+    classifier = _classifier(network, images, cfg, data_config, device=device, from_prototypes=resume is None)
+    loader = _loader(images, cfg, data_config, generator)
+    loop = _Loop(loader, _step_module(network, classifier, cfg, device), *_optimizer(stage, classifier, cfg))
+    stage.train()
+    start = time.perf_counter()
+    epoch_losses: list[float] = []
+    steps, first_epoch, earlier_seconds = 0, 1, 0.0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)  # the transforms' randomness
+        if resume is not None:
+            _restore(resume, stage, classifier, loop.optimizer, loop.params, loop.schedule, generator, device)
+            epoch_losses, steps = list(resume.epoch_losses), resume.steps
+            first_epoch, earlier_seconds = resume.epoch + 1, resume.seconds
+        for epoch in range(first_epoch, cfg.epochs + 1):
+            loss, epoch_steps = _run_epoch(loop, epoch, cfg, device=device, progress=progress)
+            epoch_losses.append(loss)
+            steps += epoch_steps
+            _check_finite(epoch, loss, stage, classifier, cfg)  # before a checkpoint can keep it
+            if on_epoch is not None:
+                tensors = _capture(stage, classifier, loop, generator, device)
+                elapsed = earlier_seconds + time.perf_counter() - start
+                on_epoch(TrainState(epoch, tensors, list(epoch_losses), elapsed, steps))
+    stage.eval()
+    stage.requires_grad_(False)
+    seconds = earlier_seconds + time.perf_counter() - start
+    return TrainResult(epoch_losses, float(classifier.scale.item()), seconds, steps)
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """What every epoch uses: the batches, the step's loss, and the optimiser with its schedule."""
+
+    loader: DataLoader
+    step_module: nn.Module  # _StageStep, wrapped in DistributedDataParallel under torchrun
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    params: list[nn.Parameter]  # in the optimiser's order: the checkpoint's momentum.<i>
+
+
+def _classifier(
+    network: StageNetwork,
+    images: ImageSet,
+    cfg: TrainConfig,
+    data_config: dict[str, Any],
+    *,
+    device: torch.device,
+    from_prototypes: bool,
+) -> CosineClassifier:
+    """The stage's cosine classifier, seeded; ``head_init`` prototypes starts it at the class means
+    (not when resuming: the checkpoint holds its weights)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        classifier = CosineClassifier(network.width, num_classes, scale_init=cfg.scale_init).to(device)
-    if cfg.head_init == "prototypes" and resume is None:
+        classifier = CosineClassifier(network.width, len(images.class_names), scale_init=cfg.scale_init).to(device)
+    if cfg.head_init == "prototypes" and from_prototypes:
         means = initial_class_means(network, images, data_config, batch_size=cfg.batch_size)
         classifier.weight.data.copy_(means.to(device))
+    return classifier
+
+
+def _loader(images: ImageSet, cfg: TrainConfig, data_config: dict[str, Any], generator: torch.Generator) -> DataLoader:
+    """Augmented batches of ``cfg.batch_size`` images, shuffled by ``generator``; under torchrun the
+    batch is the global one and each process loads its share (``GlobalBatchShard``)."""
     dataset = ImageDataset(images, train_transform(data_config, crop_scale_min=cfg.crop_scale_min, hflip=cfg.hflip))
     world = distributed.world_size()
     global_batch = min(cfg.batch_size, len(dataset))
@@ -128,7 +184,7 @@ def train_stage(
             raise UsageError(f"the stage has {len(dataset)} images, fewer than the {world} processes; use fewer")
         global_batch = len(dataset) // world * world if global_batch == len(dataset) else global_batch
         sampler = GlobalBatchShard(len(dataset), global_batch, generator)
-    loader = DataLoader(
+    return DataLoader(
         dataset,
         batch_size=distributed.local_batch_size(global_batch),
         shuffle=sampler is None,
@@ -138,12 +194,23 @@ def train_stage(
         generator=generator,  # also draws the workers' base seed, in both modes alike
         worker_init_fn=_seed_worker,
     )
+
+
+def _step_module(
+    network: StageNetwork, classifier: CosineClassifier, cfg: TrainConfig, device: torch.device
+) -> nn.Module:
+    """One step's loss as a module; under torchrun the trainable parameters' gradients are averaged over ranks."""
     step_module: nn.Module = _StageStep(network, classifier, cfg)
-    if world > 1:  # gradients of the trainable parameters averaged over ranks
-        step_module = DistributedDataParallel(
-            step_module,
-            device_ids=[device.index] if device.type == "cuda" else None,
-        )
+    if distributed.world_size() > 1:
+        step_module = DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
+    return step_module
+
+
+def _optimizer(
+    stage: nn.Module, classifier: CosineClassifier, cfg: TrainConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, list[nn.Parameter]]:
+    """SGD with momentum over the stage's trainable parameters and the classifier, and its cosine
+    schedule over the epochs. Weight decay on the stage and the class weights, not on the scale σ."""
     decay = [p for p in stage.parameters() if p.requires_grad] + [classifier.weight]
     optimizer = torch.optim.SGD(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": [classifier.scale], "weight_decay": 0.0}],
@@ -152,54 +219,53 @@ def train_stage(
     )
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    stage.train()
-    start = time.perf_counter()
-    epoch_losses: list[float] = []
-    steps, first_epoch, earlier_seconds = 0, 1, 0.0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)  # the transforms' randomness
-        if resume is not None:
-            _restore(resume, stage, classifier, optimizer, params, schedule, generator, device)
-            epoch_losses, steps = list(resume.epoch_losses), resume.steps
-            first_epoch, earlier_seconds = resume.epoch + 1, resume.seconds
-        for epoch in range(first_epoch, cfg.epochs + 1):
-            if sampler is not None:  # each process reseeds its augmentations every epoch
-                torch.manual_seed(cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank())
-            total, count = 0.0, 0
-            for step, (batch, targets) in enumerate(start_workers(loader), 1):
-                batch, targets = batch.to(device), targets.to(device)
-                loss = step_module(batch, targets)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                total += loss.item() * len(targets)
-                count += len(targets)
-                steps += 1
-                if progress is not None:
-                    progress(TrainProgress(epoch, cfg.epochs, step, len(loader), loss.item()))
-            schedule.step()
-            if world > 1:  # the epoch's loss over every process's images
-                total, count = distributed.all_reduce_sum(
-                    torch.tensor([total, float(count)], dtype=torch.float64)
-                ).tolist()
-            epoch_losses.append(total / max(count, 1))
-            _check_finite(epoch, epoch_losses[-1], stage, classifier, cfg)  # before a checkpoint can keep it
-            if on_epoch is not None:
-                tensors = {f"stage.{k}": v for k, v in stage.state_dict().items()}
-                tensors.update({f"classifier.{k}": v for k, v in classifier.state_dict().items()})
-                for i, p in enumerate(params):
-                    if "momentum_buffer" in optimizer.state[p]:
-                        tensors[f"momentum.{i}"] = optimizer.state[p]["momentum_buffer"]
-                tensors["rng.torch"] = torch.get_rng_state()
-                if device.type == "cuda":  # EASE's dropout draws on the GPU
-                    tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-                tensors["rng.loader"] = generator.get_state()
-                elapsed = earlier_seconds + time.perf_counter() - start
-                on_epoch(TrainState(epoch, tensors, list(epoch_losses), elapsed, steps))
-    stage.eval()
-    stage.requires_grad_(False)
-    seconds = earlier_seconds + time.perf_counter() - start
-    return TrainResult(epoch_losses, float(classifier.scale.item()), seconds, steps)
+    return optimizer, schedule, params
+
+
+def _run_epoch(
+    loop: _Loop,
+    epoch: int,
+    cfg: TrainConfig,
+    *,
+    device: torch.device,
+    progress: Callable[[TrainProgress], None] | None,
+) -> tuple[float, int]:
+    """One epoch of steps, then the schedule's step: (mean loss over every process's images, steps)."""
+    world = distributed.world_size()
+    if world > 1:  # each process reseeds its augmentations every epoch
+        torch.manual_seed(cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank())
+    total, count, steps = 0.0, 0, 0
+    for step, (batch, targets) in enumerate(start_workers(loop.loader), 1):
+        batch, targets = batch.to(device), targets.to(device)
+        loss = loop.step_module(batch, targets)
+        loop.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        loop.optimizer.step()
+        total += loss.item() * len(targets)
+        count += len(targets)
+        steps += 1
+        if progress is not None:
+            progress(TrainProgress(epoch, cfg.epochs, step, len(loop.loader), loss.item()))
+    loop.schedule.step()
+    if world > 1:  # the epoch's loss over every process's images
+        total, count = distributed.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64)).tolist()
+    return total / max(count, 1), steps
+
+
+def _capture(
+    stage: nn.Module, classifier: nn.Module, loop: _Loop, generator: torch.Generator, device: torch.device
+) -> dict[str, Tensor]:
+    """The tensors of a ``TrainState``: parameters, momentum buffers and RNG states (``_restore``'s inverse)."""
+    tensors = {f"stage.{k}": v for k, v in stage.state_dict().items()}
+    tensors.update({f"classifier.{k}": v for k, v in classifier.state_dict().items()})
+    for i, p in enumerate(loop.params):
+        if "momentum_buffer" in loop.optimizer.state[p]:
+            tensors[f"momentum.{i}"] = loop.optimizer.state[p]["momentum_buffer"]
+    tensors["rng.torch"] = torch.get_rng_state()
+    if device.type == "cuda":  # EASE's dropout draws on the GPU
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
+    tensors["rng.loader"] = generator.get_state()
+    return tensors
 
 
 def _restore(

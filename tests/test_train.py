@@ -87,3 +87,27 @@ def test_prototype_head_init_starts_at_the_class_means(tiny_ptm, make_folder):
 
 def _eval_image(images, index):
     return ImageDataset(images, eval_transform(CFG))[index][0]
+
+
+def test_weight_decay_covers_the_stage_and_class_weights_but_not_the_scale(tiny_ptm):
+    """One place decides the optimiser's groups: decay on the trainable stage parameters and the
+    class weights, none on σ; a stage's frozen parameters (gate=sum) are not optimised at all."""
+    from drlcli.train import _optimizer
+
+    net = IPANetwork(tiny_ptm, IPAConfig(gate="sum"))
+    stage = net.new_stage(seed=0)
+    classifier = CosineClassifier(net.width, 3, scale_init=16.0)
+    cfg = TrainConfig(weight_decay=1e-3, lr=0.05, momentum=0.8, epochs=4)
+    optimizer, schedule, params = _optimizer(stage, classifier, cfg)
+    decay, no_decay = optimizer.param_groups
+    trainable = [p for p in stage.parameters() if p.requires_grad]
+    assert len(trainable) < len(list(stage.parameters()))  # the gate is frozen under gate=sum
+
+    def ids(tensors):
+        return [id(t) for t in tensors]
+
+    assert ids(decay["params"]) == ids([*trainable, classifier.weight]) and decay["weight_decay"] == 1e-3
+    assert ids(no_decay["params"]) == [id(classifier.scale)] and no_decay["weight_decay"] == 0.0
+    assert all(g["lr"] == 0.05 and g["momentum"] == 0.8 for g in optimizer.param_groups)
+    assert ids(params) == ids([*trainable, classifier.weight, classifier.scale])  # the checkpoint's momentum.<i> order
+    assert schedule.T_max == 4

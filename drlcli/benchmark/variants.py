@@ -10,16 +10,10 @@ from typing import Any
 
 import yaml
 
-from ..config import EaseConfig, IPAConfig, RanpacConfig, RunConfig, ScoreConfig, TrainConfig
+from ..config import RunConfig, config_sections
 from ..errors import UsageError
 
-SECTIONS = {
-    "ipa": IPAConfig,
-    "ease": EaseConfig,
-    "ranpac": RanpacConfig,
-    "train": TrainConfig,
-    "score": ScoreConfig,
-}
+SECTIONS = config_sections()
 
 
 @dataclass(frozen=True)
