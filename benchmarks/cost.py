@@ -251,14 +251,17 @@ def memory(arch: str, names: list[str], args, log) -> dict[str, dict[str, float]
 
 
 def disk_bytes(arch: str, args, log) -> dict[str, int]:
-    """Bytes of each stage's committed files in a real run directory (random-init PTM)."""
+    """Bytes of each stage's committed files in a real run directory (random-init PTM), drl's
+    ``paper`` preset: adapters and prototypes (the default ridge head adds its statistics,
+    ``statistics.safetensors``, 4·M(M+1) bytes per stage: about 36 MB at M 3000)."""
     from drlcli import api
     from drlcli.rundir import RunDir, stage_dir
     from drlcli.synthetic import make_class_folders
 
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        api.init_run(run, ptm=arch, random_init=True, ptm_kwargs=args.ptm_kwargs)
+        config = RunConfig.for_method("drl", preset="paper")
+        api.init_run(run, ptm=arch, random_init=True, ptm_kwargs=args.ptm_kwargs, config=config)
         sizes = {}
         for s in range(1, args.disk_stages + 1):
             ids = list(range((s - 1) * args.disk_classes, s * args.disk_classes))

@@ -100,7 +100,7 @@ def init_run(
     if ptm_weights is not None and random_init:
         raise UsageError("--ptm-weights and --random-init exclude each other; pass one")
     ptm_kwargs = backbone.check_ptm_kwargs(ptm_kwargs, origin="--ptm-arg (ptm_kwargs)")  # before creating anything
-    config = config or RunConfig()
+    config = config or RunConfig.for_method("drl")
     run = RunDir(run_dir)
     with run.writer(create=True, allow_nonempty=allow_nonempty) as writer:
         source = PTMSource(weights_path=ptm_weights, random_init=random_init, seed=seed)

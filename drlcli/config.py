@@ -49,11 +49,14 @@ class EaseConfig:
 class RanpacConfig:
     """The RanPAC baseline's analytic head (``ranpac.py``): random projection + ReLU + ridge."""
 
-    proj_dim: int = 3000  # M: width of the random projection of the PTM feature
+    proj_dim: int | None = None  # M, width of the random projection; None: min(3000, 16 d) (3000 for DeiT-Tiny)
     val_fraction: float = 0.2  # of each stage's images, held out in the statistics to choose λ
     lambda_min_exp: int = -8  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
     lambda_max_exp: int = 8
     subspaces: int = 1  # leading subspaces the head reads: 1: f_0 (RanPAC's); 2: [f_0, f_1] (drl: + stage 1's)
+
+    def resolved_proj_dim(self, width: int) -> int:
+        return self.proj_dim if self.proj_dim is not None else min(3000, 16 * width)
 
 
 @dataclass(frozen=True)
@@ -110,20 +113,27 @@ class RunConfig:
         return _build(cls, data, "config")
 
     @classmethod
-    def for_method(cls, method: str, data: dict[str, Any] | None = None) -> RunConfig:
-        """``method``'s defaults (EASE trains with its own recipe), overlaid by ``data``'s sections."""
-        base = cls(method=method, train=_method(method).train_defaults).to_dict()
-        for section, values in (data or {}).items():
-            if section == "method":
-                continue
-            if isinstance(values, dict) and isinstance(base.get(section), dict):
-                base[section] = {**base[section], **values}
-            else:
-                base[section] = values
+    def for_method(cls, method: str, data: dict[str, Any] | None = None, *, preset: str | None = None) -> RunConfig:
+        """``method``'s defaults (its train recipe and other sections), then the named ``preset`` of the
+        method if given, overlaid by ``data``'s sections."""
+        spec = _method(method)
+        if preset is not None and preset not in spec.presets:
+            known = list(spec.presets) or "none"
+            raise UsageError(f"method {method} has no preset {preset!r}; its presets: {known}")
+        base = cls(method=method, train=spec.train_defaults).to_dict()
+        layers = [spec.defaults, spec.presets[preset] if preset else {}, data or {}]
+        for layer in layers:
+            for section, values in layer.items():
+                if section == "method":
+                    continue
+                if isinstance(values, dict) and isinstance(base.get(section), dict):
+                    base[section] = {**base[section], **values}
+                else:
+                    base[section] = values
         return cls.from_dict(base)
 
     @classmethod
-    def from_yaml(cls, path: Path, *, method: str | None = None) -> RunConfig:
+    def from_yaml(cls, path: Path, *, method: str | None = None, preset: str | None = None) -> RunConfig:
         """A config file's sections over ``method``'s defaults (``method`` overrides the file's)."""
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
@@ -131,7 +141,7 @@ class RunConfig:
             raise UsageError(f"cannot read config {path}: {exc}; pass a readable YAML file") from exc
         if not isinstance(data, dict):
             raise UsageError(f"config {path} must be a YAML mapping of sections")
-        return cls.for_method(method or data.get("method", "drl"), data)
+        return cls.for_method(method or data.get("method", "drl"), data, preset=preset)
 
     def with_train(self, **overrides: Any) -> RunConfig:
         """A copy with some training options replaced (``None`` values are ignored)."""

@@ -262,7 +262,8 @@ def fit_stage(
     head = loaded.model.head
     if head is None:
         width = features.shape[-1] * cfg.subspaces
-        projection = random_projection(width, cfg.proj_dim, seed=config.train.seed).to(STAT_DTYPE)
+        proj_dim = cfg.resolved_proj_dim(features.shape[-1])
+        projection = random_projection(width, proj_dim, seed=config.train.seed).to(STAT_DTYPE)
     else:
         projection = head.projection.to(STAT_DTYPE)
     val_all = validation_mask(
@@ -286,7 +287,7 @@ def fit_stage(
         "validation_errors": dict(zip([f"{x:g}" for x in lambdas], errors)),
         "num_fit": total.num_fit,
         "num_val": total.num_val,
-        "proj_dim": cfg.proj_dim,
+        "proj_dim": projection.shape[1],
         "seconds": round(time.perf_counter() - start, 3),
     }
     return StageFit(new_head, tensors, stage.to_tensors(), meta, weight.numel())

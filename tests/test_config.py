@@ -95,3 +95,33 @@ def test_every_number_is_finite_and_in_range(section, name, kind, tmp_path):
 def test_nonsensical_numbers_are_refused(data):
     with pytest.raises(UsageError, match="must be a number in"):
         RunConfig.from_dict(data)
+
+
+def test_drl_defaults_to_the_ridge_head_and_paper_preset_restores_prototype_scoring():
+    assert RunConfig.for_method("drl").score.head == "ridge"
+    paper = RunConfig.for_method("drl", preset="paper")
+    assert paper.score.head == "prototypes"
+    assert paper.train == RunConfig.for_method("drl").train  # the preset changes the scoring only
+    # sections given on top of a preset win over it
+    assert RunConfig.for_method("drl", {"score": {"head": "ridge"}}, preset="paper").score.head == "ridge"
+    # a config written before score.head existed reads as prototype scoring
+    old = RunConfig.for_method("drl").to_dict()
+    del old["score"]["head"]
+    assert RunConfig.from_dict(old).score.head == "prototypes"
+    for method in ("simplecil", "ease"):
+        assert RunConfig.for_method(method).score.head == "prototypes"
+    with pytest.raises(UsageError, match="no preset 'fast'.*paper"):
+        RunConfig.for_method("drl", preset="fast")
+    with pytest.raises(UsageError, match="no preset"):
+        RunConfig.for_method("ease", preset="paper")
+
+
+def test_benchmark_variant_takes_a_preset():
+    from drlcli.benchmark import parse_variant
+
+    variant = parse_variant("drl/preset=paper/lr=0.05")
+    config = variant.config(epochs=3, seed=1)
+    assert config.score.head == "prototypes" and config.train.lr == 0.05 and config.train.epochs == 3
+    assert parse_variant("drl").config(epochs=None, seed=0).score.head == "ridge"
+    with pytest.raises(UsageError, match="no preset"):
+        parse_variant("drl/preset=nope")

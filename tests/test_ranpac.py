@@ -214,3 +214,20 @@ def test_ridge_head_options_are_checked():
         RunConfig.for_method("ranpac", {"ranpac": {"subspaces": 2}})
     with pytest.raises(UsageError, match="ranpac.subspaces"):
         RunConfig.for_method("drl", {"score": {"head": "ridge"}, "ranpac": {"subspaces": 3}})
+
+
+def test_cli_init_preset_paper_scores_with_prototypes(tmp_path, stage_folders):
+    runner = CliRunner()
+    args = ["--ptm", TINY_PTM, "--random-init"] + [
+        a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")
+    ]
+    for name, extra in (("default", []), ("paper", ["--preset", "paper"])):
+        run = tmp_path / name
+        assert runner.invoke(app, ["init", "--run", str(run), *args, *extra]).exit_code == 0
+        learn = ["learn-stage", "--run", str(run), "--data", str(stage_folders[0][0]), "--device", "cpu"]
+        assert runner.invoke(app, [*learn, "--epochs", "1", "--batch-size", "12"]).exit_code == 0
+        model = load_run(run, device="cpu").model
+        assert (model.head is None) == (name == "paper")
+        assert (run / "stages" / "001" / "statistics.safetensors").exists() == (name == "default")
+    bad = runner.invoke(app, ["init", "--run", str(tmp_path / "x"), *args, "--preset", "fast"])
+    assert bad.exit_code == 2 and "no preset 'fast'" in bad.stderr

@@ -1,5 +1,5 @@
 """Benchmark variants: ``method[/key=value...]``, e.g. ``drl/loss=ce``, ``drl/gate=sum``,
-``ease/epochs=3``; keys are config fields (``train.lr`` or just ``lr`` when the name is unique
+``ease/epochs=3``, ``drl/preset=paper`` (a method's named recipe); keys are config fields (``train.lr`` or just ``lr`` when the name is unique
 across sections). ``--rescore`` options are score-section keys alone (``beta=0/rule=concat``)."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class Variant:
     label: str
     method: str
     overrides: dict[str, dict[str, Any]]  # section -> field -> value
+    preset: str | None = None  # a named recipe of the method (``drl/preset=paper``)
 
     def config(self, *, epochs: int | None, seed: int) -> RunConfig:
         sections = {name: dict(values) for name, values in self.overrides.items()}
@@ -28,7 +29,7 @@ class Variant:
         train.setdefault("seed", seed)
         if epochs is not None:
             train.setdefault("epochs", epochs)
-        return RunConfig.for_method(self.method, sections)
+        return RunConfig.for_method(self.method, sections, preset=self.preset)
 
     @property
     def dirname(self) -> str:
@@ -54,14 +55,17 @@ def parse_variant(text: str) -> Variant:
     parts = [p for p in text.strip().split("/") if p]
     if not parts:
         raise UsageError("empty --methods entry; use e.g. drl,ease,simplecil")
-    method, overrides = parts[0], {}
+    method, overrides, preset = parts[0], {}, None
     for part in parts[1:]:
         if "=" not in part:
             raise UsageError(f"variant option {part!r} in {text!r} is not KEY=VALUE; use e.g. drl/loss=ce")
         key, raw = part.split("=", 1)
+        if key == "preset":
+            preset = raw
+            continue
         section, name = _resolve_key(key)
         overrides.setdefault(section, {})[name] = yaml.safe_load(raw)
-    variant = Variant(text.strip(), method, overrides)
+    variant = Variant(text.strip(), method, overrides, preset)
     variant.config(epochs=None, seed=0)  # validate now, before any work
     return variant
 

@@ -92,6 +92,11 @@ def init(
     ptm_arg: list[str] = PtmArgOpt,
     method: MethodName | None = typer.Option(None, "--method", help="Method; default drl, or the --config file's."),
     config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
+    preset: str | None = typer.Option(
+        None,
+        "--preset",
+        help="A named recipe of the method under --config's sections: paper (drl: the paper's scoring).",
+    ),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
     allow_nonempty: bool = typer.Option(
         False,
@@ -109,7 +114,10 @@ def init(
 
     def action(_: Reporter) -> Any:
         name = method.value if method else None
-        cfg = RunConfig.from_yaml(config, method=name) if config else RunConfig.for_method(name or "drl")
+        if config:
+            cfg = RunConfig.from_yaml(config, method=name, preset=preset)
+        else:
+            cfg = RunConfig.for_method(name or "drl", preset=preset)
         return _api().init_run(
             run,
             ptm=ptm,

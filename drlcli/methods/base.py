@@ -11,7 +11,7 @@ registry's names without loading it. Networks and heads are imported when first 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -114,6 +114,10 @@ class Method:
     # rules on the method's own config section, checked in every config (each holds every section)
     section_rules: Callable[[RunConfig], None] = _no_rules
     load_head: Callable[[], AnalyticHead] | None = None  # imports the analytic head, if any
+    # other sections of a new run that differ from the dataclass defaults: {section: {key: value}}
+    defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # named recipes over ``defaults`` (``init --preset``, ``benchmark`` variant ``preset=``)
+    presets: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
 
     @property
     def head(self) -> AnalyticHead | None:

@@ -1,5 +1,10 @@
 """``drl`` (the default): the IPA network (``ipa.py``), one pass for every subspace, the PTM's
-subspace plus one per stage, each stage trained with DAS + distillation (``train.py``)."""
+subspace plus one per stage, each stage trained with DAS + distillation (``train.py``).
+
+Scoring, chosen on validation splits (``docs/benchmarks.md``, issue 15): a new run is scored by the
+analytic ridge head on the PTM subspace (``score.head: ridge``, ``ranpac.py``), which beat the
+paper's reweighted cosine to the prototype bank on Caltech-101 and Caltech-101-Sketch. The paper's
+recipe is the ``paper`` preset (``drl init --preset paper``)."""
 
 from __future__ import annotations
 
@@ -19,4 +24,12 @@ def build_ipa(ptm: nn.Module, config: RunConfig) -> StageNetwork:
     return IPANetwork(ptm, config.ipa)
 
 
-METHOD = Method(name="drl", build=build_ipa, trains=True, offset=1, tensor_prefix="ipa.")
+METHOD = Method(
+    name="drl",
+    build=build_ipa,
+    trains=True,
+    offset=1,
+    tensor_prefix="ipa.",
+    defaults={"score": {"head": "ridge"}},
+    presets={"paper": {"score": {"head": "prototypes"}}},  # the paper's §III-D scoring, SPEC §2.3
+)
