@@ -20,6 +20,7 @@ import torch
 
 from drlcli import init_run, learn_stage, storage
 from drlcli.api import verify
+from drlcli.config import RunConfig
 from drlcli.errors import StorageError
 from drlcli.rundir import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
@@ -72,7 +73,10 @@ def template(tmp_path_factory):
     root = tmp_path_factory.mktemp("crash-points")
     data = [make_class_folders(root / f"stage{i}", [2 * i, 2 * i + 1], images_per_class=4) for i in (1, 2)]
     run = root / "run"
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    # the default drl recipe (its ridge head writes statistics.safetensors in every commit), with a
+    # narrow projection: the storage calls are the same, the solve is instant
+    config = RunConfig.for_method("drl", {"ranpac": {"proj_dim": 32}})
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     learn_stage(run, data_dir=data[0], train_overrides=OPTS, device="cpu")
 
     def stop_before_prototypes(event):

@@ -70,11 +70,13 @@ def test_scoring_state_is_built_once_per_device(stage_folders, tmp_path, monkeyp
     is a host-to-device copy and a sync); adding classes rebuilds them."""
     from drlcli import init_run, load_run
     from drlcli import model as model_module
+    from drlcli.config import RunConfig
     from drlcli.prototypes import score
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     run = tmp_path / "r"
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    paper = RunConfig.for_method("drl", preset="paper")  # prototype scoring: the state under test
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=paper)
     learn_stage(run, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
     model = load_run(run, device="cpu").model
     builds = []
