@@ -125,3 +125,11 @@ def test_benchmark_variant_takes_a_preset():
     assert parse_variant("drl").config(epochs=None, seed=0).score.head == "ridge"
     with pytest.raises(UsageError, match="no preset"):
         parse_variant("drl/preset=nope")
+
+
+def test_rescore_refuses_the_head_option():
+    from drlcli.benchmark.variants import parse_score
+
+    assert parse_score("beta=3") == {"beta": 3}
+    with pytest.raises(UsageError, match="head is chosen at init"):
+        parse_score("head=ridge")

@@ -81,7 +81,8 @@ def parse_methods(text: str) -> list[Variant]:
 
 
 def parse_score(text: str) -> dict[str, Any]:
-    """``key=value[/key=value]`` over the score section, e.g. ``beta=0/rule=concat``."""
+    """``key=value[/key=value]`` over the score section, e.g. ``beta=0/rule=concat``: prototype
+    scoring of the run's bank, whatever head the run itself scores with (``score.head``)."""
     out = {}
     for part in [p for p in text.split("/") if p]:
         if "=" not in part:
@@ -90,6 +91,8 @@ def parse_score(text: str) -> dict[str, Any]:
         section, name = _resolve_key(key if "." in key else f"score.{key}")
         if section != "score":
             raise UsageError(f"--rescore takes score options (rule, rho, beta, tau), not {key!r}")
+        if name == "head":  # a ridge head is fitted at learn time; rescoring re-scores the prototype bank
+            raise UsageError("--rescore re-scores the prototype bank (rule, rho, beta, tau); head is chosen at init")
         out[name] = yaml.safe_load(raw)
     RunConfig.for_method("drl", {"score": out})  # validate the values now
     return out
