@@ -342,7 +342,9 @@ def benchmark(
     ),
     skip_class: list[str] = typer.Option(["BACKGROUND_Google"], "--skip-class", help="Class to leave out."),
     rescore: list[str] = typer.Option(
-        [], "--rescore", help="Also score each trained run with these options, no retraining (e.g. beta=0)."
+        [],
+        "--rescore",
+        help="Also score each trained run's prototype bank with these options, no retraining (e.g. beta=0).",
     ),
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
