@@ -31,6 +31,7 @@ from .rundir import PTM_WEIGHTS, RUN_CONFIG, RUN_CONFIG_KIND, RunDir, RunWriter,
 from .train import TrainProgress, TrainResult, TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
+TOP_K = 5  # eval reports top-1 and top-5
 log = logging.getLogger(__name__)  # debug lines: what --verbose shows (timings, per-epoch losses)
 
 
@@ -325,14 +326,15 @@ def eval_set(images: ImageSet, model: IncrementalModel, *, what: str) -> EvalSet
 def evaluate_sets(
     model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
 ) -> AccuracyReport:
-    predictions, targets = predict_sets(model, sets, progress=progress)
-    return accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages)
+    ranked, targets = predict_sets(model, sets, progress=progress)
+    return accuracy_report(ranked[:, 0], targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
 
 
 def predict_sets(
     model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-1 predictions and targets (global class indices) over every set, gathered from all ranks."""
+    """Each image's TOP_K best-scored classes (N, k), best first, and its target (global class
+    indices), over every set, gathered from all ranks."""
     predictions, targets = [], []
     for k, item in enumerate(sets, 1):
         report_step = (
@@ -348,7 +350,8 @@ def predict_sets(
             indices=distributed.shard(len(item.images)),
             progress=report_step,
         )
-        predictions.append(model.scores(feats).argmax(1).cpu())
+        scores = model.scores(feats)
+        predictions.append(scores.topk(min(TOP_K, scores.shape[1]), dim=1).indices.cpu())
         targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
     pairs = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets)))  # every rank's shard
     return torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
@@ -436,8 +439,9 @@ def evaluate(
         if not sets:
             raise UsageError("no eval data is registered; pass --eval-data to learn-stage, or use --data DIR")
     model = loaded.model
-    predictions, targets = predict_sets(model, sets, progress=progress)
-    report = accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages)
+    ranked, targets = predict_sets(model, sets, progress=progress)
+    predictions = ranked[:, 0]
+    report = accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
     history = history_of(loaded.stage_metas)
     plot = None
     if plot_path is not None and distributed.is_main():

@@ -23,6 +23,7 @@ class AccuracyReport:
     groups: dict[str, float] = field(default_factory=dict)
     old: float | None = None  # classes of stages before the newest one
     new: float | None = None  # classes of the newest stage
+    top5: float | None = None  # target among the 5 best-scored classes (all of them when fewer)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -32,8 +33,11 @@ def _pct(correct: Tensor) -> float:
     return round(100.0 * correct.float().mean().item(), 4)
 
 
-def accuracy_report(predictions: Tensor, targets: Tensor, class_stage: Tensor, *, num_stages: int) -> AccuracyReport:
-    """Top-1 overall, per stage group and old/new. ``class_stage`` maps class index → stage."""
+def accuracy_report(
+    predictions: Tensor, targets: Tensor, class_stage: Tensor, *, num_stages: int, ranked: Tensor | None = None
+) -> AccuracyReport:
+    """Top-1 overall, per stage group and old/new; top-5 when ``ranked`` (N, k) holds each image's
+    best-scored classes, best first. ``class_stage`` maps class index → stage."""
     if targets.numel() == 0:
         raise ValueError("no evaluation images")
     correct = predictions == targets
@@ -46,6 +50,7 @@ def accuracy_report(predictions: Tensor, targets: Tensor, class_stage: Tensor, *
         groups=groups,
         old=_pct(correct[~is_new]) if (~is_new).any() else None,
         new=_pct(correct[is_new]) if is_new.any() else None,
+        top5=_pct((ranked[:, :5] == targets[:, None]).any(1)) if ranked is not None else None,
     )
 
 

@@ -55,6 +55,7 @@ def test_full_flow_outputs(trained, stage_folders, tmp_path):
     result, ev = drl_json("eval", "--run", run, "--all-seen", "--device", "cpu")
     assert result.exit_code == 0 and ev["accuracy"]["top1"] == out["eval"]["top1"]  # same model, same data
     assert ev["accuracy"]["top1"] > 60  # well above chance (11%) on separable generated classes
+    assert ev["accuracy"]["top1"] <= ev["accuracy"]["top5"] == out["eval"]["top5"] <= 100
     result, info = drl_json("info", "--run", run)
     assert info["num_stages"] == 3 and info["num_classes"] == 9
     assert all(s["num_params"] > 0 and s["bytes"] > 0 for s in info["stages"])

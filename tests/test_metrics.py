@@ -52,3 +52,12 @@ def test_most_confused_pairs_by_count_then_name():
     ]
     assert most_confused(targets, targets, names) == []
     assert len(most_confused(preds, targets, names, top=0)) == 0
+
+
+def test_top5_counts_a_target_among_the_five_best_classes():
+    targets = torch.tensor([0, 1, 2, 3])
+    ranked = torch.tensor([[0, 9, 8, 7, 6], [9, 8, 7, 6, 1], [9, 8, 7, 6, 5], [3, 0, 1, 2, 4]])
+    stage = torch.tensor([1] * 10)
+    report = accuracy_report(ranked[:, 0], targets, stage, num_stages=1, ranked=ranked)
+    assert report.top1 == 50.0 and report.top5 == 75.0
+    assert accuracy_report(ranked[:, 0], targets, stage, num_stages=1).top5 is None

@@ -54,6 +54,8 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
 
 def accuracy_lines(acc: dict[str, Any]) -> list[str]:
     lines = [f"top-1: {acc['top1']:.2f}% on {acc['num_images']} images"]
+    if acc.get("top5") is not None:
+        lines.append(f"top-5: {acc['top5']:.2f}%")
     lines.append("by stage group: " + "  ".join(f"stage {g}: {v:.2f}" for g, v in acc["groups"].items()))
     lines.append(f"old classes: {_pct(acc['old'])}   new classes: {_pct(acc['new'])}")
     return lines
