@@ -816,7 +816,7 @@ def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evalua
         "metrics": {"eval": report.to_dict() if report else None, "train": train_metrics},
     }
     if fit is not None:
-        meta["ranpac" if stage.config.method == "ranpac" else "ridge"] = fit.meta
+        meta["ridge"] = fit.meta  # the ridge head's λ, validation errors and counts (ranpac and drl alike)
     return meta
 
 

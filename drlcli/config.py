@@ -206,16 +206,6 @@ def _method(name: str) -> Method:
     return get_method(name)
 
 
-def __getattr__(name: str) -> Any:
-    """``METHODS`` (the method names, in the CLI's order) and ``METHOD_TRAIN_DEFAULTS`` (the methods whose
-    train section differs from ``TrainConfig()``), read from the registry in ``methods/``."""
-    if name == "METHODS":
-        return tuple(_registry())
-    if name == "METHOD_TRAIN_DEFAULTS":
-        return {n: m.train_defaults for n, m in _registry().items() if m.train_defaults != TrainConfig()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def config_sections() -> dict[str, type]:
     """Each section of a run config (``ipa``, ``ease``, ``ranpac``, ``train``, ``score``) and its dataclass."""
     hints = get_type_hints(RunConfig)

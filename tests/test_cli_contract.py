@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from drlcli.cli import app
-from drlcli.config import METHODS
+from drlcli.methods import METHODS
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 runner = CliRunner()
@@ -158,8 +158,8 @@ def test_top_level_help_lists_every_exit_code_whole():
 
 
 def test_help_shows_choices_and_effective_defaults():
-    from drlcli.config import METHODS
     from drlcli.export import FORMATS
+    from drlcli.methods import METHODS
 
     learn = " ".join(drl("learn-stage", "--help").stdout.split())
     for option, value in (("--epochs", 20), ("--batch-size", 48), ("--lr", 0.01), ("--workers", 0)):

@@ -116,7 +116,7 @@ def test_run_round_trip_equals_the_batch_ridge_and_keeps_old_stages(tmp_path, st
     assert [r.num_params for r in [*results, third]] == [96 * 3, 96 * 6, 96 * 9]
     assert third.train_seconds > 0 and third.eval.top1 > 60  # separable generated classes
     loaded = load_run(run, device="cpu")
-    meta = loaded.stage_metas[-1]["ranpac"]
+    meta = loaded.stage_metas[-1]["ridge"]
     assert meta["num_fit"] + meta["num_val"] == 108 and meta["num_val"] == 18  # 12 images x 9 classes, 2 held out
     # the stored head equals the ridge on all three stages' images at once (same λ, same R)
     model = loaded.model

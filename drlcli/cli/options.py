@@ -10,8 +10,9 @@ from typing import Any
 import typer
 import yaml
 
-from ..config import METHOD_TRAIN_DEFAULTS, METHODS, TrainConfig
+from ..config import TrainConfig
 from ..errors import EXIT_CODES, UsageError
+from ..methods import METHODS
 
 # "\b" keeps click from re-wrapping the list into one paragraph
 EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
@@ -39,7 +40,11 @@ ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "onnx"
 def train_default(field: str) -> str:
     """``field``'s effective default for learn-stage: the run's config, i.e. each method's default unless set."""
     drl_value = getattr(TrainConfig(), field)
-    others = [f"{m} {getattr(c, field)}" for m, c in METHOD_TRAIN_DEFAULTS.items() if getattr(c, field) != drl_value]
+    others = [
+        f"{name} {getattr(m.train_defaults, field)}"
+        for name, m in METHODS.items()
+        if getattr(m.train_defaults, field) != drl_value
+    ]
     return (
         f"default: from the run's config ({drl_value}{''.join(f'; {o}' for o in others)} unless init --config set it)"
     )
