@@ -23,7 +23,7 @@ from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
-from .methods import HeadFit, Method, analytic_head, method_of
+from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .restore import restore_model
@@ -214,7 +214,7 @@ def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:
 
 
 def _run_tensors(
-    run: RunDir, method: Any, head: Any, stages: list[StageRecord], *, width: int
+    run: RunDir, method: Method, head: AnalyticHead | None, stages: list[StageRecord], *, width: int
 ) -> dict[str, torch.Tensor]:
     """A run's stages under ``restore.py``'s tensor names: each stage's ``<method prefix><param>``
     becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded

@@ -199,7 +199,7 @@ def eval_(
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Top-1 accuracy overall, per stage group and old/new, the most-confused class pairs, and the
+    """Top-1 and top-5 accuracy overall, top-1 per stage group and old/new, the most-confused class pairs, and the
     history: A_t, the accuracy matrix (row t: after stage t, column g: stage g's classes), forgetting."""
 
     def action(reporter: Reporter) -> Any:
