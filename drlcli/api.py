@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, backbone, distributed, restore
+from . import __version__, backbone, distributed, openset, restore
 from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
@@ -26,6 +26,7 @@ from .errors import DataError, DivergedError, IntegrityError, PTMError, RunState
 from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
+from .openset import Calibration, OpenSetReport, calibrate, open_set_report
 from .restore import restore_model
 from .rundir import PTM_WEIGHTS, RUN_CONFIG, RUN_CONFIG_KIND, RunDir, RunWriter, StageRecord, init_files, stage_files
 from .train import TrainProgress, TrainResult, TrainState, train_stage
@@ -232,6 +233,9 @@ def _run_tensors(
         bad = non_finite(stage.tensors)
         if bad:
             raise _stage_error(run, stage.index, ValueError(f"tensor {bad} holds NaN or infinite values"))
+        bias = stage.tensors.get(openset.BIAS)
+        if bias is not None and tuple(bias.shape) != expected[:1]:
+            raise _stage_error(run, stage.index, ValueError(f"{openset.BIAS} has shape {tuple(bias.shape)}, expected {expected[:1]}"))
         padded = torch.zeros(expected[0], num_subspaces, width)  # subspaces added later: synthesised
         padded[:, :subspaces] = prototypes
         rows.append(padded)
@@ -241,6 +245,9 @@ def _run_tensors(
             tensors.update({restore.stage_prefix(position) + k: v for k, v in state.items()})
     tensors[restore.PROTOTYPES] = torch.cat(rows) if rows else empty_prototypes(width, method.offset)
     tensors[restore.CLASS_STAGE] = torch.tensor(class_stage, dtype=torch.long)
+    biases = [stage.tensors.get(openset.BIAS) for stage in stages]
+    if stages and all(b is not None for b in biases):  # runs from before open-set scoring have none
+        tensors[openset.BIAS] = torch.cat([b.flatten() for b in biases])
     if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
         state = head.from_stages([stage.tensors for stage in stages]).state_dict()
         tensors.update({restore.HEAD + k: v for k, v in state.items()})
@@ -326,16 +333,17 @@ def eval_set(images: ImageSet, model: IncrementalModel, *, what: str) -> EvalSet
 def evaluate_sets(
     model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
 ) -> AccuracyReport:
-    ranked, targets = predict_sets(model, sets, progress=progress)
+    ranked, targets, _ = predict_sets(model, sets, progress=progress)
     return accuracy_report(ranked[:, 0], targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
 
 
 def predict_sets(
     model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each image's TOP_K best-scored classes (N, k), best first, and its target (global class
-    indices), over every set, gathered from all ranks."""
-    predictions, targets = [], []
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each image's TOP_K best-scored classes (N, k), best first, its target (global class
+    indices; -1 for an image of a class not learned) and known(x) (N,) (``openset.py``; None when
+    the model is not calibrated), over every set, gathered from all ranks."""
+    predictions, targets, known = [], [], []
     for k, item in enumerate(sets, 1):
         report_step = (
             (lambda step, total, k=k: progress(Progress("evaluate", step, total, f"set {k}/{len(sets)}")))
@@ -353,8 +361,12 @@ def predict_sets(
         scores = model.scores(feats)
         predictions.append(scores.topk(min(TOP_K, scores.shape[1]), dim=1).indices.cpu())
         targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
-    pairs = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets)))  # every rank's shard
-    return torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs])
+        margin = model.known(feats)
+        known.append(margin.cpu() if margin is not None else torch.zeros(0))
+    calibrated = model.unknown_bias is not None
+    parts = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets), torch.cat(known)))
+    ranked, target = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return ranked, target, torch.cat([p[2] for p in parts]) if calibrated else None
 
 
 def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None) -> list[EvalSet]:
@@ -387,9 +399,11 @@ class EvalResult:
     confused: list[dict[str, Any]] = field(default_factory=list)  # most frequent true → predicted
     run_dir: str | None = None
     plot: str | None = None  # the --plot file written
+    open_set: OpenSetReport | None = None  # with --unknown-data
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "open_set": self.open_set.to_dict() if self.open_set else None,
             "run_dir": self.run_dir,
             "accuracy": self.report.to_dict(),
             "history": self.history.to_dict(),
@@ -414,11 +428,13 @@ def evaluate(
     ptm_weights: Path | None = None,
     confusions: int = 5,
     plot_path: Path | None = None,
+    unknown_dir: Path | None = None,
     progress: ProgressFn | None = None,
 ) -> EvalResult:
     """Top-1 on a labelled folder (``data_dir``) or on every registered eval set (``all_seen``),
-    the accuracy history, the ``confusions`` most frequent mistakes, and optionally a figure of
-    the history (``plot_path``, needs the ``plot`` extra)."""
+    the accuracy history, the ``confusions`` most frequent mistakes, optionally a figure of the
+    history (``plot_path``, needs the ``plot`` extra) and, with ``unknown_dir`` (class folders of
+    classes the run has not learned), how well the "unknown" answer separates them (``openset.py``)."""
     if (data_dir is None) == (not all_seen):
         raise UsageError("pass exactly one of --all-seen or --data DIR")
     if confusions < 0:
@@ -439,7 +455,18 @@ def evaluate(
         if not sets:
             raise UsageError("no eval data is registered; pass --eval-data to learn-stage, or use --data DIR")
     model = loaded.model
-    ranked, targets = predict_sets(model, sets, progress=progress)
+    unknown = _unknown_set(unknown_dir, model)
+    ranked, targets, known = predict_sets(model, sets + ([unknown] if unknown else []), progress=progress)
+    open_set = None
+    if unknown is not None:
+        is_unknown = targets < 0
+        if known is None:
+            raise RunStateError(
+                "--unknown-data needs a run whose every stage calibrated the unknown answer (learned with "
+                "drlcli 0.2 or later); learn the stages again in a new run"
+            )
+        open_set = open_set_report(known[~is_unknown], ranked[~is_unknown, 0] == targets[~is_unknown], known[is_unknown])
+        ranked, targets = ranked[~is_unknown], targets[~is_unknown]
     predictions = ranked[:, 0]
     report = accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
     history = history_of(loaded.stage_metas)
@@ -457,7 +484,23 @@ def evaluate(
         most_confused(predictions, targets, model.class_names, top=confusions),
         str(loaded.run.path),
         plot,
+        open_set,
     )
+
+
+def _unknown_set(unknown_dir: Path | None, model: IncrementalModel) -> EvalSet | None:
+    """``--unknown-data``: class folders of classes the run has not learned (label -1)."""
+    if unknown_dir is None:
+        return None
+    images = scan_class_folders(unknown_dir, what="--unknown-data")
+    validate_images(images)
+    learned = [c for c in images.class_names if c in model.class_index()]
+    if learned:
+        raise DataError(
+            f"--unknown-data {unknown_dir} has class(es) this run has learned: {learned[:5]}; "
+            "pass only images of classes it has not learned"
+        )
+    return EvalSet(images, [-1] * len(images.class_names))
 
 
 # --------------------------------------------------------------------------- learn-stage
@@ -578,6 +621,8 @@ class _Trained:
 @dataclass(frozen=True)
 class _Fitted:
     fit: HeadFit | None  # the analytic head's, if the method has one
+    calibration: Calibration  # the stage's open-set threshold
+    bias: torch.Tensor  # (n,) the open-set biases of the stage's classes
     seconds: float  # the feature pass for the prototypes, and the head's fit
 
 
@@ -736,7 +781,12 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         indices=shard,
         progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
     )
+    old_bias = model.unknown_bias
     model.add_classes(list(images.class_names), stage.index, class_means(feats, labels, len(images.class_names)))
+    calibration = _calibrate(stage, feats, labels, shard)
+    new_bias = torch.full((len(images.class_names),), calibration.threshold)
+    if old_bias is not None or stage.index == 1:  # a run from before open-set scoring stays without it
+        model.calibrated(new_bias if old_bias is None else torch.cat([old_bias, new_bias]))
     log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
     fit = None
     if head is not None:
@@ -752,7 +802,21 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         )
         model.head = fit.head.to(model.device)
         log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])
-    return _Fitted(fit, time.perf_counter() - tick)
+    return _Fitted(fit, calibration, new_bias, time.perf_counter() - tick)
+
+
+def _calibrate(stage: _StageContext, feats: torch.Tensor, labels: torch.Tensor, shard: list[int] | None) -> Calibration:
+    """The stage's open-set threshold (``openset.calibrate``) from every process's subspace-0
+    features, put back in the stage's image order so that it does not depend on the sharding."""
+    index = torch.tensor(shard if shard is not None else range(len(labels)), dtype=torch.long)
+    parts = distributed.all_gather_objects((index, feats[:, 0].cpu(), labels.cpu()))
+    index = torch.cat([p[0] for p in parts])
+    order = index.argsort()
+    features = torch.cat([p[1] for p in parts])[order]
+    targets = torch.cat([p[2] for p in parts])[order]
+    return calibrate(
+        features, targets, len(stage.images.class_names), stage.config.open_set, seed=stage.config.train.seed + stage.index
+    )
 
 
 def _evaluate(stage: _StageContext) -> _Evaluated:
@@ -772,7 +836,10 @@ def _evaluate(stage: _StageContext) -> _Evaluated:
 
 def _record(stage: _StageContext, trained: _Trained, fitted: _Fitted, evaluated: _Evaluated) -> _Record:
     """The stage's files: its tensors (refused if any is NaN or infinite) and its metadata."""
-    tensors = {"prototypes": stage.model.real_prototypes[-len(stage.images.class_names) :]}
+    tensors = {
+        "prototypes": stage.model.real_prototypes[-len(stage.images.class_names) :],
+        openset.BIAS: fitted.bias,
+    }
     if stage.method.trains:
         new = stage.model.network.stages[-1].state_dict()
         tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
@@ -815,6 +882,7 @@ def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evalua
         "eval_missing": evaluated.warnings,
         "metrics": {"eval": report.to_dict() if report else None, "train": train_metrics},
     }
+    meta["open_set"] = fitted.calibration.to_dict()
     if fit is not None:
         meta["ridge"] = fit.meta  # the ridge head's λ, validation errors and counts (ranpac and drl alike)
     return meta

@@ -94,6 +94,14 @@ class ScoreConfig:
 
 
 @dataclass(frozen=True)
+class OpenSetConfig:
+    """Calibration of the "unknown" answer (``openset.py``), done by every stage at commit time."""
+
+    rejection: float = 0.05  # target rate of the stage's known images called unknown (on held-out images)
+    holdout: float = 0.2  # share of each class's images held out of the prototypes to calibrate (>= 1 image)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     method: str = "drl"
     ipa: IPAConfig = field(default_factory=IPAConfig)
@@ -101,6 +109,7 @@ class RunConfig:
     ranpac: RanpacConfig = field(default_factory=RanpacConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
+    open_set: OpenSetConfig = field(default_factory=OpenSetConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -207,7 +216,7 @@ def _method(name: str) -> Method:
 
 
 def config_sections() -> dict[str, type]:
-    """Each section of a run config (``ipa``, ``ease``, ``ranpac``, ``train``, ``score``) and its dataclass."""
+    """Each section of a run config (``ipa``, ``ease``, ``ranpac``, ``train``, ``score``, ``open_set``) and its dataclass."""
     hints = get_type_hints(RunConfig)
     return {f.name: hints[f.name] for f in fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
 
@@ -250,6 +259,7 @@ _DEFAULTS = {
     "train": TrainConfig(),
     "score": ScoreConfig(),
     "ranpac": RanpacConfig(),
+    "open_set": OpenSetConfig(),
 }
 
 # Every number a run config holds, with the values that make sense (NaN and ±inf never do).
@@ -283,6 +293,8 @@ _RANGES = {
     ("ranpac", "lambda_min_exp"): Range(-30, 30),
     ("ranpac", "lambda_max_exp"): Range(-30, 30),
     ("ranpac", "subspaces"): Range(1, 2),
+    ("open_set", "rejection"): Range(0, 0.5, low_open=True),
+    ("open_set", "holdout"): Range(0, 0.5, low_open=True),
 }
 
 

@@ -18,6 +18,7 @@ from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, ImageSet, eval_transform, start_workers
 from .methods import StageNetwork
+from .openset import known_scores
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
 
@@ -33,6 +34,7 @@ class IncrementalModel:
     data_config: dict[str, Any]
     offset: int = 1  # 1 when subspace 0 is the PTM's (drl, simplecil); 0 for ease
     head: nn.Module | None = None  # scores features instead of the prototype bank (ranpac)
+    unknown_bias: Tensor | None = None  # (C,) open-set biases (openset.py); None: never "unknown"
     _bank: Tensor | None = field(default=None, repr=False)
     _scoring: dict[Any, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
@@ -60,6 +62,7 @@ class IncrementalModel:
             pad = old.new_zeros(old.shape[0], prototypes.shape[1] - old.shape[1], old.shape[2])
             old = torch.cat([old, pad], dim=1)
         self.real_prototypes = torch.cat([old, prototypes.to(old)])
+        self.unknown_bias = None  # until the stage's classes are calibrated (``calibrated``)
         self._bank = None
         self._scoring.clear()
 
@@ -93,6 +96,36 @@ class IncrementalModel:
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
         return self.scores(self.network(images))
+
+    def known(self, features: Tensor) -> Tensor | None:
+        """known(x) (B,) of ``openset.py`` for subspace features (B, S, d); None when uncalibrated."""
+        if self.unknown_bias is None:
+            return None
+        with torch.autocast(features.device.type, enabled=False):
+            prototypes, bias = self.open_set_state(features.device)
+            return known_scores(features[:, 0], prototypes, bias)
+
+    def open_set_state(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Subspace-0 prototypes (C, d) and biases (C,) on ``device`` in fp32, built once per device."""
+        key = ("open_set", torch.device(device))
+        state = self._scoring.get(key)
+        if state is None:
+            assert self.unknown_bias is not None
+            state = self._scoring[key] = (
+                self.real_prototypes[:, 0].to(device, torch.float32),
+                self.unknown_bias.to(device, torch.float32),
+            )
+        return state
+
+    def classify(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Class scores (B, C) and known(x) (B,) (None when uncalibrated) from one network pass."""
+        features = self.network(images)
+        return self.scores(features), self.known(features)
+
+    def calibrated(self, bias: Tensor) -> None:
+        """Set the open-set biases of every class (C,)."""
+        self.unknown_bias = bias.float()
+        self._scoring.clear()
 
     @property
     def device(self) -> torch.device:

@@ -100,8 +100,9 @@ def parse_spec(path: Path, text: str) -> dict[str, Any]:
     return spec
 
 
-def check_version(path: Path, found: Any, expected: str, *, what: str) -> None:
-    if found == expected:
+def check_version(path: Path, found: Any, expected: str, *, what: str, also: tuple[str, ...] = ()) -> None:
+    """``found`` must be ``expected`` (what this drl writes) or one of ``also`` (older formats it still reads)."""
+    if found == expected or found in also:
         return
     if isinstance(found, str) and found.isdigit() and int(found) < int(expected):
         raise IntegrityError(

@@ -39,12 +39,16 @@ class Classifier(Protocol):
 
     def score_images(self, images: torch.Tensor) -> torch.Tensor: ...
 
+    def classify(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
 
 @dataclass(frozen=True)
 class Prediction:
     path: str
     top: list[dict[str, Any]] = field(default_factory=list)  # [{"class", "score"}], best first
     error: str | None = None
+    unknown: bool | None = None  # no learned class claims the image (openset.py); None: model uncalibrated
+    known_score: float | None = None  # known(x): below 0 is unknown
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
@@ -52,6 +56,8 @@ class Prediction:
             out["error"] = self.error
         else:
             out["top"] = self.top
+            out["unknown"] = self.unknown
+            out["known_score"] = self.known_score
         return out
 
 
@@ -135,10 +141,12 @@ def predict(
     with torch.inference_mode():
         for items in start_workers(loader):
             good = [(i, x) for i, x, err in items if err is None]
-            scores = None
+            scores = known = None
             if good:
                 batch = torch.stack([x for _, x in good]).to(device)
-                scores = model.score_images(batch).float().cpu()
+                scores, known = model.classify(batch)
+                scores = scores.float().cpu()
+                known = known.float().cpu() if known is not None else None
             row = {i: r for r, (i, _) in enumerate(good)}
             for index, _, err in items:
                 path = str(paths[index])
@@ -146,12 +154,15 @@ def predict(
                     yield Prediction(path, error=err)
                     continue
                 values, classes = scores[row[index]].topk(k)
+                margin = float(known[row[index]]) if known is not None else None
                 yield Prediction(
                     path,
                     top=[
                         {"class": class_names[c], "score": round(float(v), 6)}
                         for v, c in zip(values.tolist(), classes.tolist())
                     ],
+                    unknown=None if margin is None else margin < 0,
+                    known_score=None if margin is None else round(margin, 6),
                 )
 
 

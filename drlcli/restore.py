@@ -7,6 +7,7 @@ names (the ``.drl`` file's own; a run's names are mapped to them in ``api.load_r
     head.<name>         the analytic head's state (ranpac; drl with score.head ridge), when there is one
     prototypes          (C, S, d) real prototypes of every class, zero where synthesised
     class_stage         (C,) the 1-based stage each class was learned in
+    unknown_bias        (C,) the open-set biases (``openset.py``), when every stage calibrated them
 
 Each format checks its own files (checksums, shapes, finiteness) before calling ``restore_model``;
 weights that still do not fit the network are reported through the caller's ``fit_error``, so a
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from .config import RunConfig
 from .methods import analytic_head, method_of
 from .model import IncrementalModel
+from .openset import BIAS, check_bias
 
 STAGE = "stage.{}."
 HEAD = "head."
@@ -73,7 +75,7 @@ def restore_model(
         except (RuntimeError, KeyError, ValueError) as exc:
             raise fit_error(None, exc) from exc
         head = head.to(next(ptm.parameters()).device)
-    return IncrementalModel(
+    model = IncrementalModel(
         network=network,
         class_names=list(class_names),
         class_stage=tensors[CLASS_STAGE],
@@ -83,6 +85,12 @@ def restore_model(
         offset=method.offset,
         head=head,
     )
+    if BIAS in tensors:
+        problem = check_bias(tensors[BIAS], len(class_names))
+        if problem is not None:
+            raise fit_error(None, ValueError(problem))
+        model.calibrated(tensors[BIAS])
+    return model
 
 
 def model_tensors(model: IncrementalModel) -> dict[str, Tensor]:
@@ -94,4 +102,6 @@ def model_tensors(model: IncrementalModel) -> dict[str, Tensor]:
         tensors.update({HEAD + k: v for k, v in model.head.state_dict().items()})
     tensors[PROTOTYPES] = model.real_prototypes
     tensors[CLASS_STAGE] = model.class_stage
+    if model.unknown_bias is not None:
+        tensors[BIAS] = model.unknown_bias
     return tensors

@@ -2,7 +2,9 @@
 
 The graph takes a preprocessed image batch ``images`` (B, 3, H, W) float32 (resized, centre-
 cropped and normalised as the PTM's data config says) and returns ``scores`` (B, C), one column
-per class in ``class_names`` order. The prototype bank (synthesised prototypes included) and the
+per class in ``class_names`` order, and ``known`` (B,), the open-set score of ``openset.py``
+(below 0: no learned class claims the image; the spec's ``open_set.calibrated`` says whether the
+run calibrated it, else ``known`` is meaningless and ignored). The prototype bank (synthesised prototypes included) and the
 scoring weights are constants of the graph, so serving needs neither drl nor the run directory:
 ``torch.jit.load`` or onnxruntime. The batch axis is dynamic; H and W are the PTM's input size.
 
@@ -44,14 +46,16 @@ from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
 from .modelfile import format_of
+from .openset import known_scores
 from .prototypes import concat_scores, score_weights, weighted_scores
 
 GRAPH_FORMATS = ("torchscript", "onnx")
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
+READABLE_VERSIONS = ("2",)  # older graph formats still loaded (no ``known`` output)
 ONNX_DOMAINS = ("", "ai.onnx")  # standard operators only: no custom-op libraries
 ONNX_OPSET = 18
 SPEC_FILE = "drl.json"  # TorchScript extra file
-JSON_KEYS = ("ptm", "num_stages", "class_names", "class_stage", "data_config", "score", "input", "output")
+JSON_KEYS = ("ptm", "num_stages", "class_names", "class_stage", "data_config", "score", "input", "output", "open_set")
 CHECK_TOLERANCE = 1e-3  # a graph that disagrees more with the eager model on a check batch is not written
 ONNX_PACKAGES = ("onnx", "onnxruntime")  # the export extra
 log = logging.getLogger(__name__)
@@ -70,14 +74,19 @@ class ScoringGraph(nn.Module):
         weights = score_weights(model.class_stage, bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=model.offset)
         self.register_buffer("weights", weights)  # (C, S)
         self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
+        calibrated = model.unknown_bias is not None
+        bias = model.unknown_bias if calibrated else torch.zeros(len(model.class_names))
+        self.register_buffer("open_prototypes", model.real_prototypes[:, 0].detach().clone().float())  # (C, d)
+        self.register_buffer("open_bias", bias.detach().clone().float())  # (C,)
 
-    def forward(self, images: Tensor) -> Tensor:
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         features = self.network(images)  # (B, S, d)
+        known = known_scores(features[:, 0], self.open_prototypes, self.open_bias)
         if self.head is not None:
-            return self.head(features)
+            return self.head(features), known
         if self.concat:
-            return concat_scores(features, self.bank)
-        return weighted_scores(features, self.bank, self.weights)
+            return concat_scores(features, self.bank), known
+        return weighted_scores(features, self.bank, self.weights), known
 
 
 @dataclass
@@ -86,7 +95,7 @@ class GraphModel:
 
     format: str
     spec: dict[str, Any]
-    run: Callable[[Tensor], Tensor]  # images (B, 3, H, W) -> scores (B, C), on ``device``
+    run: Callable[[Tensor], Any]  # images (B, 3, H, W) -> scores (B, C) [format 2] or (scores, known (B,))
     device: torch.device
 
     @property
@@ -97,21 +106,36 @@ class GraphModel:
     def data_config(self) -> dict[str, Any]:
         return self.spec["data_config"]
 
+    @property
+    def calibrated(self) -> bool:
+        entry = self.spec.get("open_set")
+        return isinstance(entry, dict) and entry.get("calibrated") is True
+
     def score_images(self, images: Tensor) -> Tensor:
+        return self.classify(images)[0]
+
+    def classify(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Class scores (B, C) and known(x) (B,) (None when the export is not calibrated)."""
         try:
-            scores = self.run(images)  # (B, C)
+            out = self.run(images)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:  # the file's own graph fails on input its own data_config describes
             raise IntegrityError(
                 f"the {self.format} graph cannot score {tuple(images.shape)} images ({_short(exc)}); export it again"
             ) from exc
+        scores, known = out if isinstance(out, (tuple, list)) else (out, None)
         if scores.dim() != 2 or scores.shape[1] != len(self.spec["class_names"]):
             raise IntegrityError(
                 f"the {self.format} graph gives {tuple(scores.shape)} scores for {len(self.spec['class_names'])} "
                 "class names; export it again"
             )
-        return scores
+        if not self.calibrated:
+            return scores, None
+        if known is None or tuple(known.shape) != (scores.shape[0],):
+            found = None if known is None else tuple(known.shape)
+            raise IntegrityError(f"the {self.format} graph gives known scores of shape {found}; export it again")
+        return scores, known
 
 
 # ------------------------------------------------------------------------------- writing
@@ -138,6 +162,11 @@ def graph_spec(model: IncrementalModel, ptm_record: dict[str, Any], config: RunC
             "then (x - mean) / std per channel: the data_config",
         },
         "output": {"name": "scores", "shape": ["batch", len(model.class_names)], "dtype": "float32"},
+        "open_set": {
+            "calibrated": model.unknown_bias is not None,
+            "output": {"name": "known", "shape": ["batch"], "dtype": "float32"},
+            "rule": "unknown when known < 0 (no learned class claims the image)",
+        },
     }
 
 
@@ -161,7 +190,7 @@ def write_graph(
         # the tracer warns about shapes read as Python numbers (block and stage counts,
         # head sizes): they are fixed by the model; the batch axis stays dynamic (checked below)
         warnings.simplefilter("ignore")
-        expected = graph(check)  # the eager model, as predict runs it
+        expected = _joined(*graph(check))  # the eager model, as predict runs it
         with exportable(graph.network):
             data = (
                 _torchscript_bytes(graph, example, spec) if fmt == "torchscript" else _onnx_bytes(graph, example, spec)
@@ -172,8 +201,8 @@ def write_graph(
         for device in check_devices(fmt):  # a graph must run wherever it may be loaded, not only here
             loaded = load_graph(tmp, fmt=fmt, device=device, trust_code=True)  # just traced from our own model
             with torch.no_grad():
-                got = loaded.score_images(check.to(loaded.device)).float().cpu()
-            on = float((got - expected).abs().max())
+                got = _joined(*loaded.classify(check.to(loaded.device)))
+            on = float((got - expected[:, : got.shape[1]]).abs().max())
             if not on <= CHECK_TOLERANCE:
                 raise IntegrityError(
                     f"the {fmt} graph disagrees with the model by {on:.2e} on a check batch on {device}; "
@@ -189,6 +218,12 @@ def write_graph(
             f"cannot write export {out_path}: {exc.strerror or exc}; free space or pick another --out"
         ) from exc
     return out_path.stat().st_size, max(diffs)
+
+
+def _joined(scores: Tensor, known: Tensor | None) -> Tensor:
+    """Scores (B, C) with known(x) as one more column when there is one: what a check compares."""
+    scores = scores.float().cpu()
+    return scores if known is None else torch.cat([scores, known.float().cpu()[:, None]], dim=1)
 
 
 @contextlib.contextmanager
@@ -233,9 +268,9 @@ def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> b
             buffer,
             dynamo=False,
             input_names=["images"],
-            output_names=["scores"],
+            output_names=["scores", "known"],
             opset_version=ONNX_OPSET,
-            dynamic_axes={"images": {0: "batch"}, "scores": {0: "batch"}},
+            dynamic_axes={"images": {0: "batch"}, "scores": {0: "batch"}, "known": {0: "batch"}},
         )
     if printed.getvalue().strip():
         log.debug("%s", printed.getvalue().strip())
@@ -324,9 +359,13 @@ def _load_onnx(path: Path) -> GraphModel:
     except Exception as exc:
         raise IntegrityError(f"onnxruntime cannot load {path} ({_short(exc)}); export it again") from exc
 
-    def run(images: Tensor) -> Tensor:
-        (scores,) = session.run(["scores"], {"images": images.detach().float().cpu().numpy()})
-        return torch.from_numpy(scores)
+    names = [o.name for o in session.get_outputs()]
+    if names[:1] != ["scores"] or (spec.get("format_version") != "2" and names != ["scores", "known"]):
+        raise IntegrityError(f"{path} has graph outputs {names}, not a drl export's; export it again")
+
+    def run(images: Tensor) -> Any:
+        outputs = session.run(names, {"images": images.detach().float().cpu().numpy()})
+        return tuple(torch.from_numpy(o) for o in outputs) if len(outputs) > 1 else torch.from_numpy(outputs[0])
 
     return GraphModel("onnx", spec, run, torch.device("cpu"))
 
@@ -347,7 +386,7 @@ def _check_onnx_graph(path: Path, proto: Any) -> None:
 def _check_spec(path: Path, spec: dict[str, Any], fmt: str) -> None:
     if spec.get("format") != f"drl-{fmt}":
         raise IntegrityError(f"{path} is a {fmt} file but not a drl export; pass a file written by `drl export`")
-    modelfile.check_version(path, spec.get("format_version"), FORMAT_VERSION, what=f"{fmt} export")
+    modelfile.check_version(path, spec.get("format_version"), FORMAT_VERSION, what=f"{fmt} export", also=READABLE_VERSIONS)
     modelfile.check_spec_sha256(path, spec)
     modelfile.require_keys(path, spec, {"class_names": list, "data_config": dict, "payload_sha256": str})
     modelfile.check_class_names(path, spec["class_names"])

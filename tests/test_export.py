@@ -106,10 +106,14 @@ def test_every_format_scores_like_the_run(method_runs, exported, stage_folders, 
         [transform(load_rgb(p)) for folder in stage_folders[:2] for p in scan_class_folders(folder[1]).paths]
     )  # (24, 3, 32, 32): not the batch size the graph was traced with
     with torch.no_grad():
-        expected, got = run_model.score_images(images), model.score_images(images)
+        (expected, known_expected), (got, known_got) = run_model.classify(images), model.classify(images)
     assert got.shape == expected.shape == (24, 6)
     assert (got - expected).abs().max() <= 1e-4
     assert torch.equal(got.argmax(1), expected.argmax(1))
+    # the calibrated "unknown" answer travels with every format and agrees with the run's
+    assert known_got.shape == known_expected.shape == (24,)
+    assert (known_got - known_expected).abs().max() <= 1e-4
+    assert torch.equal(known_got < 0, known_expected < 0)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
@@ -120,7 +124,8 @@ def test_torchscript_needs_only_torch(exported, method_runs):
     module = torch.jit.load(str(path), _extra_files=extra)
     spec = json.loads(extra["drl.json"])
     _check_spec(spec, "torchscript", load_run(method_runs["drl"], device="cpu").model)
-    assert tuple(module(torch.zeros(5, 3, 32, 32)).shape) == (5, 6)
+    scores, known = module(torch.zeros(5, 3, 32, 32))
+    assert tuple(scores.shape) == (5, 6) and tuple(known.shape) == (5,)
 
 
 @needs_onnx
@@ -131,16 +136,17 @@ def test_onnx_needs_only_onnxruntime(exported, method_runs):
 
     _, path = exported("drl", "onnx")
     spec = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
-    for key in ("class_names", "data_config", "ptm"):
+    for key in ("class_names", "data_config", "ptm", "open_set"):
         spec[key] = json.loads(spec[key])
     _check_spec(spec, "onnx", load_run(method_runs["drl"], device="cpu").model)
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (scores,) = session.run(["scores"], {"images": np.zeros((5, 3, 32, 32), np.float32)})
-    assert scores.shape == (5, 6)
+    scores, known = session.run(["scores", "known"], {"images": np.zeros((5, 3, 32, 32), np.float32)})
+    assert scores.shape == (5, 6) and known.shape == (5,)
 
 
 def _check_spec(spec, fmt, run_model):
-    assert spec["format"] == f"drl-{fmt}" and spec["format_version"] == "2" and len(spec["spec_sha256"]) == 64
+    assert spec["format"] == f"drl-{fmt}" and spec["format_version"] == "3" and len(spec["spec_sha256"]) == 64
+    assert spec["open_set"]["calibrated"] is True and spec["open_set"]["output"]["name"] == "known"
     assert spec["class_names"] == run_model.class_names
     assert spec["data_config"] == run_model.data_config
     assert set(spec["data_config"]) >= {"mean", "std", "input_size", "interpolation", "crop_pct"}
@@ -192,7 +198,7 @@ def test_a_graph_that_disagrees_with_the_run_is_never_written(method_runs, tmp_p
 
     def wrong_scores(path, **kwargs):  # as if the exporter had mistranslated the network
         loaded = real_load(path, **kwargs)
-        return serving.GraphModel(loaded.format, loaded.spec, lambda images: loaded.run(images) + 1.0, loaded.device)
+        return serving.GraphModel(loaded.format, loaded.spec, lambda images: tuple(t + 1.0 for t in loaded.run(images)), loaded.device)
 
     monkeypatch.setattr(serving, "load_graph", wrong_scores)
     with pytest.raises(IntegrityError, match="disagrees with the model by 1.00e\\+00"):

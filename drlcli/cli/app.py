@@ -192,6 +192,12 @@ def eval_(
         None, "--plot", help="Also draw A_t and each stage group's accuracy per stage (.png/.svg/.pdf; plot extra)."
     ),
     confusions: int = typer.Option(5, "--confusions", min=0, help="How many most-confused class pairs to list."),
+    unknown_data: Path | None = typer.Option(
+        None,
+        "--unknown-data",
+        help="Class folders of classes the run has NOT learned: also report how well the 'unknown' answer "
+        "separates them from the known images (AUROC, unknown accepted, known rejected).",
+    ),
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -211,6 +217,7 @@ def eval_(
             ptm_weights=ptm_weights,
             confusions=confusions,
             plot_path=plot,
+            unknown_dir=unknown_data,
             progress=reporter,
         )
 

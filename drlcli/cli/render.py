@@ -95,6 +95,14 @@ def evaluate(r: dict[str, Any]) -> str:
             "most confused (true -> predicted): "
             + ", ".join(f"{c['true']} -> {c['predicted']} ({c['count']})" for c in r["confused"])
         )
+    if r.get("open_set"):
+        o = r["open_set"]
+        lines.append(
+            f"unknown images ({o['num_unknown']}) against known ({o['num_known']}): AUROC {o['auroc']:.4f}; "
+            f"at the calibrated thresholds {o['unknown_accepted']:.2f}% of unknown images accepted, "
+            f"{o['known_rejected']:.2f}% of known images rejected; top-1 counting rejections as errors "
+            f"{o['top1_accepted']:.2f}% (closed-set {o['top1_closed']:.2f}%)"
+        )
     if r["plot"]:
         lines.append(f"plot: {r['plot']}")
     return _text(lines)
@@ -116,7 +124,8 @@ def prediction(p: dict[str, Any], *, json_lines: bool) -> str:
         return jsonio.dumps(p)
     if "error" in p:
         return f"{p['path']}: error: {p['error']}"
-    return f"{p['path']}: " + ", ".join(f"{t['class']} {t['score']:.3f}" for t in p["top"])
+    mark = "unknown; closest " if p.get("unknown") else ""
+    return f"{p['path']}: {mark}" + ", ".join(f"{t['class']} {t['score']:.3f}" for t in p["top"])
 
 
 def verify(r: dict[str, Any]) -> str:

@@ -1,0 +1,148 @@
+"""The "unknown" answer (openset.py): calibration at commit, predict's flag, eval --unknown-data."""
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from typer.testing import CliRunner
+
+from drlcli.cli import app
+from drlcli.config import OpenSetConfig
+from drlcli.openset import BIAS, auroc, calibrate, holdout_mask, known_scores, open_set_report
+from drlcli.rundir import sha256_bytes
+
+runner = CliRunner()
+
+
+def _json(result):
+    return json.loads(result.stdout)
+
+
+def _error(result):
+    return json.loads(result.stdout)["error"]["message"]
+
+
+# ------------------------------------------------------------------------------ units
+
+
+def test_holdout_keeps_at_least_one_image_per_class_out_and_one_in():
+    labels = torch.tensor([0] * 10 + [1] * 2 + [2] * 1 + [3] * 7)
+    held = holdout_mask(labels, fraction=0.2, seed=3)
+    assert [int(held[labels == c].sum()) for c in range(4)] == [2, 1, 1, 1]
+    assert torch.equal(held, holdout_mask(labels, fraction=0.2, seed=3))  # seeded
+    assert not torch.equal(held, holdout_mask(labels, fraction=0.2, seed=4))
+
+
+def test_calibrated_threshold_rejects_the_target_share_of_held_out_images():
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 16, generator=generator) * 3
+    labels = torch.arange(4).repeat_interleave(100)
+    features = centres[labels] + torch.randn(400, 16, generator=generator)
+    cal = calibrate(features, labels, 4, OpenSetConfig(rejection=0.1, holdout=0.5), seed=0)
+    assert cal.held_out == 200 and cal.rejection == 0.1
+    assert 0.08 <= cal.rejected <= 0.1  # the lower quantile: never more than the target
+    # the decision the model makes with it: cosine to the prototypes (all images) minus the bias
+    prototypes = torch.stack([features[labels == c].mean(0) for c in range(4)])
+    known = known_scores(features, prototypes, torch.full((4,), cal.threshold))
+    assert float((known < 0).double().mean()) <= 0.1
+    far = -prototypes.mean(0, keepdim=True) + torch.randn(50, 16, generator=generator) * 0.1
+    assert bool((known_scores(far, prototypes, torch.full((4,), cal.threshold)) < 0).all())
+
+
+def test_auroc_matches_pairwise_counting_with_ties():
+    generator = torch.Generator().manual_seed(1)
+    known = torch.randint(0, 5, (40,), generator=generator).float()
+    unknown = torch.randint(0, 5, (30,), generator=generator).float()
+    pairs = [(1.0 if k > u else 0.5 if k == u else 0.0) for k, u in itertools.product(known.tolist(), unknown.tolist())]
+    assert auroc(known, unknown) == pytest.approx(sum(pairs) / len(pairs))
+    report = open_set_report(torch.tensor([0.5, -0.1, 0.2]), torch.tensor([True, True, False]), torch.tensor([-1.0, 0.3]))
+    assert (report.known_rejected, report.unknown_accepted) == (pytest.approx(33.3333), 50.0)
+    assert (report.top1_accepted, report.top1_closed) == (pytest.approx(33.3333), pytest.approx(66.6667))
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def learned(learned_run):
+    return learned_run
+
+
+def test_each_stage_stores_its_calibration(learned):
+    for index in (1, 2):
+        meta = json.loads((learned / "stages" / f"{index:03d}" / "stage.json").read_text())
+        cal = meta["open_set"]
+        assert cal["rejection"] == 0.05 and cal["held_out"] == 3 * 2  # 12 images per class: 2 held out
+        assert -1 <= cal["threshold"] <= 1
+        weights = st_load((learned / "stages" / f"{index:03d}" / "weights.safetensors").read_bytes())
+        assert torch.equal(weights[BIAS], torch.full((3,), cal["threshold"]))
+
+
+def test_predict_marks_unknown_images_and_keeps_the_top_k(learned, stage_folders):
+    result = runner.invoke(app, ["predict", str(stage_folders[2][1]), "--run", str(learned), "--json", "--top-k", "2"])
+    assert result.exit_code == 0, result.stdout
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(lines) == 12
+    for line in lines:
+        assert len(line["top"]) == 2 and isinstance(line["known_score"], float)
+        assert line["unknown"] is (line["known_score"] < 0)
+
+
+def test_eval_unknown_data_reports_the_open_set_numbers(learned, stage_folders):
+    args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1])]
+    result = runner.invoke(app, [*args, "--run", str(learned), "--json"])
+    assert result.exit_code == 0, result.stdout
+    out = _json(result)
+    o = out["open_set"]
+    assert (o["num_known"], o["num_unknown"]) == (12, 12)
+    assert 0 <= o["auroc"] <= 1 and 0 <= o["unknown_accepted"] <= 100 and 0 <= o["known_rejected"] <= 100
+    assert o["top1_closed"] == out["accuracy"]["top1"] and o["top1_accepted"] <= o["top1_closed"]
+    assert out["accuracy"]["num_images"] == 12  # unknown images are not counted as known ones
+    text = runner.invoke(app, [*args, "--run", str(learned)])
+    assert text.exit_code == 0 and "AUROC" in text.stdout
+    plain = _json(runner.invoke(app, ["eval", "--data", str(stage_folders[0][1]), "--run", str(learned), "--json"]))
+    assert plain["open_set"] is None
+
+
+def test_unknown_data_holding_a_learned_class_is_refused(learned, stage_folders):
+    args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[1][1])]
+    result = runner.invoke(app, [*args, "--run", str(learned), "--json"])
+    assert result.exit_code == 3 and "has class(es) this run has learned" in _error(result)
+
+
+def _rewrite_weights(run: Path, index: int, change) -> None:
+    """Change a stage's weights and its manifest entry consistently (a crafted run)."""
+    name = f"stages/{index:03d}/weights.safetensors"
+    tensors = st_load((run / name).read_bytes())
+    change(tensors)
+    data = st_save(tensors)
+    (run / name).write_bytes(data)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_crafted_biases_are_refused(learned, stage_folders, tmp_path):
+    image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
+    for bad in (torch.full((3,), 7.0), torch.zeros(2)):
+        run = Path(shutil.copytree(learned, tmp_path / f"run{bad.numel()}"))
+        _rewrite_weights(run, 2, lambda t, bad=bad: t.update({BIAS: bad}))
+        result = runner.invoke(app, ["predict", image, "--run", str(run), "--json"])
+        assert result.exit_code == 5, result.stdout
+        assert "unknown_bias" in _error(result)
+
+
+def test_a_run_from_before_calibration_never_answers_unknown(learned, stage_folders, tmp_path):
+    run = Path(shutil.copytree(learned, tmp_path / "old"))
+    _rewrite_weights(run, 1, lambda t: t.pop(BIAS))
+    image = str(sorted((stage_folders[2][1] / "class_06").iterdir())[0])
+    line = json.loads(runner.invoke(app, ["predict", image, "--run", str(run), "--json"]).stdout)
+    assert line["unknown"] is None and line["known_score"] is None and len(line["top"]) == 5
+    args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1])]
+    result = runner.invoke(app, [*args, "--run", str(run), "--json"])
+    assert result.exit_code == 7 and "calibrated the unknown answer" in _error(result)
