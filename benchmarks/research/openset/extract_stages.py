@@ -1,6 +1,6 @@
 """Subspace features (N, S, d) of a trained drl run for the cached test lists (issue 19 rule comparison).
 
-    python extract_stages.py RUN_DIR FEATS_NAME OUT.npz
+    python extract_stages.py RUN_DIR FEATS_NAME OUT.npz [PARTS, default testcap,testrest]
 """
 import json
 import sys
@@ -18,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 
 def main():
     run_dir, name, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    parts = sys.argv[4].split(",") if len(sys.argv) > 4 else ["testcap", "testrest"]
     torch.set_num_threads(2)
     loaded = load_run(run_dir, device="cpu")
     model = loaded.model
@@ -25,7 +26,7 @@ def main():
     tf = eval_transform(model.data_config)
     res = {}
     t0 = time.time()
-    for part in ("testcap", "testrest"):
+    for part in parts:
         items = meta["parts"][part]
         feats = []
         with torch.inference_mode():

@@ -219,7 +219,7 @@ def evaluate(name, val, rate, seed=1993, stages=9, inc=10):
         h = st.head(drop=(X[hold], y[hold]))
         _, sc = h.scores(X[hold])
         for r, v in sc.items():
-            thr.setdefault(r, []).append(float(np.quantile(v, rate)))
+            thr.setdefault(r, []).append(float(np.quantile(v, rate, method="lower")))
     head = st.head()
     known_c = stages * inc
     res = {}
@@ -247,10 +247,14 @@ def main():
     ap.add_argument("name")
     ap.add_argument("--val", action="store_true")
     ap.add_argument("--rate", type=float, default=0.05)
+    ap.add_argument("--rules", default="", help="comma-separated rule names to print (all when empty)")
     a = ap.parse_args()
     res = evaluate(a.name, a.val, a.rate)
     print(json.dumps(res, indent=1))
+    keep = set(a.rules.split(",")) if a.rules else None
     for r, per in res.items():
+        if keep and r not in keep:
+            continue
         for k, m in per.items():
             print(f"{a.name:8s} {k:8s} {r:22s} " + " ".join(f"{x}={v}" for x, v in m.items()))
 

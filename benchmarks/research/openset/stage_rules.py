@@ -33,7 +33,7 @@ def main():
     P = z["prototypes"][:C, : 1 + KNOWN_STAGES]  # (C, 10, d)
     stage_of = cstage[:C]
     res = {}
-    for part in ("testcap", "testfull"):
+    for part in ("testcap", "testfull") if "testrest" in z else ("testcap",):
         if part == "testfull":
             F = np.concatenate([z["testcap"], z["testrest"]])
             y = np.concatenate([z["testcap_y"], z["testrest_y"]])
