@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, backbone, distributed, restore
+from . import __version__, backbone, distributed, hub, restore
 from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
@@ -73,10 +73,11 @@ def resolve_device(device: str) -> torch.device:
 class InitResult:
     run_dir: str
     method: str
-    ptm: str
+    ptm: str  # the timm model name (an hf-hub: PTM's architecture)
     ptm_sha256: str
-    ptm_source: str
+    ptm_source: str  # random | file | hub | hf-hub
     data_config: dict[str, Any]
+    ptm_hub: dict[str, str] | None = None  # hf-hub: repo, revision (commit), weights_sha256
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,33 +101,60 @@ def init_run(
     run's own names (``ptm.safetensors``, ``stages``...) is refused either way."""
     if ptm_weights is not None and random_init:
         raise UsageError("--ptm-weights and --random-init exclude each other; pass one")
+    if hub.is_hub_name(ptm) and (ptm_weights is not None or random_init):
+        raise UsageError(f"{ptm} brings its own weights; drop --ptm-weights/--random-init, or name a timm model")
     ptm_kwargs = backbone.check_ptm_kwargs(ptm_kwargs, origin="--ptm-arg (ptm_kwargs)")  # before creating anything
     config = config or RunConfig.for_method("drl")
     run = RunDir(run_dir)
     with run.writer(create=True, allow_nonempty=allow_nonempty) as writer:
-        source = PTMSource(weights_path=ptm_weights, random_init=random_init, seed=seed)
-        model = backbone.create_ptm(ptm, source=source, kwargs=ptm_kwargs)
-        kind = "random" if random_init else ("file" if ptm_weights is not None else "hub")
+        model, ptm_record = _init_ptm(
+            ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
+        )
         record = {
             "kind": RUN_CONFIG_KIND,
             "drl_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "ptm": {
-                "name": ptm,
-                "kwargs": dict(ptm_kwargs or {}),
-                "sha256": backbone.fingerprint(model),
-                "source": kind,
-                # relative to the run, so it survives moving run and weights together
-                "weights_hint": os.path.relpath(Path(ptm_weights).resolve(), run.path.resolve())
-                if ptm_weights is not None
-                else None,
-                "data_config": backbone.data_config(model),
-            },
+            "ptm": ptm_record,
             "config": config.to_dict(),
         }
         writer.commit(init_files(record, model.state_dict() if random_init else None), manifest=None)
     info = record["ptm"]
-    return InitResult(str(run.path), config.method, ptm, info["sha256"], kind, info["data_config"])
+    return InitResult(
+        str(run.path), config.method, info["name"], info["sha256"], info["source"], info["data_config"], info.get("hub")
+    )
+
+
+def _init_ptm(
+    ptm: str, run: RunDir, *, ptm_weights: Path | None, random_init: bool, seed: int, kwargs: dict[str, Any]
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The PTM ``init`` builds, and run.yaml's ``ptm`` section that lets every later command rebuild it."""
+    if hub.is_hub_name(ptm):
+        built = hub.load_hub_ptm(ptm, kwargs=kwargs)
+        record = {
+            "name": built.name,
+            "kwargs": built.kwargs,
+            "sha256": backbone.fingerprint(built.model),
+            "source": "hf-hub",
+            "weights_hint": None,
+            "hub": built.record,
+            "data_config": built.data_config,
+        }
+        return built.model, record
+    model = backbone.create_ptm(
+        ptm, source=PTMSource(weights_path=ptm_weights, random_init=random_init, seed=seed), kwargs=kwargs
+    )
+    record = {
+        "name": ptm,
+        "kwargs": dict(kwargs),
+        "sha256": backbone.fingerprint(model),
+        "source": "random" if random_init else ("file" if ptm_weights is not None else "hub"),
+        # relative to the run, so it survives moving run and weights together
+        "weights_hint": os.path.relpath(Path(ptm_weights).resolve(), run.path.resolve())
+        if ptm_weights is not None
+        else None,
+        "data_config": backbone.data_config(model),
+    }
+    return model, record
 
 
 # ------------------------------------------------------------------------- loading a run
@@ -152,6 +180,8 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
         backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / PTM_WEIGHTS))
     else:
         path = ptm_weights
+        if path is None and info["source"] == "hf-hub":  # the recorded commit's, from the Hugging Face cache
+            path = hub.cached_weights(info["hub"])
         if path is None and info.get("weights_hint"):
             hinted = run.path / info["weights_hint"]
             path = hinted if hinted.is_file() else None
@@ -1054,7 +1084,10 @@ def info(run_dir: Path | str) -> dict[str, Any]:
         "format_version": manifest["format_version"],
         "generation": manifest["generation"],
         "method": record["config"]["method"],
-        "ptm": {k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
+        "ptm": {
+            **{k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
+            "hub": record["ptm"].get("hub"),  # hf-hub: repo, revision, weights_sha256; else null
+        },
         "num_stages": len(stages),
         "num_classes": sum(s["num_classes"] for s in stages),
         "total_bytes": total_bytes,
