@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,13 @@ import torch
 from . import __version__, backbone, distributed, hub, restore
 from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
-from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
+from .data import (
+    LabelledImages,
+    dataset_images,
+    refuse_near_duplicates,
+    scan_class_folders,
+    validate_images,
+)
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
 from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
@@ -336,21 +342,41 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
 
 @dataclass(frozen=True)
 class EvalSet:
-    """A labelled image folder mapped onto the run's global class indices."""
+    """Labelled images (a folder or a dataset) mapped onto the run's global class indices."""
 
-    images: ImageSet
+    images: LabelledImages
     label_map: list[int]
 
 
-def eval_set(images: ImageSet, model: IncrementalModel, *, what: str) -> EvalSet:
+def eval_set(images: LabelledImages, model: IncrementalModel, *, what: str) -> EvalSet:
     index = model.class_index()
     unknown = [c for c in images.class_names if c not in index]
     if unknown:
         raise DataError(
-            f"{what} {images.root} has class(es) this run has not learned: {unknown[:5]}; "
+            f"{what} {images.origin} has class(es) this run has not learned: {unknown[:5]}; "
             "evaluate only learned classes (see `drl info`)"
         )
     return EvalSet(images, [index[c] for c in images.class_names])
+
+
+def labelled_images(
+    folder: Path | None, dataset: Any, class_names: Sequence[str] | None, *, what: str
+) -> LabelledImages | None:
+    """A folder's listing or a dataset's items (read and checked), or None when neither is given."""
+    if folder is not None and dataset is not None:
+        raise UsageError(f"pass {what} as a folder ({what}_dir) or as a dataset ({what}), not both")
+    if dataset is not None:
+        return dataset_images(dataset, class_names=class_names, what=what)
+    if folder is not None:
+        return scan_class_folders(folder, what=f"--{what.replace('_', '-')}")
+    return None
+
+
+def _check_class_names_use(class_names: Sequence[str] | None, *datasets: Any) -> None:
+    if class_names is not None and all(d is None for d in datasets):
+        raise UsageError(
+            "class_names names the int labels of a dataset (data=...); a folder's classes are its sub-folders"
+        )
 
 
 def evaluate_sets(
@@ -439,6 +465,8 @@ def evaluate(
     run_dir: Path | str,
     *,
     data_dir: Path | None = None,
+    data: Any = None,
+    class_names: Sequence[str] | None = None,
     all_seen: bool = False,
     device: str = "auto",
     ptm_weights: Path | None = None,
@@ -446,11 +474,13 @@ def evaluate(
     plot_path: Path | None = None,
     progress: ProgressFn | None = None,
 ) -> EvalResult:
-    """Top-1 on a labelled folder (``data_dir``) or on every registered eval set (``all_seen``),
-    the accuracy history, the ``confusions`` most frequent mistakes, and optionally a figure of
-    the history (``plot_path``, needs the ``plot`` extra)."""
-    if (data_dir is None) == (not all_seen):
-        raise UsageError("pass exactly one of --all-seen or --data DIR")
+    """Top-1 on a labelled folder (``data_dir``), a torch Dataset of (image, label) pairs (``data``,
+    int labels named by ``class_names``: ``data.dataset_images``) or every registered eval set
+    (``all_seen``); the accuracy history, the ``confusions`` most frequent mistakes, and optionally a
+    figure of the history (``plot_path``, needs the ``plot`` extra)."""
+    if (data_dir is None and data is None) == (not all_seen):
+        raise UsageError("pass exactly one of --all-seen or --data DIR (Python: data_dir or data)")
+    _check_class_names_use(class_names, data)
     if confusions < 0:
         raise UsageError(f"--confusions must be >= 0, got {confusions}")
     if plot_path is not None:
@@ -460,10 +490,10 @@ def evaluate(
     loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
     if not loaded.stage_metas:
         raise UsageError(f"run {run_dir} has learned no stage yet; run `drl learn-stage` first")
-    if data_dir is not None:
-        images = scan_class_folders(data_dir)
+    images = labelled_images(data_dir, data, class_names, what="data")
+    if images is not None:
         validate_images(images)
-        sets = [eval_set(images, loaded.model, what="--data")]
+        sets = [eval_set(images, loaded.model, what="--data" if data_dir is not None else "data")]
     else:
         sets = registered_eval_sets(loaded)
         if not sets:
@@ -521,8 +551,11 @@ class StageResult:
 def learn_stage(
     run_dir: Path | str,
     *,
-    data_dir: Path,
+    data_dir: Path | None = None,
     eval_data_dir: Path | None = None,
+    data: Any = None,
+    eval_data: Any = None,
+    class_names: Sequence[str] | None = None,
     train_overrides: dict[str, Any] | None = None,
     device: str = "auto",
     ptm_weights: Path | None = None,
@@ -530,6 +563,12 @@ def learn_stage(
     progress: ProgressFn | None = None,
 ) -> StageResult:
     """Learn the classes in ``data_dir`` as a new stage and commit it atomically.
+
+    Instead of folders, ``data`` (and ``eval_data``) may be torch Datasets of (image, label) pairs:
+    images as PIL images or tensors, labels as class names or ints indexing ``class_names``
+    (``data.dataset_images``). Every item is read once up front, to check it and to fingerprint
+    the data. A dataset's eval set counts in this stage's evaluation but, having no path, is not
+    registered for later ones (``eval --all-seen``).
 
     Each finished epoch is checkpointed; an interrupted call resumes from its last epoch when run
     again with the same data and options (``restart`` discards it instead). Running again after
@@ -547,8 +586,7 @@ def learn_stage(
         stage = _prepare(
             run,
             writer,
-            data_dir=data_dir,
-            eval_data_dir=eval_data_dir,
+            data=_Sources(data_dir, eval_data_dir, data, eval_data, class_names),
             train_overrides=train_overrides,
             device=device,
             ptm_weights=ptm_weights,
@@ -578,9 +616,9 @@ class _StageContext:
     method: Method
     loaded: LoadedRun  # its model gains the new stage and classes as the phases go
     learned: dict[str, int]  # class name -> stage, before this one
-    images: ImageSet
-    eval_images: ImageSet | None
-    eval_data_dir: Path | None
+    images: LabelledImages
+    eval_images: LabelledImages | None
+    eval_data_dir: Path | None  # a folder's (registered for later evaluations); None for a dataset
     fingerprint: str  # of ``images``
     index: int  # of the new stage
     device: str
@@ -623,12 +661,23 @@ class _Record:
     files: dict[str, bytes]  # the stage's files, as committed
 
 
+@dataclass(frozen=True)
+class _Sources:
+    """What learn-stage learns from and evaluates on: folders or datasets (``class_names`` names
+    the datasets' int labels)."""
+
+    data_dir: Path | None
+    eval_data_dir: Path | None
+    data: Any
+    eval_data: Any
+    class_names: Sequence[str] | None
+
+
 def _prepare(
     run: RunDir,
     writer: RunWriter | None,
     *,
-    data_dir: Path,
-    eval_data_dir: Path | None,
+    data: _Sources,
     train_overrides: dict[str, Any] | None,
     device: str,
     ptm_weights: Path | None,
@@ -638,8 +687,11 @@ def _prepare(
     manifest = run.manifest()
     _, config = read_record(run, manifest)
     config = config.with_train(**(train_overrides or {}))
-    images = scan_class_folders(data_dir)
-    eval_images = scan_class_folders(eval_data_dir, what="--eval-data") if eval_data_dir else None
+    _check_class_names_use(data.class_names, data.data, data.eval_data)
+    images = labelled_images(data.data_dir, data.data, data.class_names, what="data")
+    if images is None:
+        raise UsageError("pass the new classes' images: data_dir (a folder) or data (a Dataset)")
+    eval_images = labelled_images(data.eval_data_dir, data.eval_data, data.class_names, what="eval_data")
     loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
     model = loaded.model
     return _StageContext(
@@ -652,7 +704,7 @@ def _prepare(
         learned={name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())},
         images=images,
         eval_images=eval_images,
-        eval_data_dir=eval_data_dir,
+        eval_data_dir=data.eval_data_dir,
         fingerprint=images.fingerprint(),  # stats every file: once
         index=max(run.stage_indices(manifest), default=0) + 1,
         device=device,
@@ -665,13 +717,13 @@ def _check_data(stage: _StageContext) -> None:
     _check_classes(stage.images, stage.eval_images, stage.learned)
     for item in (stage.images, stage.eval_images):
         if item is not None:
-            stage.say("validate", 0, len(item), str(item.root))
+            stage.say("validate", 0, len(item), item.origin)
             tick = time.perf_counter()
             validate_images(item)
-            log.debug("validated %d images of %s in %.1fs", len(item), item.root, time.perf_counter() - tick)
+            log.debug("validated %d images of %s in %.1fs", len(item), item.origin, time.perf_counter() - tick)
 
 
-def _check_classes(images: ImageSet, eval_images: ImageSet | None, learned: dict[str, int]) -> None:
+def _check_classes(images: LabelledImages, eval_images: LabelledImages | None, learned: dict[str, int]) -> None:
     """A stage brings new classes only, none a near-duplicate name of a learned one; --eval-data
     holds learned classes or this stage's."""
     for name in images.class_names:
@@ -685,7 +737,7 @@ def _check_classes(images: ImageSet, eval_images: ImageSet | None, learned: dict
         unknown = [c for c in eval_images.class_names if c not in learned and c not in images.class_names]
         if unknown:
             raise DataError(
-                f"--eval-data {eval_images.root} has class(es) neither learned nor in --data: "
+                f"--eval-data {eval_images.origin} has class(es) neither learned nor in --data: "
                 f"{unknown[:5]}; remove them or add them to --data"
             )
 
@@ -851,8 +903,9 @@ def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evalua
 
 
 def _eval_data_entry(stage: _StageContext) -> dict[str, Any] | None:
-    """--eval-data as registered for later evaluations: relative to the run, with its classes and fingerprint."""
-    if stage.eval_images is None:
+    """--eval-data as registered for later evaluations: relative to the run, with its classes and
+    fingerprint (a folder only: a dataset has no path to find it again)."""
+    if stage.eval_images is None or stage.eval_data_dir is None:
         return None
     return {
         "path": os.path.relpath(Path(stage.eval_data_dir).resolve(), stage.run.path.resolve()),
@@ -901,7 +954,7 @@ def _learned(
 
 
 def _already_committed(
-    images: ImageSet, fingerprint: str, learned: dict[str, int], loaded: LoadedRun
+    images: LabelledImages, fingerprint: str, learned: dict[str, int], loaded: LoadedRun
 ) -> StageResult | None:
     """The committed stage that learned exactly these images, as a no-op result (or None)."""
     stages = {learned.get(name) for name in images.class_names}
