@@ -5,6 +5,7 @@ The public API: each function backs one CLI command.
     import drlcli
     drlcli.init_run("runs/shop", ptm="deit_tiny_patch16_224", ptm_weights=Path("deit.safetensors"))
     drlcli.learn_stage("runs/shop", data_dir=Path("drops/day1"), eval_data_dir=Path("drops/day1-test"))
+    drlcli.learn_stage("runs/shop", data=train_set, class_names=train_set.classes)  # a torch Dataset
     drlcli.evaluate("runs/shop", all_seen=True).report.top1
     drlcli.export_run("runs/shop", Path("model.onnx"), fmt="onnx")   # drl | torchscript | onnx
 """

@@ -11,17 +11,23 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import __version__, backbone, distributed, openset, restore
+from . import __version__, backbone, distributed, hub, openset, restore
 from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
-from .data import ImageSet, refuse_near_duplicates, scan_class_folders, validate_images
+from .data import (
+    LabelledImages,
+    dataset_images,
+    refuse_near_duplicates,
+    scan_class_folders,
+    validate_images,
+)
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
 from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
@@ -74,10 +80,11 @@ def resolve_device(device: str) -> torch.device:
 class InitResult:
     run_dir: str
     method: str
-    ptm: str
+    ptm: str  # the timm model name (an hf-hub: PTM's architecture)
     ptm_sha256: str
-    ptm_source: str
+    ptm_source: str  # random | file | hub | hf-hub
     data_config: dict[str, Any]
+    ptm_hub: dict[str, str] | None = None  # hf-hub: repo, revision (commit), weights_sha256
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,33 +108,60 @@ def init_run(
     run's own names (``ptm.safetensors``, ``stages``...) is refused either way."""
     if ptm_weights is not None and random_init:
         raise UsageError("--ptm-weights and --random-init exclude each other; pass one")
+    if hub.is_hub_name(ptm) and (ptm_weights is not None or random_init):
+        raise UsageError(f"{ptm} brings its own weights; drop --ptm-weights/--random-init, or name a timm model")
     ptm_kwargs = backbone.check_ptm_kwargs(ptm_kwargs, origin="--ptm-arg (ptm_kwargs)")  # before creating anything
     config = config or RunConfig.for_method("drl")
     run = RunDir(run_dir)
     with run.writer(create=True, allow_nonempty=allow_nonempty) as writer:
-        source = PTMSource(weights_path=ptm_weights, random_init=random_init, seed=seed)
-        model = backbone.create_ptm(ptm, source=source, kwargs=ptm_kwargs)
-        kind = "random" if random_init else ("file" if ptm_weights is not None else "hub")
+        model, ptm_record = _init_ptm(
+            ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
+        )
         record = {
             "kind": RUN_CONFIG_KIND,
             "drl_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "ptm": {
-                "name": ptm,
-                "kwargs": dict(ptm_kwargs or {}),
-                "sha256": backbone.fingerprint(model),
-                "source": kind,
-                # relative to the run, so it survives moving run and weights together
-                "weights_hint": os.path.relpath(Path(ptm_weights).resolve(), run.path.resolve())
-                if ptm_weights is not None
-                else None,
-                "data_config": backbone.data_config(model),
-            },
+            "ptm": ptm_record,
             "config": config.to_dict(),
         }
         writer.commit(init_files(record, model.state_dict() if random_init else None), manifest=None)
     info = record["ptm"]
-    return InitResult(str(run.path), config.method, ptm, info["sha256"], kind, info["data_config"])
+    return InitResult(
+        str(run.path), config.method, info["name"], info["sha256"], info["source"], info["data_config"], info.get("hub")
+    )
+
+
+def _init_ptm(
+    ptm: str, run: RunDir, *, ptm_weights: Path | None, random_init: bool, seed: int, kwargs: dict[str, Any]
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The PTM ``init`` builds, and run.yaml's ``ptm`` section that lets every later command rebuild it."""
+    if hub.is_hub_name(ptm):
+        built = hub.load_hub_ptm(ptm, kwargs=kwargs)
+        record = {
+            "name": built.name,
+            "kwargs": built.kwargs,
+            "sha256": backbone.fingerprint(built.model),
+            "source": "hf-hub",
+            "weights_hint": None,
+            "hub": built.record,
+            "data_config": built.data_config,
+        }
+        return built.model, record
+    model = backbone.create_ptm(
+        ptm, source=PTMSource(weights_path=ptm_weights, random_init=random_init, seed=seed), kwargs=kwargs
+    )
+    record = {
+        "name": ptm,
+        "kwargs": dict(kwargs),
+        "sha256": backbone.fingerprint(model),
+        "source": "random" if random_init else ("file" if ptm_weights is not None else "hub"),
+        # relative to the run, so it survives moving run and weights together
+        "weights_hint": os.path.relpath(Path(ptm_weights).resolve(), run.path.resolve())
+        if ptm_weights is not None
+        else None,
+        "data_config": backbone.data_config(model),
+    }
+    return model, record
 
 
 # ------------------------------------------------------------------------- loading a run
@@ -153,6 +187,8 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
         backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / PTM_WEIGHTS))
     else:
         path = ptm_weights
+        if path is None and info["source"] == "hf-hub":  # the recorded commit's, from the Hugging Face cache
+            path = hub.cached_weights(info["hub"])
         if path is None and info.get("weights_hint"):
             hinted = run.path / info["weights_hint"]
             path = hinted if hinted.is_file() else None
@@ -313,21 +349,41 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
 
 @dataclass(frozen=True)
 class EvalSet:
-    """A labelled image folder mapped onto the run's global class indices."""
+    """Labelled images (a folder or a dataset) mapped onto the run's global class indices."""
 
-    images: ImageSet
+    images: LabelledImages
     label_map: list[int]
 
 
-def eval_set(images: ImageSet, model: IncrementalModel, *, what: str) -> EvalSet:
+def eval_set(images: LabelledImages, model: IncrementalModel, *, what: str) -> EvalSet:
     index = model.class_index()
     unknown = [c for c in images.class_names if c not in index]
     if unknown:
         raise DataError(
-            f"{what} {images.root} has class(es) this run has not learned: {unknown[:5]}; "
+            f"{what} {images.origin} has class(es) this run has not learned: {unknown[:5]}; "
             "evaluate only learned classes (see `drl info`)"
         )
     return EvalSet(images, [index[c] for c in images.class_names])
+
+
+def labelled_images(
+    folder: Path | None, dataset: Any, class_names: Sequence[str] | None, *, what: str
+) -> LabelledImages | None:
+    """A folder's listing or a dataset's items (read and checked), or None when neither is given."""
+    if folder is not None and dataset is not None:
+        raise UsageError(f"pass {what} as a folder ({what}_dir) or as a dataset ({what}), not both")
+    if dataset is not None:
+        return dataset_images(dataset, class_names=class_names, what=what)
+    if folder is not None:
+        return scan_class_folders(folder, what=f"--{what.replace('_', '-')}")
+    return None
+
+
+def _check_class_names_use(class_names: Sequence[str] | None, *datasets: Any) -> None:
+    if class_names is not None and all(d is None for d in datasets):
+        raise UsageError(
+            "class_names names the int labels of a dataset (data=...); a folder's classes are its sub-folders"
+        )
 
 
 def evaluate_sets(
@@ -423,6 +479,8 @@ def evaluate(
     run_dir: Path | str,
     *,
     data_dir: Path | None = None,
+    data: Any = None,
+    class_names: Sequence[str] | None = None,
     all_seen: bool = False,
     device: str = "auto",
     ptm_weights: Path | None = None,
@@ -431,12 +489,15 @@ def evaluate(
     unknown_dir: Path | None = None,
     progress: ProgressFn | None = None,
 ) -> EvalResult:
-    """Top-1 on a labelled folder (``data_dir``) or on every registered eval set (``all_seen``),
-    the accuracy history, the ``confusions`` most frequent mistakes, optionally a figure of the
-    history (``plot_path``, needs the ``plot`` extra) and, with ``unknown_dir`` (class folders of
-    classes the run has not learned), how well the "unknown" answer separates them (``openset.py``)."""
-    if (data_dir is None) == (not all_seen):
-        raise UsageError("pass exactly one of --all-seen or --data DIR")
+    """Top-1 on a labelled folder (``data_dir``), a torch Dataset of (image, label) pairs (``data``,
+    int labels named by ``class_names``: ``data.dataset_images``) or every registered eval set
+    (``all_seen``); the accuracy history, the ``confusions`` most frequent mistakes, optionally a
+    figure of the history (``plot_path``, needs the ``plot`` extra) and, with ``unknown_dir`` (class
+    folders of classes the run has not learned), how well the "unknown" answer separates them
+    (``openset.py``)."""
+    if (data_dir is None and data is None) == (not all_seen):
+        raise UsageError("pass exactly one of --all-seen or --data DIR (Python: data_dir or data)")
+    _check_class_names_use(class_names, data)
     if confusions < 0:
         raise UsageError(f"--confusions must be >= 0, got {confusions}")
     if plot_path is not None:
@@ -446,10 +507,10 @@ def evaluate(
     loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
     if not loaded.stage_metas:
         raise UsageError(f"run {run_dir} has learned no stage yet; run `drl learn-stage` first")
-    if data_dir is not None:
-        images = scan_class_folders(data_dir)
+    images = labelled_images(data_dir, data, class_names, what="data")
+    if images is not None:
         validate_images(images)
-        sets = [eval_set(images, loaded.model, what="--data")]
+        sets = [eval_set(images, loaded.model, what="--data" if data_dir is not None else "data")]
     else:
         sets = registered_eval_sets(loaded)
         if not sets:
@@ -534,8 +595,11 @@ class StageResult:
 def learn_stage(
     run_dir: Path | str,
     *,
-    data_dir: Path,
+    data_dir: Path | None = None,
     eval_data_dir: Path | None = None,
+    data: Any = None,
+    eval_data: Any = None,
+    class_names: Sequence[str] | None = None,
     train_overrides: dict[str, Any] | None = None,
     device: str = "auto",
     ptm_weights: Path | None = None,
@@ -543,6 +607,12 @@ def learn_stage(
     progress: ProgressFn | None = None,
 ) -> StageResult:
     """Learn the classes in ``data_dir`` as a new stage and commit it atomically.
+
+    Instead of folders, ``data`` (and ``eval_data``) may be torch Datasets of (image, label) pairs:
+    images as PIL images or tensors, labels as class names or ints indexing ``class_names``
+    (``data.dataset_images``). Every item is read once up front, to check it and to fingerprint
+    the data. A dataset's eval set counts in this stage's evaluation but, having no path, is not
+    registered for later ones (``eval --all-seen``).
 
     Each finished epoch is checkpointed; an interrupted call resumes from its last epoch when run
     again with the same data and options (``restart`` discards it instead). Running again after
@@ -560,8 +630,7 @@ def learn_stage(
         stage = _prepare(
             run,
             writer,
-            data_dir=data_dir,
-            eval_data_dir=eval_data_dir,
+            data=_Sources(data_dir, eval_data_dir, data, eval_data, class_names),
             train_overrides=train_overrides,
             device=device,
             ptm_weights=ptm_weights,
@@ -591,9 +660,9 @@ class _StageContext:
     method: Method
     loaded: LoadedRun  # its model gains the new stage and classes as the phases go
     learned: dict[str, int]  # class name -> stage, before this one
-    images: ImageSet
-    eval_images: ImageSet | None
-    eval_data_dir: Path | None
+    images: LabelledImages
+    eval_images: LabelledImages | None
+    eval_data_dir: Path | None  # a folder's (registered for later evaluations); None for a dataset
     fingerprint: str  # of ``images``
     index: int  # of the new stage
     device: str
@@ -638,12 +707,23 @@ class _Record:
     files: dict[str, bytes]  # the stage's files, as committed
 
 
+@dataclass(frozen=True)
+class _Sources:
+    """What learn-stage learns from and evaluates on: folders or datasets (``class_names`` names
+    the datasets' int labels)."""
+
+    data_dir: Path | None
+    eval_data_dir: Path | None
+    data: Any
+    eval_data: Any
+    class_names: Sequence[str] | None
+
+
 def _prepare(
     run: RunDir,
     writer: RunWriter | None,
     *,
-    data_dir: Path,
-    eval_data_dir: Path | None,
+    data: _Sources,
     train_overrides: dict[str, Any] | None,
     device: str,
     ptm_weights: Path | None,
@@ -653,8 +733,11 @@ def _prepare(
     manifest = run.manifest()
     _, config = read_record(run, manifest)
     config = config.with_train(**(train_overrides or {}))
-    images = scan_class_folders(data_dir)
-    eval_images = scan_class_folders(eval_data_dir, what="--eval-data") if eval_data_dir else None
+    _check_class_names_use(data.class_names, data.data, data.eval_data)
+    images = labelled_images(data.data_dir, data.data, data.class_names, what="data")
+    if images is None:
+        raise UsageError("pass the new classes' images: data_dir (a folder) or data (a Dataset)")
+    eval_images = labelled_images(data.eval_data_dir, data.eval_data, data.class_names, what="eval_data")
     loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
     model = loaded.model
     return _StageContext(
@@ -667,7 +750,7 @@ def _prepare(
         learned={name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())},
         images=images,
         eval_images=eval_images,
-        eval_data_dir=eval_data_dir,
+        eval_data_dir=data.eval_data_dir,
         fingerprint=images.fingerprint(),  # stats every file: once
         index=max(run.stage_indices(manifest), default=0) + 1,
         device=device,
@@ -680,13 +763,13 @@ def _check_data(stage: _StageContext) -> None:
     _check_classes(stage.images, stage.eval_images, stage.learned)
     for item in (stage.images, stage.eval_images):
         if item is not None:
-            stage.say("validate", 0, len(item), str(item.root))
+            stage.say("validate", 0, len(item), item.origin)
             tick = time.perf_counter()
             validate_images(item)
-            log.debug("validated %d images of %s in %.1fs", len(item), item.root, time.perf_counter() - tick)
+            log.debug("validated %d images of %s in %.1fs", len(item), item.origin, time.perf_counter() - tick)
 
 
-def _check_classes(images: ImageSet, eval_images: ImageSet | None, learned: dict[str, int]) -> None:
+def _check_classes(images: LabelledImages, eval_images: LabelledImages | None, learned: dict[str, int]) -> None:
     """A stage brings new classes only, none a near-duplicate name of a learned one; --eval-data
     holds learned classes or this stage's."""
     for name in images.class_names:
@@ -700,7 +783,7 @@ def _check_classes(images: ImageSet, eval_images: ImageSet | None, learned: dict
         unknown = [c for c in eval_images.class_names if c not in learned and c not in images.class_names]
         if unknown:
             raise DataError(
-                f"--eval-data {eval_images.root} has class(es) neither learned nor in --data: "
+                f"--eval-data {eval_images.origin} has class(es) neither learned nor in --data: "
                 f"{unknown[:5]}; remove them or add them to --data"
             )
 
@@ -889,8 +972,9 @@ def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evalua
 
 
 def _eval_data_entry(stage: _StageContext) -> dict[str, Any] | None:
-    """--eval-data as registered for later evaluations: relative to the run, with its classes and fingerprint."""
-    if stage.eval_images is None:
+    """--eval-data as registered for later evaluations: relative to the run, with its classes and
+    fingerprint (a folder only: a dataset has no path to find it again)."""
+    if stage.eval_images is None or stage.eval_data_dir is None:
         return None
     return {
         "path": os.path.relpath(Path(stage.eval_data_dir).resolve(), stage.run.path.resolve()),
@@ -939,7 +1023,7 @@ def _learned(
 
 
 def _already_committed(
-    images: ImageSet, fingerprint: str, learned: dict[str, int], loaded: LoadedRun
+    images: LabelledImages, fingerprint: str, learned: dict[str, int], loaded: LoadedRun
 ) -> StageResult | None:
     """The committed stage that learned exactly these images, as a no-op result (or None)."""
     stages = {learned.get(name) for name in images.class_names}
@@ -1122,7 +1206,10 @@ def info(run_dir: Path | str) -> dict[str, Any]:
         "format_version": manifest["format_version"],
         "generation": manifest["generation"],
         "method": record["config"]["method"],
-        "ptm": {k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
+        "ptm": {
+            **{k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
+            "hub": record["ptm"].get("hub"),  # hf-hub: repo, revision, weights_sha256; else null
+        },
         "num_stages": len(stages),
         "num_classes": sum(s["num_classes"] for s in stages),
         "total_bytes": total_bytes,

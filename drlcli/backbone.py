@@ -43,7 +43,8 @@ PTM_KWARGS: dict[str, tuple[type, float, float]] = {
 
 @dataclass(frozen=True)
 class PTMSource:
-    """Where weights come from: a local file, timm's hub download, or a seeded random init."""
+    """Where weights come from: a local file, timm's hub download, or a seeded random init.
+    (An ``hf-hub:`` PTM is a local file here: ``hub.py`` finds it in the Hugging Face cache.)"""
 
     weights_path: Path | None = None
     random_init: bool = False
@@ -56,7 +57,7 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
 
     kwargs = check_ptm_kwargs(kwargs, origin="--ptm-arg (ptm_kwargs)")
     if not timm.is_model(name):
-        raise PTMError(f"unknown PTM {name!r}; pass a timm ViT name such as deit_tiny_patch16_224")
+        raise PTMError(f"unknown PTM {name!r}; pass a timm ViT name such as deit_tiny_patch16_224, or hf-hub:timm/REPO")
     try:
         if source.weights_path is None and not source.random_init:
             _require_hub(name)
@@ -111,21 +112,40 @@ def _is_kind(value: Any, kind: type) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _require_hub(name: str, timeout: float = 3.0) -> None:
-    """Fail in seconds, not after a minute of hub retries, when the hub cannot be reached."""
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is set: the hub library uses its local cache only."""
     import os
+
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def hub_host() -> str:
+    import os
+
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be reached (the error's class name), in seconds; None when it can."""
     import socket
 
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return  # the hub library fails fast itself (or uses its local cache)
-    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
     try:
-        socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
+        socket.create_connection((hub_host().split(":")[0], 443), timeout=timeout).close()
     except OSError as exc:
+        return exc.__class__.__name__
+    return None
+
+
+def _require_hub(name: str) -> None:
+    """Fail in seconds, not after a minute of hub retries, when the hub cannot be reached."""
+    if hub_offline():
+        return  # the hub library fails fast itself (or uses its local cache)
+    problem = hub_unreachable()
+    if problem is not None:
         raise PTMError(
-            f"cannot reach {host} to download {name} weights ({exc.__class__.__name__}); pass "
+            f"cannot reach {hub_host()} to download {name} weights ({problem}); pass "
             "--ptm-weights FILE (a local .safetensors), or set HF_HUB_OFFLINE=1 to use the local hub cache"
-        ) from None
+        )
 
 
 def check_supported(model: nn.Module, name: str) -> None:

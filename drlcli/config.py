@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_type_hints
@@ -324,7 +325,13 @@ def validate(cfg: RunConfig) -> None:
 MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `predict --workers`
 MAX_SEED = _RANGES[("train", "seed")].high  # also bounds `init --seed` and `benchmark --seed`
 MAX_INPUT_SIDE = 4096  # pixels; a PTM input above this is a crafted record, not a ViT
-PTM_SOURCES = ("random", "file", "hub")
+PTM_SOURCES = ("random", "file", "hub", "hf-hub")  # hub: timm's own download; hf-hub: a hf-hub:ORG/NAME repo
+# A Hugging Face repo id (ORG/NAME, the hub's own rules, shorter), a snapshot's commit, a sha256
+HUB_REPO = re.compile(
+    r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?"
+)
+HUB_COMMIT = re.compile(r"[0-9a-f]{40}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")  # torchvision's modes
 CROP_MODES = ("center", "squash", "border")  # timm's
 
@@ -341,7 +348,20 @@ def check_ptm_record(ptm: Any) -> None:
         raise UsageError(f"ptm.source must be one of {list(PTM_SOURCES)}, got {ptm['source']!r}")
     if not isinstance(ptm.get("weights_hint"), (str, type(None))):
         raise UsageError("ptm.weights_hint must be a relative path or null")
+    if ptm["source"] == "hf-hub":
+        check_hub_record(ptm.get("hub"))
     check_data_config(ptm["data_config"])
+
+
+def check_hub_record(hub: Any) -> None:
+    """run.yaml's ``ptm.hub`` as ``drl init --ptm hf-hub:...`` writes it: the repo, the snapshot's
+    commit and the weights file's sha256 (nothing else of it reaches the hub library)."""
+    if not isinstance(hub, dict):
+        raise UsageError(f"ptm.hub must be a mapping for source hf-hub, got {type(hub).__name__}")
+    for key, pattern in (("repo", HUB_REPO), ("revision", HUB_COMMIT), ("weights_sha256", SHA256)):
+        value = hub.get(key)
+        if not (isinstance(value, str) and pattern.fullmatch(value) and ".." not in value and "--" not in value):
+            raise UsageError(f"ptm.hub.{key} is not a valid {key.replace('_', ' ')}, got {value!r}")
 
 
 def check_data_config(data_config: Any) -> None:

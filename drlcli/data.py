@@ -1,16 +1,19 @@
-"""Class-folder image sets: discovery, validation, fingerprints, datasets and transforms.
+"""Labelled images: class folders and torch datasets; discovery, validation, fingerprints, transforms.
 
 A data folder holds one sub-folder per class (ImageFolder layout); images may sit at any depth
-inside their class folder. Every problem is a ``DataError`` naming the file and the fix, raised
-before anything is trained or written.
+inside their class folder, in any format Pillow reads. The Python API also takes a torch
+``Dataset`` of (image, label) pairs (``dataset_images``). Either way every problem is a
+``DataError`` naming the file or item and the fix, raised before anything is trained or written.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import operator
 import os
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,24 +25,64 @@ from torch.utils.data import DataLoader, Dataset
 
 from .errors import DataError, UsageError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 # Longest side an image is decoded at. Every PTM input (224-518 px) and its training crops are
 # far smaller, so nothing is lost; a huge image (a 140 KB PNG can hold 89 megapixels) is
 # reduced before it is converted, and a JPEG is decoded at 1/2, 1/4 or 1/8 scale to begin with.
 MAX_DECODE_SIDE = 2048
 
 
+@functools.cache
+def image_extensions() -> frozenset[str]:
+    """Every file extension (lower case, with the dot) of a format Pillow can open: .jpg, .png,
+    .webp, .tif, .bmp, .gif, ... as this Pillow was built (its plugins register them)."""
+    Image.init()
+    return frozenset(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
+
+
+class LabelledImages:
+    """What training, prototypes and evaluation read from a data source: the class names, each
+    image's label (an index into them), image ``i`` as RGB (``load``), and a fingerprint of the
+    whole (the run records it, so the same data again is recognised)."""
+
+    class_names: tuple[str, ...]
+    labels: tuple[int, ...]
+
+    @property
+    def origin(self) -> str:
+        """Where the images come from, as messages name it."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def load(self, index: int) -> Image.Image:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(self.class_names, 0)
+        for label in self.labels:
+            out[self.class_names[label]] += 1
+        return out
+
+
 @dataclass(frozen=True)
-class ImageSet:
-    """Labelled images: ``paths[i]`` belongs to class ``class_names[labels[i]]``."""
+class ImageSet(LabelledImages):
+    """A class folder's images: ``paths[i]`` belongs to class ``class_names[labels[i]]``."""
 
     root: Path
     class_names: tuple[str, ...]
     paths: tuple[Path, ...]
     labels: tuple[int, ...]
 
-    def __len__(self) -> int:
-        return len(self.paths)
+    @property
+    def origin(self) -> str:
+        return str(self.root)
+
+    def load(self, index: int) -> Image.Image:
+        return load_rgb(self.paths[index])
 
     def fingerprint(self) -> str:
         """sha256 over class names, relative paths and file sizes: identifies a data drop."""
@@ -49,11 +92,30 @@ class ImageSet:
             digest.update(f"{self.class_names[label]}\0{rel}\0{path.stat().st_size}\n".encode())
         return digest.hexdigest()
 
-    def counts(self) -> dict[str, int]:
-        out = dict.fromkeys(self.class_names, 0)
-        for label in self.labels:
-            out[self.class_names[label]] += 1
-        return out
+
+@dataclass(frozen=True, eq=False)
+class DatasetImages(LabelledImages):
+    """A torch ``Dataset`` of (image, label) pairs as labelled images; made by ``dataset_images``,
+    which has read and checked every item once."""
+
+    dataset: Any  # a map-style torch Dataset: __len__ and __getitem__
+    class_names: tuple[str, ...]
+    labels: tuple[int, ...]
+    digest: str  # the fingerprint, computed while reading every item
+    what: str = "data"
+
+    @property
+    def origin(self) -> str:
+        return f"(a {type(self.dataset).__name__} of {len(self)} images)"
+
+    def load(self, index: int) -> Image.Image:
+        image, _ = _item(self.dataset, index, self.what)
+        return _item_rgb(image, index, self.what)
+
+    def fingerprint(self) -> str:
+        """sha256 over every item in index order: its class name, its size and its RGB pixels as
+        drl decodes them (8 bits per channel, longest side at most ``MAX_DECODE_SIDE``)."""
+        return self.digest
 
 
 def _hidden(path: Path) -> bool:
@@ -81,9 +143,10 @@ def scan_class_folders(root: Path | str, *, what: str = "--data") -> ImageSet:
         )
         for path in files:
             _require_utf8(path, root)
-            if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            if path.suffix.lower() not in image_extensions():
                 raise DataError(
-                    f"{path} is not an image ({', '.join(IMAGE_EXTENSIONS)}); remove it or move it out of {what}"
+                    f"{path} is not an image (no format Pillow reads has the extension {path.suffix or '(none)'!r}); "
+                    f"remove it or move it out of {what}"
                 )
         if not files:
             raise DataError(f"class folder {class_dir} is empty; add images to it or remove it")
@@ -133,8 +196,11 @@ def _check_image(path: Path) -> str | None:
     return None
 
 
-def validate_images(images: ImageSet, *, num_threads: int | None = None) -> None:
-    """Decode every image once; the first failure is a DataError naming the file."""
+def validate_images(images: LabelledImages, *, num_threads: int | None = None) -> None:
+    """Decode every image of a folder once; the first failure is a DataError naming the file. (A
+    dataset's items were all decoded and checked when it was read: ``dataset_images``.)"""
+    if not isinstance(images, ImageSet):
+        return
     threads = num_threads or min(8, (os.cpu_count() or 1) + 2)
     with ThreadPoolExecutor(threads) as pool:
         for path, problem in zip(images.paths, pool.map(_check_image, images.paths)):
@@ -152,6 +218,132 @@ def load_rgb(path: Path, *, max_side: int = MAX_DECODE_SIDE) -> Image.Image:
         return image.convert("RGB")
 
 
+def to_rgb(image: Any, *, max_side: int = MAX_DECODE_SIDE) -> Image.Image:
+    """A dataset's image as ``load_rgb`` gives a file's: RGB, longest side at most ``max_side``.
+    ``image`` is a PIL image (never changed) or a tensor (H, W) or (C, H, W) with C 1, 3 or 4:
+    uint8 in [0, 255] or floating point in [0, 1] (rounded to 8 bits, the inverse of ToTensor).
+    Anything else is a ValueError saying what it is."""
+    if isinstance(image, torch.Tensor):
+        image = _tensor_to_pil(image)
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"is a {type(image).__name__}, not a PIL image or a tensor")
+    if image.width < 1 or image.height < 1:
+        raise ValueError("has no pixels")
+    if max(image.size) > max_side:
+        image = image.copy()  # thumbnail works in place: the caller's image stays as it was
+        image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+    return image.convert("RGB")
+
+
+_TENSOR_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+
+
+def _tensor_to_pil(tensor: torch.Tensor) -> Image.Image:
+    x = tensor.detach().cpu()
+    x = x[None] if x.ndim == 2 else x  # (H, W) -> (1, H, W)
+    if x.ndim != 3 or x.shape[0] not in _TENSOR_MODES:
+        raise ValueError(f"is a tensor of shape {tuple(tensor.shape)}; give (C, H, W) with C 1, 3 or 4, or (H, W)")
+    if x.is_floating_point():
+        if not (torch.isfinite(x).all() and x.min() >= 0 and x.max() <= 1):
+            raise ValueError("is a floating-point tensor with values outside [0, 1]; scale it to [0, 1] or give uint8")
+        x = (x.float() * 255).round().to(torch.uint8)
+    elif x.dtype != torch.uint8:
+        raise ValueError(f"is a {x.dtype} tensor; give uint8 (0-255) or floating point (0-1)")
+    pixels = x.permute(1, 2, 0).contiguous().numpy()  # (H, W, C)
+    return Image.fromarray(pixels[..., 0] if x.shape[0] == 1 else pixels, mode=_TENSOR_MODES[x.shape[0]])
+
+
+def dataset_images(dataset: Any, *, class_names: Sequence[str] | None = None, what: str = "data") -> DatasetImages:
+    """Read every item of ``dataset`` (map-style: ``len`` and ``[i]``) once: each must be an (image,
+    label) pair (image as ``to_rgb`` takes it; label a class name, or an int indexing ``class_names``).
+    The classes are those present, in ``class_names`` order when given, else sorted. The same pass
+    computes the fingerprint (``DatasetImages.fingerprint``). The dataset must give the same items
+    every time (no random augmentation of its own: drl adds its own while training)."""
+    names = _check_class_names(class_names, what)
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise UsageError(f"{what} must be a map-style torch Dataset (with __len__ and __getitem__)") from None
+    if size == 0:
+        raise DataError(f"{what} is an empty dataset; give it at least one image")
+    digest, item_classes = hashlib.sha256(), []
+    for index in range(size):
+        image, label = _item(dataset, index, what)
+        name = _label_name(label, names, index, what)
+        rgb = _item_rgb(image, index, what)
+        digest.update(f"{name}\0{rgb.width}x{rgb.height}\n".encode())
+        digest.update(rgb.tobytes())
+        item_classes.append(name)
+    present = set(item_classes)
+    classes = [c for c in names if c in present] if names is not None else sorted(present)
+    refuse_near_duplicates(classes, {}, what=what)
+    position = {name: i for i, name in enumerate(classes)}
+    return DatasetImages(dataset, tuple(classes), tuple(position[c] for c in item_classes), digest.hexdigest(), what)
+
+
+def _check_class_names(class_names: Sequence[str] | None, what: str) -> tuple[str, ...] | None:
+    if class_names is None:
+        return None
+    names = tuple(class_names) if isinstance(class_names, (list, tuple)) else None
+    if not names or not all(isinstance(n, str) and n.strip() and _utf8(n) for n in names):
+        raise UsageError(f"class_names for {what} must be a non-empty list of class names (non-empty UTF-8 strings)")
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise UsageError(f"class_names for {what} names {twice!r} twice; each class once")
+    return names
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _item(dataset: Any, index: int, what: str) -> tuple[Any, Any]:
+    try:
+        item = dataset[index]
+    except Exception as exc:  # the dataset's own code: whatever it raises, the item is unusable
+        raise DataError(
+            f"item {index} of {what} cannot be read ({exc.__class__.__name__}: {exc}); fix the dataset"
+        ) from exc
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise DataError(f"item {index} of {what} is a {type(item).__name__}, not an (image, label) pair")
+    return item[0], item[1]
+
+
+def _item_rgb(image: Any, index: int, what: str) -> Image.Image:
+    try:
+        return to_rgb(image)
+    except (ValueError, OSError, Image.DecompressionBombError) as exc:
+        raise DataError(f"the image of item {index} of {what} {exc}; fix the dataset") from exc
+
+
+def _label_name(label: Any, names: tuple[str, ...] | None, index: int, what: str) -> str:
+    """An item's class name: its label if a str, else ``names[label]``."""
+    where = f"item {index} of {what}"
+    if isinstance(label, str):
+        if not label.strip() or not _utf8(label):
+            raise DataError(f"{where} has the class name {label!r}; class names are non-empty UTF-8 strings")
+        if names is not None and label not in names:
+            raise DataError(f"{where} has class {label!r}, which class_names does not list; add it or fix the label")
+        return label
+    try:
+        number = None if isinstance(label, bool) else operator.index(label)  # int, numpy int, 0-d int tensor
+    except TypeError:
+        number = None
+    if number is None:
+        raise DataError(
+            f"{where} has a label of type {type(label).__name__}; give a class name (str) or an int index into class_names"
+        )
+    if names is None:
+        raise UsageError(f"{where} has an int label ({number}); pass class_names=[...] to name the classes")
+    if not 0 <= number < len(names):
+        raise DataError(f"{where} has label {number}, outside class_names (0 to {len(names) - 1})")
+    return names[number]
+
+
 def start_workers(loader: DataLoader) -> Any:
     """``iter(loader)``, which starts its worker processes; a refusal by the OS is a usage error."""
     try:
@@ -166,7 +358,7 @@ def start_workers(loader: DataLoader) -> Any:
 class ImageDataset(Dataset):
     """(image tensor, label) pairs; labels are offset into a global class index if asked."""
 
-    def __init__(self, images: ImageSet, transform: Any, *, label_map: list[int] | None = None):
+    def __init__(self, images: LabelledImages, transform: Any, *, label_map: list[int] | None = None):
         self.images = images
         self.transform = transform
         self.label_map = label_map
@@ -178,7 +370,7 @@ class ImageDataset(Dataset):
         label = self.images.labels[index]
         if self.label_map is not None:
             label = self.label_map[label]
-        return self.transform(load_rgb(self.images.paths[index])), label
+        return self.transform(self.images.load(index)), label
 
 
 def eval_transform(data_config: dict[str, Any]) -> Any:
@@ -189,16 +381,25 @@ def eval_transform(data_config: dict[str, Any]) -> Any:
 
 
 def train_transform(data_config: dict[str, Any], *, crop_scale_min: float, hflip: bool) -> Any:
-    """Random resized crop (+ flip) at the PTM's input size, then the PTM's normalisation."""
-    from torchvision import transforms as T
+    """timm's training transform: a random resized crop (area scale [crop_scale_min, 1], aspect
+    ratio 3/4 to 4/3) to the PTM's input size with its interpolation, a horizontal flip (p 0.5) if
+    ``hflip``, then the PTM's normalisation; none of timm's other augmentations (colour jitter,
+    auto-augment, random erasing). timm's crop draws from Python's ``random``, its flip from
+    torch's generator: ``train.py`` seeds and checkpoints both."""
+    from timm.data import create_transform
 
-    size = tuple(data_config["input_size"][-2:])
-    interpolation = T.InterpolationMode(data_config.get("interpolation", "bicubic"))
-    steps = [T.RandomResizedCrop(size, scale=(crop_scale_min, 1.0), interpolation=interpolation)]
-    if hflip:
-        steps.append(T.RandomHorizontalFlip())
-    steps += [T.ToTensor(), T.Normalize(data_config["mean"], data_config["std"])]
-    return T.Compose(steps)
+    cfg = _timm_config(data_config)
+    return create_transform(
+        input_size=cfg["input_size"],
+        is_training=True,
+        scale=(crop_scale_min, 1.0),
+        ratio=(3 / 4, 4 / 3),
+        hflip=0.5 if hflip else 0.0,
+        color_jitter=None,
+        interpolation=cfg.get("interpolation", "bicubic"),
+        mean=cfg["mean"],
+        std=cfg["std"],
+    )
 
 
 def _timm_config(data_config: dict[str, Any]) -> dict[str, Any]:

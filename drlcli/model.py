@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset
 
 from . import distributed
 from .config import ScoreConfig
-from .data import ImageDataset, ImageSet, eval_transform, start_workers
+from .data import ImageDataset, LabelledImages, eval_transform, start_workers
 from .methods import StageNetwork
 from .openset import known_scores
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
@@ -146,7 +146,7 @@ def _device_of(network: StageNetwork) -> torch.device:
 @torch.inference_mode()
 def embed_images(
     network: StageNetwork,
-    images: ImageSet,
+    images: LabelledImages,
     data_config: dict[str, Any],
     *,
     batch_size: int,

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from .data import IMAGE_EXTENSIONS, _hidden, eval_transform, load_rgb, start_workers
+from .data import _hidden, eval_transform, image_extensions, load_rgb, start_workers
 from .errors import DataError, UsageError
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def expand_sources(sources: Iterable[str], *, stdin: Iterable[str] | None = None
                     p
                     for p in path.rglob("*")
                     if p.is_file()
-                    and p.suffix.lower() in IMAGE_EXTENSIONS
+                    and p.suffix.lower() in image_extensions()
                     and not any(_hidden(Path(q)) for q in p.relative_to(path).parts)
                 )
             )

@@ -9,10 +9,12 @@ epochs. The PTM and every older stage stay frozen (they run under no_grad).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import random
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from . import distributed
 from .config import TrainConfig
-from .data import ImageDataset, ImageSet, start_workers, train_transform
+from .data import ImageDataset, LabelledImages, start_workers, train_transform
 from .errors import DivergedError, RunStateError, UsageError
 from .losses import ce_loss, das_loss, kd_loss
 from .methods import StageNetwork
@@ -47,7 +49,7 @@ class TrainState:
     """Everything needed to continue training after ``epoch`` finished epochs, bit for bit."""
 
     epoch: int
-    tensors: dict[str, Tensor]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.loader
+    tensors: dict[str, Tensor]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.python, rng.loader
     epoch_losses: list[float]
     seconds: float
     steps: int
@@ -92,7 +94,7 @@ def stage_loss(logits: Tensor, targets: Tensor, feats: Tensor, ptm_feats: Tensor
 
 def train_stage(
     network: StageNetwork,
-    images: ImageSet,
+    images: LabelledImages,
     cfg: TrainConfig,
     data_config: dict[str, Any],
     *,
@@ -119,8 +121,9 @@ def train_stage(
     start = time.perf_counter()
     epoch_losses: list[float] = []
     steps, first_epoch, earlier_seconds = 0, 1, 0.0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)  # the transforms' randomness
+    with torch.random.fork_rng(devices=[]), _fork_python_random():
+        torch.manual_seed(cfg.seed)  # the transforms' randomness: the flip's
+        random.seed(cfg.seed)  # and timm's random resized crop's
         if resume is not None:
             _restore(resume, stage, classifier, loop.optimizer, loop.params, loop.schedule, generator, device)
             epoch_losses, steps = list(resume.epoch_losses), resume.steps
@@ -153,7 +156,7 @@ class _Loop:
 
 def _classifier(
     network: StageNetwork,
-    images: ImageSet,
+    images: LabelledImages,
     cfg: TrainConfig,
     data_config: dict[str, Any],
     *,
@@ -171,7 +174,9 @@ def _classifier(
     return classifier
 
 
-def _loader(images: ImageSet, cfg: TrainConfig, data_config: dict[str, Any], generator: torch.Generator) -> DataLoader:
+def _loader(
+    images: LabelledImages, cfg: TrainConfig, data_config: dict[str, Any], generator: torch.Generator
+) -> DataLoader:
     """Augmented batches of ``cfg.batch_size`` images, shuffled by ``generator``; under torchrun the
     batch is the global one and each process loads its share (``GlobalBatchShard``)."""
     dataset = ImageDataset(images, train_transform(data_config, crop_scale_min=cfg.crop_scale_min, hflip=cfg.hflip))
@@ -233,7 +238,9 @@ def _run_epoch(
     """One epoch of steps, then the schedule's step: (mean loss over every process's images, steps)."""
     world = distributed.world_size()
     if world > 1:  # each process reseeds its augmentations every epoch
-        torch.manual_seed(cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank())
+        seed = cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank()
+        torch.manual_seed(seed)
+        random.seed(seed)
     total, count, steps = 0.0, 0, 0
     for step, (batch, targets) in enumerate(start_workers(loop.loader), 1):
         batch, targets = batch.to(device), targets.to(device)
@@ -265,7 +272,33 @@ def _capture(
     if device.type == "cuda":  # EASE's dropout draws on the GPU
         tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
     tensors["rng.loader"] = generator.get_state()
+    tensors.update(_python_random_state())
     return tensors
+
+
+@contextlib.contextmanager
+def _fork_python_random() -> Iterator[None]:
+    """Python's ``random`` state is given back as it was (as ``torch.random.fork_rng`` does for torch's)."""
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
+def _python_random_state() -> dict[str, Tensor]:
+    """Python's ``random`` state as tensors: rng.python, its 625 Mersenne Twister words (and
+    rng.python_gauss, the cached normal deviate, when there is one)."""
+    _, words, gauss = random.getstate()
+    out = {"rng.python": torch.tensor(words, dtype=torch.int64)}
+    if gauss is not None:
+        out["rng.python_gauss"] = torch.tensor([gauss], dtype=torch.float64)
+    return out
+
+
+def _set_python_random_state(tensors: dict[str, Tensor]) -> None:
+    gauss = tensors["rng.python_gauss"].item() if "rng.python_gauss" in tensors else None
+    random.setstate((3, tuple(int(w) for w in tensors["rng.python"].tolist()), gauss))
 
 
 def _restore(
@@ -295,7 +328,8 @@ def _restore(
         if device.type == "cuda" and "rng.cuda" in t:
             torch.cuda.set_rng_state(t["rng.cuda"], device)
         generator.set_state(t["rng.loader"])
-    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        _set_python_random_state(t)
+    except (RuntimeError, KeyError, ValueError, TypeError, OverflowError) as exc:
         raise RunStateError(
             f"the epoch checkpoint after epoch {resume.epoch} does not fit this stage ({str(exc).splitlines()[0]}); "
             "pass --restart to discard it"
@@ -319,7 +353,7 @@ def _check_finite(epoch: int, loss: float, stage: nn.Module, classifier: nn.Modu
 
 
 def initial_class_means(
-    network: nn.Module, images: ImageSet, data_config: dict[str, Any], *, batch_size: int
+    network: nn.Module, images: LabelledImages, data_config: dict[str, Any], *, batch_size: int
 ) -> Tensor:
     """(C, d) mean feature (on the CPU) of each class in the newest (untrained) stage's subspace, eval transform:
     a classifier that starts there already separates the stage's classes, so the first steps
@@ -369,7 +403,6 @@ class _StageStep(nn.Module):
 
 def _seed_worker(worker_id: int) -> None:
     import os
-    import random
 
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: different augmentations per process
     if rank:

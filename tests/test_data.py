@@ -1,9 +1,23 @@
+import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import Dataset
 
-from drlcli.data import ImageDataset, eval_transform, scan_class_folders, train_transform, validate_images
-from drlcli.errors import DataError
+from drlcli import backbone
+from drlcli.data import (
+    ImageDataset,
+    dataset_images,
+    eval_transform,
+    image_extensions,
+    load_rgb,
+    scan_class_folders,
+    train_transform,
+    validate_images,
+)
+from drlcli.errors import DataError, UsageError
+from drlcli.predict import expand_sources
+from drlcli.synthetic import class_image
 
 CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
 
@@ -61,3 +75,198 @@ def test_missing_or_empty_data_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no class folders"):
         scan_class_folders(tmp_path / "empty")
+
+
+# ------------------------------------------------------------------ every format Pillow reads
+
+
+def test_every_format_pillow_reads_is_an_image(tmp_path):
+    from PIL import features
+
+    folder = tmp_path / "d" / "cls"
+    folder.mkdir(parents=True)
+    class_image(0, 0).save(folder / "a.tif")
+    class_image(0, 1).save(folder / "b.TIFF", compression="tiff_lzw")
+    class_image(0, 2).save(folder / "c.gif")
+    names = ["a.tif", "b.TIFF", "c.gif"]
+    if features.check("webp"):
+        class_image(0, 3).save(folder / "d.webp", lossless=True)
+        names.append("d.webp")
+    images = scan_class_folders(tmp_path / "d")
+    validate_images(images)
+    assert [p.name for p in images.paths] == names
+    assert load_rgb(folder / "a.tif").tobytes() == class_image(0, 0).tobytes()
+    assert {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".gif"} <= image_extensions()
+    assert not {".txt", ".csv", ".json", ".pdf"} & image_extensions()  # .pdf: Pillow writes it, cannot read it
+    assert [p.name for p in expand_sources([str(tmp_path / "d")])] == names  # predict lists them too
+
+
+def test_a_file_named_as_an_image_that_is_not_one_is_refused(make_folder):
+    root = make_folder("d", [0], n=1)
+    (root / "class_00" / "scan.tif").write_bytes(b"not a tiff at all")
+    with pytest.raises(DataError, match=r"scan.tif cannot be decoded .*; fix or remove the file"):
+        validate_images(scan_class_folders(root))
+    (root / "class_00" / "scan.tif").unlink()
+    (root / "class_00" / "notes").write_text("x")
+    with pytest.raises(
+        DataError, match=r"notes is not an image \(no format Pillow reads has the extension '\(none\)'\)"
+    ):
+        scan_class_folders(root)
+
+
+# ------------------------------------------------------------------------- timm's transforms
+
+
+def test_train_transform_is_timms_and_matches_the_former_hand_written_one(monkeypatch):
+    """timm's crop and torchvision's (the former hand-written transform) differ only in where the
+    crop box is drawn from (Python's random vs torch's generator): with the same box and flip
+    draw, they give the same tensor."""
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+    from torchvision import transforms as T
+
+    new = train_transform(CFG, crop_scale_min=0.3, hflip=True)
+    crop, flip = new.transforms[:2]
+    assert isinstance(crop, RandomResizedCropAndInterpolation)
+    assert crop.size == (32, 32) and crop.scale == (0.3, 1.0) and crop.ratio == (3 / 4, 4 / 3)
+    assert crop.interpolation == T.InterpolationMode.BICUBIC
+    assert isinstance(flip, T.RandomHorizontalFlip) and flip.p == 0.5
+    no_flip = train_transform(CFG, crop_scale_min=0.3, hflip=False)
+    assert [type(t).__name__ for t in no_flip.transforms] == [
+        "RandomResizedCropAndInterpolation",
+        "MaybeToTensor",
+        "Normalize",
+    ]
+
+    box = (3, 5, 20, 17)  # top, left, height, width
+    monkeypatch.setattr(RandomResizedCropAndInterpolation, "get_params", staticmethod(lambda img, scale, ratio: box))
+    monkeypatch.setattr(T.RandomResizedCrop, "get_params", staticmethod(lambda img, scale, ratio: box))
+    former = T.Compose(
+        [
+            T.RandomResizedCrop((32, 32), scale=(0.3, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(CFG["mean"], CFG["std"]),
+        ]
+    )
+    image = class_image(2, 0, size=48)
+    for seed in range(4):  # flipped and not
+        torch.manual_seed(seed)
+        ours = new(image)
+        torch.manual_seed(seed)
+        assert torch.equal(ours, former(image))
+
+
+def test_eval_transform_is_timms_own(tiny_ptm):
+    from timm.data import create_transform, resolve_data_config
+
+    image = class_image(1, 0, size=45)
+    timm_cfg = resolve_data_config({}, model=tiny_ptm)
+    timm_cfg["input_size"] = (3, 32, 32)
+    assert torch.equal(eval_transform(backbone.data_config(tiny_ptm))(image), create_transform(**timm_cfg)(image))
+
+
+# ------------------------------------------------------------------------ torch datasets
+
+
+class Pairs(Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+def test_dataset_of_pil_images_and_tensors_with_names_or_int_labels():
+    a, b = class_image(0, 0), class_image(1, 0, size=20)
+    as_uint8 = torch.from_numpy(np.array(b)).permute(2, 0, 1).contiguous()  # (3, H, W)
+    as_float = as_uint8.float() / 255  # what ToTensor gives
+    gray = torch.full((9, 7), 0.5)
+    named = dataset_images(Pairs([(a, "zebra"), (as_uint8, "ant"), (as_float, "ant"), (gray, "zebra")]))
+    assert named.class_names == ("ant", "zebra") and named.labels == (1, 0, 0, 1)  # sorted names
+    assert named.load(1).tobytes() == named.load(2).tobytes() == b.tobytes()  # ToTensor inverted exactly
+    assert named.load(3).size == (7, 9) and named.load(3).getpixel((0, 0)) == (128, 128, 128)
+    assert named.counts() == {"ant": 2, "zebra": 2} and "Pairs" in named.origin
+
+    classes = ["cat", "ant", "bee", "zebra"]
+    numbered = dataset_images(
+        Pairs([(a, 3), (as_uint8, np.int64(1)), (as_float, torch.tensor(1)), (gray, 3)]), class_names=classes
+    )
+    assert numbered.class_names == ("ant", "zebra")  # the classes present, in class_names order
+    assert numbered.labels == (1, 0, 0, 1) and numbered.fingerprint() == named.fingerprint()
+    # a PIL image or its tensor: the same pixels, the same fingerprint; one pixel more: another
+    same = dataset_images(
+        Pairs([(torch.from_numpy(np.array(a)).permute(2, 0, 1), "zebra"), (b, "ant"), (b, "ant"), (gray, "zebra")])
+    )
+    assert same.fingerprint() == named.fingerprint()
+    b2 = b.copy()
+    b2.putpixel((0, 0), (0, 0, 0))
+    assert (
+        dataset_images(Pairs([(a, "zebra"), (b2, "ant"), (b, "ant"), (gray, "zebra")])).fingerprint()
+        != named.fingerprint()
+    )
+    for x, label in ImageDataset(named, eval_transform(CFG)):
+        assert x.shape == (3, 32, 32) and label in (0, 1)
+
+
+def test_a_dataset_image_is_never_changed_and_huge_ones_are_reduced():
+    huge = Image.new("RGB", (3000, 100), (10, 20, 30))
+    images = dataset_images(Pairs([(huge, "a")]))
+    assert images.load(0).size == (2048, 68) and huge.size == (3000, 100)
+
+
+def _boom(index):
+    raise KeyError("no such sample")
+
+
+class Broken(Pairs):
+    def __getitem__(self, index):
+        return _boom(index)
+
+
+@pytest.mark.parametrize(
+    "items, class_names, error, message",
+    [
+        ([], None, DataError, "data is an empty dataset"),
+        ([class_image(0, 0)], None, DataError, "item 0 of data is a Image, not an"),
+        ([(class_image(0, 0), "a", 1)], None, DataError, "item 0 of data is a tuple, not an"),
+        ([("x.png", "a")], None, DataError, "the image of item 0 of data is a str, not a PIL image or a tensor"),
+        ([(torch.zeros(2, 8, 8), "a")], None, DataError, r"shape \(2, 8, 8\); give \(C, H, W\)"),
+        ([(torch.zeros(1, 3, 8, 8), "a")], None, DataError, r"shape \(1, 3, 8, 8\)"),
+        ([(torch.full((3, 8, 8), 1.5), "a")], None, DataError, r"values outside \[0, 1\]"),
+        ([(torch.full((3, 8, 8), float("nan")), "a")], None, DataError, r"values outside \[0, 1\]"),
+        ([(torch.zeros(3, 8, 8, dtype=torch.int32), "a")], None, DataError, "torch.int32 tensor; give uint8"),
+        ([(Image.new("RGB", (0, 5)), "a")], None, DataError, "item 0 of data has no pixels"),
+        ([(class_image(0, 0), 0)], None, UsageError, r"int label \(0\); pass class_names"),
+        ([(class_image(0, 0), 2)], ["a", "b"], DataError, r"label 2, outside class_names \(0 to 1\)"),
+        ([(class_image(0, 0), -1)], ["a", "b"], DataError, "label -1, outside"),
+        ([(class_image(0, 0), "c")], ["a", "b"], DataError, "class 'c', which class_names does not list"),
+        ([(class_image(0, 0), 1.0)], ["a", "b"], DataError, "label of type float; give a class name"),
+        ([(class_image(0, 0), True)], ["a", "b"], DataError, "label of type bool"),
+        ([(class_image(0, 0), " ")], None, DataError, "class name ' '"),
+        ([(class_image(0, 0), "Cat"), (class_image(0, 1), "cat")], None, DataError, "differs from class"),
+        ([(class_image(0, 0), 0)], "ab", UsageError, "class_names for data must be a non-empty list"),
+        ([(class_image(0, 0), 0)], [], UsageError, "non-empty list"),
+        ([(class_image(0, 0), 0)], ["a", 1], UsageError, "non-empty list"),
+        ([(class_image(0, 0), 0)], ["a", "b", "a"], UsageError, "names 'a' twice"),
+    ],
+)
+def test_bad_datasets_are_refused_naming_the_item(items, class_names, error, message):
+    with pytest.raises(error, match=message):
+        dataset_images(Pairs(items), class_names=class_names)
+
+
+def test_a_dataset_that_raises_or_has_no_length_is_refused():
+    with pytest.raises(
+        DataError, match=r"item 0 of data cannot be read \(KeyError: 'no such sample'\); fix the dataset"
+    ):
+        dataset_images(Broken([None]))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield class_image(0, 0), "a"
+
+    with pytest.raises(UsageError, match="map-style torch Dataset"):
+        dataset_images(Stream())

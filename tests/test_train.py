@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -49,12 +51,18 @@ def test_single_class_stage_with_ce_has_zero_loss_and_keeps_its_adapter(tiny_ptm
 
 
 def test_training_is_reproducible(tiny_ptm, make_folder):
+    """Whatever the caller did with Python's ``random`` (timm's crop draws from it) and torch's
+    generator, the same seed trains the same stage; the caller's states are given back."""
     images = scan_class_folders(make_folder("d", [0, 1], n=4))
     states = []
-    for _ in range(2):
+    for caller_seed in (1, 2):
+        random.seed(caller_seed)
+        torch.manual_seed(caller_seed)
         net = IPANetwork(tiny_ptm, IPAConfig())
         net.new_stage(seed=0)
+        before = random.getstate()
         train_stage(net, images, TrainConfig(epochs=1, batch_size=4, seed=3), CFG)
+        assert random.getstate() == before
         states.append(_snapshot(net.stages[-1]))
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 

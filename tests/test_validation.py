@@ -248,9 +248,23 @@ def _epoch_a_string(meta, tensors):
     meta["epoch"] = "one"
 
 
+def _no_python_rng(meta, tensors):
+    del tensors["rng.python"]  # an older drl's checkpoint: its crops came from torch's generator
+
+
+def _bad_python_rng(meta, tensors):
+    tensors["rng.python"] = torch.full((3,), 2**40, dtype=torch.int64)
+
+
 @pytest.mark.parametrize(
     "craft, message",
-    [(_other_shape, "does not fit this stage"), (_no_momentum_shape, "does not fit"), (_epoch_a_string, "malformed")],
+    [
+        (_other_shape, "does not fit this stage"),
+        (_no_momentum_shape, "does not fit"),
+        (_epoch_a_string, "malformed"),
+        (_no_python_rng, "does not fit this stage ('rng.python')"),
+        (_bad_python_rng, "does not fit this stage"),
+    ],
 )
 def test_a_checkpoint_that_no_longer_fits_says_restart(run, stage_folders, craft, message):
     train = stage_folders[1][0]

@@ -86,7 +86,11 @@ def _top_level(
 
 @app.command()
 def init(
-    ptm: str = typer.Option(..., "--ptm", help="timm ViT name, e.g. deit_tiny_patch16_224."),
+    ptm: str = typer.Option(
+        ...,
+        "--ptm",
+        help="timm ViT name, e.g. deit_tiny_patch16_224, or hf-hub:timm/REPO[@REVISION] from the Hugging Face cache.",
+    ),
     ptm_weights: Path | None = WeightsOpt,
     random_init: bool = RandomInitOpt,
     ptm_arg: list[str] = PtmArgOpt,

@@ -67,10 +67,15 @@ def accuracy_lines(acc: dict[str, Any]) -> list[str]:
 def init(r: dict[str, Any]) -> str:
     return _text(
         [
-            f"initialised {r['run_dir']}: method {r['method']}, PTM {r['ptm']} ({r['ptm_source']}, "
+            f"initialised {r['run_dir']}: method {r['method']}, PTM {r['ptm']} ({_ptm_source(r['ptm_source'], r.get('ptm_hub'))}, "
             f"sha256 {r['ptm_sha256'][:12]}...)"
         ]
     )
+
+
+def _ptm_source(source: str, hub: dict[str, Any] | None) -> str:
+    """Where the PTM's weights came from; an hf-hub repo with its commit."""
+    return f"hf-hub:{hub['repo']} at {hub['revision'][:12]}" if hub else source
 
 
 def learn_stage(r: dict[str, Any]) -> str:
@@ -146,7 +151,8 @@ def info(r: dict[str, Any]) -> str:
     ptm = r["ptm"]
     lines = [
         f"run {r['run_dir']} (format v{r['format_version']}, generation {r['generation']}), method {r['method']}",
-        f"PTM {ptm['name']} ({ptm['source']}, sha256 {ptm['sha256'][:12]}...), input {ptm['data_config']['input_size']}",
+        f"PTM {ptm['name']} ({_ptm_source(ptm['source'], ptm.get('hub'))}, sha256 {ptm['sha256'][:12]}...), "
+        f"input {ptm['data_config']['input_size']}",
         f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB "
         f"({r['base_bytes'] / 2**20:.2f} MiB before any stage)",
     ]
