@@ -20,12 +20,16 @@ from .options import (
     ExportFormat,
     JsonOpt,
     MethodName,
+    PrecisionName,
+    PrecisionOpt,
     PtmArgOpt,
     QuietOpt,
     RandomInitOpt,
     RunOpt,
+    TensorBoardOpt,
     VerboseOpt,
     WeightsOpt,
+    WorkersOpt,
     parse_ptm_args,
     train_default,
 )
@@ -151,11 +155,14 @@ def learn_stage(
         min=0,
         max=MAX_WORKERS,
         show_default=False,
-        help=f"DataLoader worker processes; {train_default('num_workers')}.",
+        help=f"DataLoader worker processes of every pass (training, prototypes, evaluation); "
+        f"{train_default('num_workers')}.",
     ),
     restart: bool = typer.Option(
         False, "--restart", help="Discard an interrupted run's epoch checkpoint instead of resuming it."
     ),
+    precision: PrecisionName = PrecisionOpt,
+    tensorboard: Path | None = TensorBoardOpt,
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -178,6 +185,8 @@ def learn_stage(
             device=device,
             ptm_weights=ptm_weights,
             restart=restart,
+            precision=precision.value,
+            tensorboard_dir=tensorboard,
             progress=reporter,
         )
 
@@ -192,6 +201,8 @@ def eval_(
         None, "--plot", help="Also draw A_t and each stage group's accuracy per stage (.png/.svg/.pdf; plot extra)."
     ),
     confusions: int = typer.Option(5, "--confusions", min=0, help="How many most-confused class pairs to list."),
+    workers: int = WorkersOpt,
+    precision: PrecisionName = PrecisionOpt,
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -211,6 +222,8 @@ def eval_(
             ptm_weights=ptm_weights,
             confusions=confusions,
             plot_path=plot,
+            num_workers=workers,
+            precision=precision.value,
             progress=reporter,
         )
 
@@ -260,7 +273,8 @@ def predict(
     ),
     top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
-    workers: int = typer.Option(0, "--workers", min=0, max=MAX_WORKERS, help="DataLoader worker processes."),
+    workers: int = WorkersOpt,
+    precision: PrecisionName = PrecisionOpt,
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -284,6 +298,7 @@ def predict(
             top_k=top_k,
             batch_size=batch_size,
             num_workers=workers,
+            precision=precision.value,
             stats=stats,
             progress=reporter,
         ):
@@ -346,6 +361,23 @@ def benchmark(
         "--rescore",
         help="Also score each trained run's prototype bank with these options, no retraining (e.g. beta=0).",
     ),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=0,
+        max=MAX_WORKERS,
+        show_default=False,
+        help="DataLoader worker processes of every pass; default: each variant's config (0 unless a variant sets "
+        "num_workers).",
+    ),
+    precision: PrecisionName = PrecisionOpt,
+    tensorboard: Path | None = typer.Option(
+        None,
+        "--tensorboard",
+        help="Also write TensorBoard event files, one folder per variant (DIR/<variant>; DIR/seed_<seed>/<variant> "
+        "with --seeds), outside --out/runs: per-epoch loss and learning rate, per-stage A_t, Ā and forgetting "
+        "(tensorboard extra).",
+    ),
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -375,6 +407,9 @@ def benchmark(
             skip_classes=tuple(skip_class),
             device=device,
             rescore=tuple(rescore),
+            precision=precision.value,
+            num_workers=workers,
+            tensorboard_dir=tensorboard,
         )
         return run_benchmark(
             settings, methods, seeds=seeds, seed_given=seed is not None, progress=reporter, log=reporter.log
