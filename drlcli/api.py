@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -509,6 +509,8 @@ class StageResult:
     history: HistorySummary
     warnings: list[str] = field(default_factory=list)
     run_dir: str | None = None
+    precision: str = "fp32"  # the network forward's (for "unchanged": the committed stage's)
+    tensorboard_dir: str | None = None  # where this call wrote TensorBoard event files, if it did
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -583,6 +585,7 @@ def learn_stage(
         result = _learned(stage, trained, fitted, evaluated, record, start=start)
         if tracker is not None:
             tracker.log_stage(result.stage, result.history)
+            result = replace(result, tensorboard_dir=str(tracker.log_dir) if tracker.written else None)
     return result
 
 
@@ -944,6 +947,7 @@ def _learned(
         history=history_of([*stage.loaded.stage_metas, record.meta]),
         warnings=evaluated.warnings,
         run_dir=str(stage.run.path),
+        precision=stage.precision,
     )
 
 
@@ -975,6 +979,7 @@ def _already_committed(
         eval=AccuracyReport(**evaluation) if evaluation else None,
         history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
         run_dir=str(loaded.run.path),
+        precision=meta.get("precision", "fp32"),  # absent: committed before drl recorded it, in fp32
     )
 
 

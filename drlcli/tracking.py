@@ -51,6 +51,7 @@ class TensorBoardLog:
 
     def __init__(self, log_dir: Path | str):
         self.log_dir = Path(log_dir)
+        self.written = False  # whether any scalar was written (a call that learns nothing writes none)
         self._writer: Any = None
 
     def __enter__(self) -> TensorBoardLog:
@@ -74,7 +75,8 @@ class TensorBoardLog:
             self._scalar("forgetting/mean", history.mean_forgetting, stage)
         for group, value in history.forgetting.items():
             self._scalar(stage_tag("forgetting", int(group)), value, stage)
-        self._call("flush")
+        if self._writer is not None:
+            self._call("flush")
 
     def close(self) -> None:
         if self._writer is not None:
@@ -89,6 +91,7 @@ class TensorBoardLog:
             except OSError as exc:
                 raise self._storage_error(exc) from exc
         self._call("add_scalar", tag, float(value), step)
+        self.written = True
 
     def _call(self, name: str, *args: Any) -> None:
         try:

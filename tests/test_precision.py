@@ -151,41 +151,30 @@ def test_bf16_learns_evaluates_and_predicts_on_cpu(stage_folders, tmp_path):
 
 def test_resume_under_another_precision_is_refused(run_dir, stage_folders):
     """Like a resume on another device type: exit 7 naming the precision to resume with, or --restart.
-    The same precision resumes bit for bit; a checkpoint without the key was written in fp32."""
+    A checkpoint without the key was written in fp32; the same precision resumes bit for bit."""
     train = stage_folders[0][0]
-    opts = {"epochs": 3, "batch_size": 12}
     with pytest.raises(_Interrupt):
         learn_stage(
-            run_dir, data_dir=train, train_overrides=opts, device="cpu", precision="bf16", progress=_stop_at_epoch(3)
+            run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16", progress=_stop_at_epoch(2)
         )
     meta_path = run_dir / CHECKPOINT / CHECKPOINT_META
-    assert json.loads(meta_path.read_text())["precision"] == "bf16"
-    with pytest.raises(RunStateError, match=r"after epoch 2 in bf16.*asks for fp32.*--precision bf16.*--restart") as e:
-        learn_stage(run_dir, data_dir=train, train_overrides=opts, device="cpu")
-    assert e.value.exit_code == 7
-    result = drl(
-        "learn-stage", "--run", run_dir, "--data", train, "--epochs", "3", "--batch-size", "12", "--device", "cpu"
-    )
-    assert result.exit_code == 7 and "--precision bf16" in result.stderr
-    resumed = learn_stage(run_dir, data_dir=train, train_overrides=opts, device="cpu", precision="bf16")
-    straight_run = _new_run(run_dir.parent / "straight")
-    straight = learn_stage(straight_run, data_dir=train, train_overrides=opts, device="cpu", precision="bf16")
-    assert resumed.resumed_from_epoch == 2 and resumed.epoch_losses == straight.epoch_losses
-    a, b = RunDir(run_dir).stage(1).tensors, RunDir(straight_run).stage(1).tensors
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_checkpoint_from_before_the_option_resumes_as_fp32(run_dir, stage_folders):
-    train = stage_folders[0][0]
-    opts = {"epochs": 3, "batch_size": 12}
-    with pytest.raises(_Interrupt):
-        learn_stage(run_dir, data_dir=train, train_overrides=opts, device="cpu", progress=_stop_at_epoch(3))
-    meta_path = run_dir / CHECKPOINT / CHECKPOINT_META
     meta = json.loads(meta_path.read_text())
-    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "precision"}))
+    assert meta["precision"] == "bf16"
+    with pytest.raises(RunStateError, match=r"after epoch 1 in bf16.*asks for fp32.*--precision bf16.*--restart") as e:
+        learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
+    assert e.value.exit_code == 7
+    result = drl("learn-stage", "--run", run_dir, "--data", train, "--epochs", "2", "--batch-size", "12")
+    assert result.exit_code == 7 and "--precision bf16 to resume" in result.stderr, result.output
+    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "precision"}))  # an older drl's
     with pytest.raises(RunStateError, match="in fp32, and this call asks for bf16"):
-        learn_stage(run_dir, data_dir=train, train_overrides=opts, device="cpu", precision="bf16")
-    assert learn_stage(run_dir, data_dir=train, train_overrides=opts, device="cpu").resumed_from_epoch == 2
+        learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
+    meta_path.write_text(json.dumps(meta))
+    resumed = learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
+    straight_run = _new_run(run_dir.parent / "straight")
+    straight = learn_stage(straight_run, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
+    assert resumed.resumed_from_epoch == 1 and resumed.epoch_losses == straight.epoch_losses
+    a, b = RunDir(run_dir).stage(1).tensors, RunDir(straight_run).stage(1).tensors
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_fp16_training_scales_the_loss_and_resumes_with_its_scale(tiny_ptm, make_folder, monkeypatch):
@@ -257,3 +246,28 @@ def test_train_progress_carries_numbers(run_dir, stage_folders):
     assert {e.epochs for e in train} == {3} and train[-1].step == train[-1].total
     evaluated = [e for e in events if e.phase == "evaluate"]
     assert evaluated and all(e.detail == "" and (e.eval_set, e.num_eval_sets) == (1, 1) for e in evaluated)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_on_cuda(stage_folders, tmp_path, precision):
+    """Learn (interrupted and resumed: fp16's loss scale comes back from the checkpoint), evaluate and
+    predict in half precision on CUDA; the stage records it; accuracy stays within an image of fp32's."""
+    run, opts = _new_run(tmp_path / "r"), {"epochs": 2, "batch_size": 12}
+    train, test = stage_folders[0]
+    with pytest.raises(_Interrupt):
+        learn_stage(
+            run, data_dir=train, train_overrides=opts, device="cuda", precision=precision, progress=_stop_at_epoch(2)
+        )
+    _, tensors = RunDir(run).checkpoint()
+    assert ("scaler.scale" in tensors) == (precision == "fp16")
+    resumed = learn_stage(
+        run, data_dir=train, eval_data_dir=test, train_overrides=opts, device="cuda", precision=precision
+    )
+    assert resumed.resumed_from_epoch == 1 and all(math.isfinite(loss) for loss in resumed.epoch_losses)
+    assert RunDir(run).stage(1).meta["precision"] == precision
+    half = evaluate(run, all_seen=True, device="cuda", precision=precision).report.top1
+    full = evaluate(run, all_seen=True, device="cuda").report.top1
+    assert abs(half - full) <= 100 / 12 + 1e-6
+    predicted = drl("predict", test, "--run", run, "--device", "cuda", "--precision", precision, "--json")
+    assert predicted.exit_code == 0 and len(predicted.stdout.splitlines()) == 12

@@ -51,6 +51,7 @@ def test_learn_stage_writes_loss_lr_accuracy_and_forgetting(run_dir, stage_folde
     for train, test in stage_folders[:2]:
         result = drl("learn-stage", "--run", run_dir, "--data", train, "--eval-data", test, *FAST, "--tensorboard", tb)
         assert result.exit_code == 0, result.output
+        assert f"tensorboard: {tb}" in result.stdout
     got = scalars(tb)
     run = RunDir(run_dir)
     for stage in (1, 2):
@@ -64,7 +65,7 @@ def test_learn_stage_writes_loss_lr_accuracy_and_forgetting(run_dir, stage_folde
     assert got["forgetting/stage_001"] == [(2, pytest.approx(history["forgetting"]["1"], abs=1e-4))]
     files = event_files(tb)
     again = drl("learn-stage", "--run", run_dir, "--data", stage_folders[1][0], *FAST, "--tensorboard", tb)
-    assert again.exit_code == 0 and "already learned" in again.stdout
+    assert again.exit_code == 0 and "already learned" in again.stdout and "tensorboard" not in again.stdout
     assert event_files(tb) == files  # a call that learns nothing writes nothing
     assert not event_files(run_dir) and drl("verify", "--run", run_dir).exit_code == 0
 
@@ -73,7 +74,7 @@ def test_python_api_takes_tensorboard_dir(run_dir, stage_folders, tmp_path):
     from drlcli import learn_stage
 
     train, test = stage_folders[0]
-    learn_stage(
+    result = learn_stage(
         run_dir,
         data_dir=train,
         eval_data_dir=test,
@@ -82,6 +83,19 @@ def test_python_api_takes_tensorboard_dir(run_dir, stage_folders, tmp_path):
         tensorboard_dir=tmp_path / "tb",
     )
     assert set(scalars(tmp_path / "tb")) == {"loss/stage_001", "lr/stage_001", "accuracy/A_t", "accuracy/average"}
+    assert (
+        result.tensorboard_dir == str(tmp_path / "tb") and result.to_dict()["tensorboard_dir"] == result.tensorboard_dir
+    )
+
+
+def test_a_stage_with_nothing_to_log_writes_no_file(tmp_path, stage_folders):
+    """simplecil trains nothing; without eval data there is no A_t: no event file, no tensorboard_dir."""
+    from drlcli import RunConfig, init_run, learn_stage
+
+    run = tmp_path / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("simplecil"))
+    result = learn_stage(run, data_dir=stage_folders[0][0], device="cpu", tensorboard_dir=tmp_path / "tb")
+    assert result.status == "learned" and result.tensorboard_dir is None and not (tmp_path / "tb").exists()
 
 
 @pytest.mark.parametrize("command", ["learn-stage", "benchmark"])
@@ -155,7 +169,7 @@ def test_benchmark_writes_one_folder_per_variant_with_workers_and_bf16(tmp_path)
     result = drl("benchmark", *args, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["protocol"]["precision"] == "bf16"
+    assert report["protocol"]["precision"] == "bf16" and report["artifacts"]["tensorboard"] == str(tb)
     rows = {row["label"]: row for row in report["results"]}
     simplecil, trained = scalars(tb / "simplecil"), scalars(tb / "drl")
     assert [t for t, _ in simplecil["accuracy/A_t"]] == [1, 2] and "loss/stage_001" not in simplecil

@@ -412,8 +412,16 @@ def run_benchmark(
         "results": results,
         "wall_seconds": round(time.perf_counter() - session.started, 1),
     }
-    report["artifacts"] = write_reports(report, out) if main else {}
+    report["artifacts"] = _artifacts(report, out, settings) if main else {}
     return report
+
+
+def _artifacts(report: dict[str, Any], out: Path, settings: BenchmarkSettings) -> dict[str, str | None]:
+    """The files written: results.json, results.md, the plot, and the TensorBoard folder if asked for."""
+    paths = write_reports(report, out)
+    if settings.tensorboard_dir is not None:
+        paths["tensorboard"] = str(settings.tensorboard_dir)
+    return paths
 
 
 def _plan_record(settings: BenchmarkSettings, plan: StagePlan) -> dict[str, Any]:
@@ -453,5 +461,5 @@ def run_seeds(
             log=log,
         )
     report = aggregate(reports)
-    report["artifacts"] = write_reports(report, out) if distributed.is_main() else {}
+    report["artifacts"] = _artifacts(report, out, settings) if distributed.is_main() else {}
     return report
