@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import (
     LabelledImages,
+    check_workers,
     dataset_images,
     refuse_near_duplicates,
     scan_class_folders,
@@ -33,8 +34,10 @@ from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .openset import Calibration, OpenSetReport, calibrate, open_set_report
+from .precision import check_precision
 from .restore import restore_model
 from .rundir import PTM_WEIGHTS, RUN_CONFIG, RUN_CONFIG_KIND, RunDir, RunWriter, StageRecord, init_files, stage_files
+from .tracking import TensorBoardLog, check_tensorboard_dir
 from .train import TrainProgress, TrainResult, TrainState, train_stage
 
 EVAL_BATCH_SIZE = 64
@@ -44,12 +47,21 @@ log = logging.getLogger(__name__)  # debug lines: what --verbose shows (timings,
 
 @dataclass(frozen=True)
 class Progress:
-    """What the library reports while it works: a phase, a step count, and a short detail."""
+    """What the library reports while it works, as numbers (the CLI formats them): a phase, its step
+    count, and the phase's own figures. ``detail`` is text only where there is no number: a warning,
+    the folder being validated, the benchmark's variant and stage."""
 
-    phase: str  # "validate" | "train" | "prototypes" | "evaluate"
+    phase: str  # "validate" | "resume" | "train" | "prototypes" | "evaluate" | "predict" | "warning"
     step: int
     total: int
     detail: str = ""
+    epoch: int | None = None  # train: the epoch running, of ``epochs``
+    epochs: int | None = None
+    loss: float | None = None  # train: this step's batch loss
+    lr: float | None = None  # train: this epoch's learning rate
+    eval_set: int | None = None  # evaluate: the eval set being read, of ``num_eval_sets``
+    num_eval_sets: int | None = None
+    num_failed: int | None = None  # predict: images that could not be read so far
 
 
 ProgressFn = Callable[[Progress], None]
@@ -387,22 +399,33 @@ def _check_class_names_use(class_names: Sequence[str] | None, *datasets: Any) ->
 
 
 def evaluate_sets(
-    model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
+    model: IncrementalModel,
+    sets: list[EvalSet],
+    *,
+    num_workers: int = 0,
+    precision: str = "fp32",
+    progress: ProgressFn | None = None,
 ) -> AccuracyReport:
-    ranked, targets, _ = predict_sets(model, sets, progress=progress)
+    ranked, targets, _ = predict_sets(model, sets, num_workers=num_workers, precision=precision, progress=progress)
     return accuracy_report(ranked[:, 0], targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
 
 
 def predict_sets(
-    model: IncrementalModel, sets: list[EvalSet], *, progress: ProgressFn | None = None
+    model: IncrementalModel,
+    sets: list[EvalSet],
+    *,
+    num_workers: int = 0,
+    precision: str = "fp32",
+    progress: ProgressFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Each image's TOP_K best-scored classes (N, k), best first, its target (global class
     indices; -1 for an image of a class not learned) and known(x) (N,) (``openset.py``; None when
-    the model is not calibrated), over every set, gathered from all ranks."""
+    the model is not calibrated), over every set, gathered from all ranks. The network runs in
+    ``precision``, the scoring in fp32."""
     predictions, targets, known = [], [], []
     for k, item in enumerate(sets, 1):
         report_step = (
-            (lambda step, total, k=k: progress(Progress("evaluate", step, total, f"set {k}/{len(sets)}")))
+            (lambda step, total, k=k: progress(Progress("evaluate", step, total, eval_set=k, num_eval_sets=len(sets))))
             if progress
             else None
         )
@@ -411,6 +434,8 @@ def predict_sets(
             item.images,
             model.data_config,
             batch_size=EVAL_BATCH_SIZE,
+            num_workers=num_workers,
+            precision=precision,
             indices=distributed.shard(len(item.images)),
             progress=report_step,
         )
@@ -487,6 +512,8 @@ def evaluate(
     confusions: int = 5,
     plot_path: Path | None = None,
     unknown_dir: Path | None = None,
+    num_workers: int = 0,
+    precision: str = "fp32",
     progress: ProgressFn | None = None,
 ) -> EvalResult:
     """Top-1 on a labelled folder (``data_dir``), a torch Dataset of (image, label) pairs (``data``,
@@ -494,12 +521,15 @@ def evaluate(
     (``all_seen``); the accuracy history, the ``confusions`` most frequent mistakes, optionally a
     figure of the history (``plot_path``, needs the ``plot`` extra) and, with ``unknown_dir`` (class
     folders of classes the run has not learned), how well the "unknown" answer separates them
-    (``openset.py``)."""
+    (``openset.py``). Images load in ``num_workers`` worker processes; the network runs in
+    ``precision`` (fp32, bf16, or fp16 on CUDA)."""
     if (data_dir is None and data is None) == (not all_seen):
         raise UsageError("pass exactly one of --all-seen or --data DIR (Python: data_dir or data)")
     _check_class_names_use(class_names, data)
     if confusions < 0:
         raise UsageError(f"--confusions must be >= 0, got {confusions}")
+    check_workers(num_workers)
+    check_precision(precision, resolve_device(device))
     if plot_path is not None:
         from .plots import check_plot_path
 
@@ -517,7 +547,8 @@ def evaluate(
             raise UsageError("no eval data is registered; pass --eval-data to learn-stage, or use --data DIR")
     model = loaded.model
     unknown = _unknown_set(unknown_dir, model)
-    ranked, targets, known = predict_sets(model, sets + ([unknown] if unknown else []), progress=progress)
+    every = sets + ([unknown] if unknown else [])
+    ranked, targets, known = predict_sets(model, every, num_workers=num_workers, precision=precision, progress=progress)
     open_set = None
     if unknown is not None:
         is_unknown = targets < 0
@@ -584,6 +615,8 @@ class StageResult:
     history: HistorySummary
     warnings: list[str] = field(default_factory=list)
     run_dir: str | None = None
+    precision: str = "fp32"  # the network forward's (for "unchanged": the committed stage's)
+    tensorboard_dir: str | None = None  # where this call wrote TensorBoard event files, if it did
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -604,6 +637,8 @@ def learn_stage(
     device: str = "auto",
     ptm_weights: Path | None = None,
     restart: bool = False,
+    precision: str = "fp32",
+    tensorboard_dir: Path | None = None,
     progress: ProgressFn | None = None,
 ) -> StageResult:
     """Learn the classes in ``data_dir`` as a new stage and commit it atomically.
@@ -615,17 +650,30 @@ def learn_stage(
     registered for later ones (``eval --all-seen``).
 
     Each finished epoch is checkpointed; an interrupted call resumes from its last epoch when run
-    again with the same data and options (``restart`` discards it instead). Running again after
-    the stage committed, with the same data, changes nothing.
+    again with the same data, options and precision (``restart`` discards it instead). Running
+    again after the stage committed, with the same data, changes nothing.
+
+    ``precision``: the dtype the network's forward runs in, in training, the prototype pass and
+    the evaluation (fp32, bf16, or fp16 on CUDA; ``precision.py``); stage.json records it.
+    ``tensorboard_dir``: also write TensorBoard event files there (``tracking.py``, the
+    ``tensorboard`` extra), never inside a run directory.
 
     The phases, in order: prepare (read the run and the data) -> the idempotence check -> check
     the data -> train or resume -> prototypes (and an analytic head's fit) -> evaluate -> record
     -> commit.
     """
     start = time.perf_counter()
+    check_precision(precision, resolve_device(device))
+    if tensorboard_dir is not None:
+        check_tensorboard_dir(tensorboard_dir)
     run = RunDir(run_dir)
-    # under torchrun only rank 0 locks and writes; the others read the same committed state
-    with run.writer() if distributed.is_main() else contextlib.nullcontext() as writer:
+    # under torchrun only rank 0 locks and writes (the run, the event files); the others read the
+    # same committed state
+    main = distributed.is_main()
+    with (
+        run.writer() if main else contextlib.nullcontext() as writer,
+        TensorBoardLog(tensorboard_dir) if main and tensorboard_dir else contextlib.nullcontext() as tracker,
+    ):
         distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
         stage = _prepare(
             run,
@@ -634,6 +682,8 @@ def learn_stage(
             train_overrides=train_overrides,
             device=device,
             ptm_weights=ptm_weights,
+            precision=precision,
+            tracker=tracker,
             progress=progress,
         )
         unchanged = _already_committed(stage.images, stage.fingerprint, stage.learned, stage.loaded)
@@ -646,7 +696,11 @@ def learn_stage(
         record = _record(stage, trained, fitted, evaluated)
         _commit(stage, record)
         distributed.barrier()  # every rank returns only once the stage is committed
-    return _learned(stage, trained, fitted, evaluated, record, start=start)
+        result = _learned(stage, trained, fitted, evaluated, record, start=start)
+        if tracker is not None:
+            tracker.log_stage(result.stage, result.history)
+            result = replace(result, tensorboard_dir=str(tracker.log_dir) if tracker.written else None)
+    return result
 
 
 @dataclass(frozen=True)
@@ -666,6 +720,8 @@ class _StageContext:
     fingerprint: str  # of ``images``
     index: int  # of the new stage
     device: str
+    precision: str  # the network forward's: fp32 | bf16 | fp16
+    tracker: TensorBoardLog | None  # --tensorboard's event files (rank 0)
     progress: ProgressFn | None
 
     @property
@@ -727,6 +783,8 @@ def _prepare(
     train_overrides: dict[str, Any] | None,
     device: str,
     ptm_weights: Path | None,
+    precision: str,
+    tracker: TensorBoardLog | None,
     progress: ProgressFn | None,
 ) -> _StageContext:
     """Read the run (under its lock), its config with the overrides, and the data folders' listings."""
@@ -754,6 +812,8 @@ def _prepare(
         fingerprint=images.fingerprint(),  # stats every file: once
         index=max(run.stage_indices(manifest), default=0) + 1,
         device=device,
+        precision=precision,
+        tracker=tracker,
         progress=progress,
     )
 
@@ -796,7 +856,12 @@ def _train_or_resume(stage: _StageContext, *, restart: bool) -> _Trained:
     network, train = stage.model.network, stage.config.train
     network.new_stage(seed=train.seed + stage.index)
     key = _checkpoint_key(
-        stage.manifest, stage.index, stage.config, stage.fingerprint, resolve_device(stage.device).type
+        stage.manifest,
+        stage.index,
+        stage.config,
+        stage.fingerprint,
+        device_type=resolve_device(stage.device).type,
+        precision=stage.precision,
     )
     resume = _resume_state(stage, key, restart=restart)
 
@@ -804,6 +869,8 @@ def _train_or_resume(stage: _StageContext, *, restart: bool) -> _Trained:
         log.debug("epoch %d/%d: loss %.4f (%.1fs)", state.epoch, train.epochs, state.epoch_losses[-1], state.seconds)
         if stage.writer is not None:
             stage.writer.save_checkpoint({**key, **_state_meta(state)}, state.tensors)
+        if stage.tracker is not None:  # after the checkpoint: a point is never logged for an epoch that is redone
+            stage.tracker.log_epoch(stage.index, state.epoch, loss=state.epoch_losses[-1], lr=state.lr)
 
     try:
         result = train_stage(
@@ -811,6 +878,7 @@ def _train_or_resume(stage: _StageContext, *, restart: bool) -> _Trained:
             stage.images,
             train,
             stage.model.data_config,
+            precision=stage.precision,
             progress=_train_progress(stage.progress),
             resume=resume,
             on_epoch=epoch_done,
@@ -845,7 +913,10 @@ def _train_progress(progress: ProgressFn | None) -> Callable[[TrainProgress], No
             "train",
             (p.epoch - 1) * p.steps + p.step,
             p.epochs * p.steps,
-            f"epoch {p.epoch}/{p.epochs} loss {p.loss:.4f}",
+            epoch=p.epoch,
+            epochs=p.epochs,
+            loss=p.loss,
+            lr=p.lr,
         )
     )
 
@@ -861,6 +932,8 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         images,
         model.data_config,
         batch_size=EVAL_BATCH_SIZE,
+        num_workers=stage.config.train.num_workers,
+        precision=stage.precision,
         indices=shard,
         progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
     )
@@ -911,7 +984,15 @@ def _evaluate(stage: _StageContext) -> _Evaluated:
     if stage.eval_images is not None:
         sets.append(eval_set(stage.eval_images, stage.model, what="--eval-data"))
     tick = time.perf_counter()
-    report = evaluate_sets(stage.model, sets, progress=stage.progress) if sets else None
+    report = None
+    if sets:
+        report = evaluate_sets(
+            stage.model,
+            sets,
+            num_workers=stage.config.train.num_workers,
+            precision=stage.precision,
+            progress=stage.progress,
+        )
     if report is not None:
         log.debug("evaluated %d images in %.1fs", report.num_images, time.perf_counter() - tick)
     return _Evaluated(report, warnings)
@@ -959,6 +1040,7 @@ def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evalua
         "data_fingerprint": stage.fingerprint,
         "train": asdict(stage.config.train) if stage.method.trains else None,
         "device": str(stage.model.device),
+        "precision": stage.precision,  # the forward's in training, prototypes and evaluation
         "world_size": distributed.world_size(),
         "eval_data": _eval_data_entry(stage),
         "num_params": num_params,
@@ -1019,6 +1101,7 @@ def _learned(
         history=history_of([*stage.loaded.stage_metas, record.meta]),
         warnings=evaluated.warnings,
         run_dir=str(stage.run.path),
+        precision=stage.precision,
     )
 
 
@@ -1050,6 +1133,7 @@ def _already_committed(
         eval=AccuracyReport(**evaluation) if evaluation else None,
         history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
         run_dir=str(loaded.run.path),
+        precision=meta.get("precision", "fp32"),  # absent: committed before drl recorded it, in fp32
     )
 
 
@@ -1066,10 +1150,11 @@ def _check_ranks_agree(stage: torch.nn.Module) -> None:
 
 
 def _checkpoint_key(
-    manifest: dict[str, Any], stage: int, config: RunConfig, fingerprint: str, device_type: str
+    manifest: dict[str, Any], stage: int, config: RunConfig, fingerprint: str, *, device_type: str, precision: str
 ) -> dict[str, Any]:
     """What must match for a checkpoint to be resumed: base state, stage, data, options, device type
-    (kernels and RNG streams differ between CPU and CUDA: a resume across them is not the same run)."""
+    (kernels and RNG streams differ between CPU and CUDA: a resume across them is not the same run)
+    and precision (likewise; fp16's checkpoint also holds its loss scale)."""
     train = asdict(config.train)  # num_workers included: worker seeding changes the augmentations
     train["world_size"] = distributed.world_size()
     return {
@@ -1078,6 +1163,7 @@ def _checkpoint_key(
         "data_fingerprint": fingerprint,
         "train": train,
         "device": device_type,
+        "precision": precision,
     }
 
 
@@ -1103,6 +1189,13 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
             f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} on {written_on}, and this run "
             f"is on {key['device']}: a resume across device types would not continue the same training; re-run "
             f"with --device {written_on} to resume, or pass --restart to discard it"
+        )
+    written_in = meta.get("precision", "fp32")  # absent: written before drl had --precision, in fp32
+    if written_in != key["precision"]:
+        raise RunStateError(
+            f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} in {written_in}, and this call "
+            f"asks for {key['precision']}: a resume across precisions would not continue the same training; re-run "
+            f"with --precision {written_in} to resume, or pass --restart to discard it"
         )
     differs = ["--data images"] if meta.get("data_fingerprint") != key["data_fingerprint"] else []
     differs += [

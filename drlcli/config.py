@@ -322,7 +322,8 @@ def validate(cfg: RunConfig) -> None:
         raise UsageError("ranpac.subspaces 2 reads stage 1's subspace: only for method drl with score.head ridge")
 
 
-MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `predict --workers`
+MAX_WORKERS = _RANGES[("train", "num_workers")].high  # also bounds `eval`/`predict`/`benchmark --workers`
+PRECISIONS = ("fp32", "bf16", "fp16")  # --precision: the network forward's dtype (precision.py)
 MAX_SEED = _RANGES[("train", "seed")].high  # also bounds `init --seed` and `benchmark --seed`
 MAX_INPUT_SIDE = 4096  # pixels; a PTM input above this is a crafted record, not a ViT
 PTM_SOURCES = ("random", "file", "hub", "hf-hub")  # hub: timm's own download; hf-hub: a hf-hub:ORG/NAME repo

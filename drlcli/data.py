@@ -23,6 +23,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
+from .config import MAX_WORKERS
 from .errors import DataError, UsageError
 
 # Longest side an image is decoded at. Every PTM input (224-518 px) and its training crops are
@@ -342,6 +343,27 @@ def _label_name(label: Any, names: tuple[str, ...] | None, index: int, what: str
     if not 0 <= number < len(names):
         raise DataError(f"{where} has label {number}, outside class_names (0 to {len(names) - 1})")
     return names[number]
+
+
+def make_loader(
+    dataset: Dataset, *, batch_size: int, device: torch.device, num_workers: int = 0, **options: Any
+) -> DataLoader:
+    """Every pass's DataLoader (training, prototypes and statistics, evaluation, predict): ``num_workers``
+    worker processes, and page-locked batches when they go to a GPU (``pin_memory``: the copy to the
+    device can then overlap the next batch's loading)."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=torch.device(device).type == "cuda",
+        **options,
+    )
+
+
+def check_workers(num_workers: int) -> None:
+    """``UsageError`` unless ``num_workers`` is a worker count a loader can take (``--workers``)."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 0 <= num_workers <= MAX_WORKERS:
+        raise UsageError(f"--workers must be an integer in [0, {MAX_WORKERS}], got {num_workers!r}")
 
 
 def start_workers(loader: DataLoader) -> Any:

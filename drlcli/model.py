@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
 
 from . import distributed
 from .config import ScoreConfig
-from .data import ImageDataset, LabelledImages, eval_transform, start_workers
+from .data import ImageDataset, LabelledImages, eval_transform, make_loader, start_workers
 from .methods import StageNetwork
 from .openset import known_scores
+from .precision import autocast
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
 
@@ -151,24 +152,29 @@ def embed_images(
     *,
     batch_size: int,
     num_workers: int = 0,
+    precision: str = "fp32",
     indices: list[int] | None = None,
     progress: Any = None,
 ) -> tuple[Tensor, Tensor]:
-    """Subspace features (N, S, d) of every image (eval transform) and their local labels (N,);
-    only the images at ``indices`` when given (a process's shard)."""
+    """Subspace features (N, S, d), fp32 on the CPU, of every image (eval transform) and their local
+    labels (N,); only the images at ``indices`` when given (a process's shard). The forward runs in
+    ``precision`` (``precision.autocast``)."""
     device = _device_of(network)
     dataset = ImageDataset(images, eval_transform(data_config))
-    loader = DataLoader(
+    loader = make_loader(
         dataset if indices is None else Subset(dataset, indices),
         batch_size=batch_size,
-        shuffle=False,
+        device=device,
         num_workers=num_workers,
+        shuffle=False,
     )
     feats, labels = [], []
     if len(loader.dataset) == 0:  # an empty shard
         return torch.zeros(0, network.num_subspaces, network.width), torch.zeros(0, dtype=torch.long)
     for step, (batch, target) in enumerate(start_workers(loader), 1):
-        feats.append(network(batch.to(device)).float().cpu())
+        with autocast(device, precision):
+            out = network(batch.to(device, non_blocking=True))  # (B, S, d)
+        feats.append(out.float().cpu())
         labels.append(target)
         if progress is not None:
             progress(step, len(loader))

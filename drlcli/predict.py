@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from .data import _hidden, eval_transform, image_extensions, load_rgb, start_workers
+from .data import _hidden, check_workers, eval_transform, image_extensions, load_rgb, make_loader, start_workers
 from .errors import DataError, UsageError
+from .modelfile import format_of
+from .precision import autocast
 
 if TYPE_CHECKING:
     from .api import ProgressFn
@@ -122,8 +124,10 @@ def predict(
     top_k: int = 5,
     batch_size: int = 64,
     num_workers: int = 0,
+    precision: str = "fp32",
 ) -> Iterator[Prediction]:
-    """Yield one ``Prediction`` per path, in order."""
+    """Yield one ``Prediction`` per path, in order; images load in ``num_workers`` worker processes and
+    the network runs in ``precision`` (the scores are fp32 whatever it is)."""
     if top_k < 1:
         raise UsageError(f"--top-k must be >= 1, got {top_k}")
     if not model.class_names:
@@ -131,11 +135,12 @@ def predict(
     class_names = model.class_names
     k = min(top_k, len(class_names))
     device = model.device
-    loader = DataLoader(
+    loader = make_loader(
         _PathDataset(paths, eval_transform(model.data_config)),
         batch_size=batch_size,
-        shuffle=False,
+        device=device,
         num_workers=num_workers,
+        shuffle=False,
         collate_fn=_collate,
     )
     with torch.inference_mode():
@@ -143,10 +148,11 @@ def predict(
             good = [(i, x) for i, x, err in items if err is None]
             scores = known = None
             if good:
-                batch = torch.stack([x for _, x in good]).to(device)
-                scores, known = model.classify(batch)
-                scores = scores.float().cpu()
-                known = known.float().cpu() if known is not None else None
+                batch = torch.stack([x for _, x in good]).to(device, non_blocking=True)  # (B, 3, H, W)
+                with autocast(device, precision):
+                    scores, known = model.classify(batch)
+                scores = scores.float().cpu()  # (B, C)
+                known = known.float().cpu() if known is not None else None  # (B,)
             row = {i: r for r, (i, _) in enumerate(good)}
             for index, _, err in items:
                 path = str(paths[index])
@@ -214,15 +220,25 @@ def predict_sources(
     top_k: int = 5,
     batch_size: int = 64,
     num_workers: int = 0,
+    precision: str = "fp32",
     stats: PredictStats | None = None,
     progress: ProgressFn | None = None,
 ) -> Iterator[Prediction]:
     """``drl predict``: expand ``sources`` (see ``expand_sources``), load the model (``load_classifier``)
-    and yield one ``Prediction`` per image in order, counting them in ``stats``."""
-    from .api import Progress
+    and yield one ``Prediction`` per image in order, counting them in ``stats``. ``precision`` (fp32,
+    bf16, fp16 on CUDA) is for a run or a ``.drl`` file; TorchScript and ONNX graphs run as exported."""
+    from .api import Progress, resolve_device
+    from .precision import check_precision
 
     stats = stats if stats is not None else PredictStats()
     start = time.perf_counter()
+    check_workers(num_workers)
+    check_precision(precision, resolve_device(device))
+    if precision != "fp32" and model_path is not None and format_of(model_path) != "drl":
+        raise UsageError(
+            f"--precision {precision} applies to a run or a .drl model; {Path(model_path).name} is a graph that runs "
+            "as exported (fp32): leave --precision out"
+        )
     paths = expand_sources(sources)
     model = load_classifier(
         model_path=model_path, run_dir=run_dir, device=device, ptm_weights=ptm_weights, trust_code=trust_code
@@ -230,9 +246,9 @@ def predict_sources(
     log.debug(
         "loaded %s (%d classes) in %.1fs", model_path or run_dir, len(model.class_names), time.perf_counter() - start
     )
-    results = predict(model, paths, top_k=top_k, batch_size=batch_size, num_workers=num_workers)
+    results = predict(model, paths, top_k=top_k, batch_size=batch_size, num_workers=num_workers, precision=precision)
     for p in timed(results, stats):
         if progress is not None:
-            progress(Progress("predict", stats.images, len(paths), f"{stats.failed} failed"))
+            progress(Progress("predict", stats.images, len(paths), num_failed=stats.failed))
         yield p
     log.info("%d images, %d failed, %.1f images/s", stats.images, stats.failed, stats.images_per_second)

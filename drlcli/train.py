@@ -4,7 +4,8 @@ Shared by the trained methods (drl; ease with loss ce and no KD). Trainable: the
 parameters (drl: adapters, gates and transfer FFN), and a cosine classifier over the
 stage's own classes, z_i = σ·cos(w_i, f_s(x)) with a learnable scale σ. Loss: DAS (or CE for
 the ablation) + α·(1 - cos(f_s, f_0)). SGD with momentum, cosine learning-rate schedule over
-epochs. The PTM and every older stage stay frozen (they run under no_grad).
+epochs. The PTM and every older stage stay frozen (they run under no_grad). The forward and the
+loss run in the call's precision (``precision.py``; fp16 with a loss scale).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -26,11 +28,12 @@ from torch.utils.data import DataLoader, Sampler
 
 from . import distributed
 from .config import TrainConfig
-from .data import ImageDataset, LabelledImages, start_workers, train_transform
+from .data import ImageDataset, LabelledImages, make_loader, start_workers, train_transform
 from .errors import DivergedError, RunStateError, UsageError
 from .losses import ce_loss, das_loss, kd_loss
 from .methods import StageNetwork
 from .model import class_means, embed_images
+from .precision import autocast, grad_scaler
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class TrainProgress:
     epochs: int
     step: int
     steps: int
-    loss: float
+    loss: float  # this step's batch loss
+    lr: float  # the learning rate of this epoch (the cosine schedule's)
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,11 @@ class TrainState:
     """Everything needed to continue training after ``epoch`` finished epochs, bit for bit."""
 
     epoch: int
-    tensors: dict[str, Tensor]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.python, rng.loader
+    tensors: dict[str, Tensor]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.python, rng.loader (+ scaler.* for fp16)
     epoch_losses: list[float]
     seconds: float
     steps: int
+    lr: float | None = None  # the learning rate epoch ``epoch`` ran at (for logs; not kept in checkpoints)
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ def train_stage(
     cfg: TrainConfig,
     data_config: dict[str, Any],
     *,
+    precision: str = "fp32",
     progress: Callable[[TrainProgress], None] | None = None,
     resume: TrainState | None = None,
     on_epoch: Callable[[TrainState], None] | None = None,
@@ -107,16 +113,25 @@ def train_stage(
     ``network`` is any method's network (``IPANetwork``, ``EaseNetwork``): ``forward_train`` gives
     (PTM feature or None, newest stage's feature) with gradients only for the newest stage.
     ``on_epoch`` receives the state after each epoch; ``resume`` continues from such a state and
-    gives the same parameters as an uninterrupted run.
+    gives the same parameters as an uninterrupted run. ``precision``: fp32, bf16 or fp16 (see
+    ``precision.py``; the caller checks that the device supports it).
     """
     # loss ce on a single class is identically 0: the stage then keeps its initialisation, which
     # is what CE-trained methods (EASE) do on such a stage. DAS trains it (SPEC §2.2).
     device = next(network.ptm.parameters()).device
     stage = network.stages[-1]
     generator = torch.Generator().manual_seed(cfg.seed)  # the loader's order (and its workers' seeds)
-    classifier = _classifier(network, images, cfg, data_config, device=device, from_prototypes=resume is None)
-    loader = _loader(images, cfg, data_config, generator)
-    loop = _Loop(loader, _step_module(network, classifier, cfg, device), *_optimizer(stage, classifier, cfg))
+    classifier = _classifier(
+        network, images, cfg, data_config, device=device, precision=precision, from_prototypes=resume is None
+    )
+    loader = _loader(images, cfg, data_config, generator, device=device)
+    loop = _Loop(
+        loader,
+        _step_module(network, classifier, cfg, device),
+        *_optimizer(stage, classifier, cfg),
+        precision=precision,
+        scaler=grad_scaler(device, precision),
+    )
     stage.train()
     start = time.perf_counter()
     epoch_losses: list[float] = []
@@ -125,18 +140,18 @@ def train_stage(
         torch.manual_seed(cfg.seed)  # the transforms' randomness: the flip's
         random.seed(cfg.seed)  # and timm's random resized crop's
         if resume is not None:
-            _restore(resume, stage, classifier, loop.optimizer, loop.params, loop.schedule, generator, device)
+            _restore(resume, stage, classifier, loop, generator, device)
             epoch_losses, steps = list(resume.epoch_losses), resume.steps
             first_epoch, earlier_seconds = resume.epoch + 1, resume.seconds
         for epoch in range(first_epoch, cfg.epochs + 1):
-            loss, epoch_steps = _run_epoch(loop, epoch, cfg, device=device, progress=progress)
-            epoch_losses.append(loss)
-            steps += epoch_steps
-            _check_finite(epoch, loss, stage, classifier, cfg)  # before a checkpoint can keep it
+            done = _run_epoch(loop, epoch, cfg, device=device, progress=progress)
+            epoch_losses.append(done.loss)
+            steps += done.steps
+            _check_finite(epoch, done.loss, stage, classifier, cfg)  # before a checkpoint can keep it
             if on_epoch is not None:
                 tensors = _capture(stage, classifier, loop, generator, device)
                 elapsed = earlier_seconds + time.perf_counter() - start
-                on_epoch(TrainState(epoch, tensors, list(epoch_losses), elapsed, steps))
+                on_epoch(TrainState(epoch, tensors, list(epoch_losses), elapsed, steps, lr=done.lr))
     stage.eval()
     stage.requires_grad_(False)
     seconds = earlier_seconds + time.perf_counter() - start
@@ -152,6 +167,17 @@ class _Loop:
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
     params: list[nn.Parameter]  # in the optimiser's order: the checkpoint's momentum.<i>
+    precision: str = "fp32"  # the forward's and the loss's (precision.autocast)
+    scaler: torch.amp.GradScaler | None = None  # fp16's loss scale; None for fp32 and bf16
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    """One finished epoch: its mean loss over every process's images, its steps, its learning rate."""
+
+    loss: float
+    steps: int
+    lr: float
 
 
 def _classifier(
@@ -161,6 +187,7 @@ def _classifier(
     data_config: dict[str, Any],
     *,
     device: torch.device,
+    precision: str,
     from_prototypes: bool,
 ) -> CosineClassifier:
     """The stage's cosine classifier, seeded; ``head_init`` prototypes starts it at the class means
@@ -169,13 +196,15 @@ def _classifier(
         torch.manual_seed(cfg.seed)
         classifier = CosineClassifier(network.width, len(images.class_names), scale_init=cfg.scale_init).to(device)
     if cfg.head_init == "prototypes" and from_prototypes:
-        means = initial_class_means(network, images, data_config, batch_size=cfg.batch_size)
+        means = initial_class_means(
+            network, images, data_config, batch_size=cfg.batch_size, num_workers=cfg.num_workers, precision=precision
+        )
         classifier.weight.data.copy_(means.to(device))
     return classifier
 
 
 def _loader(
-    images: LabelledImages, cfg: TrainConfig, data_config: dict[str, Any], generator: torch.Generator
+    images: LabelledImages, cfg: TrainConfig, data_config: dict[str, Any], generator: torch.Generator, *, device: torch.device
 ) -> DataLoader:
     """Augmented batches of ``cfg.batch_size`` images, shuffled by ``generator``; under torchrun the
     batch is the global one and each process loads its share (``GlobalBatchShard``)."""
@@ -189,13 +218,14 @@ def _loader(
             raise UsageError(f"the stage has {len(dataset)} images, fewer than the {world} processes; use fewer")
         global_batch = len(dataset) // world * world if global_batch == len(dataset) else global_batch
         sampler = GlobalBatchShard(len(dataset), global_batch, generator)
-    return DataLoader(
+    return make_loader(
         dataset,
         batch_size=distributed.local_batch_size(global_batch),
+        device=device,
+        num_workers=cfg.num_workers,
         shuffle=sampler is None,
         sampler=sampler,
         drop_last=drop_last if sampler is None else False,
-        num_workers=cfg.num_workers,
         generator=generator,  # also draws the workers' base seed, in both modes alike
         worker_init_fn=_seed_worker,
     )
@@ -234,29 +264,45 @@ def _run_epoch(
     *,
     device: torch.device,
     progress: Callable[[TrainProgress], None] | None,
-) -> tuple[float, int]:
-    """One epoch of steps, then the schedule's step: (mean loss over every process's images, steps)."""
+) -> _Epoch:
+    """One epoch of steps, then the schedule's step."""
     world = distributed.world_size()
     if world > 1:  # each process reseeds its augmentations every epoch
         seed = cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank()
         torch.manual_seed(seed)
         random.seed(seed)
+    lr = float(loop.optimizer.param_groups[0]["lr"])
     total, count, steps = 0.0, 0, 0
     for step, (batch, targets) in enumerate(start_workers(loop.loader), 1):
-        batch, targets = batch.to(device), targets.to(device)
-        loss = loop.step_module(batch, targets)
+        batch, targets = batch.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with autocast(device, loop.precision):
+            loss = loop.step_module(batch, targets)
         loop.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        loop.optimizer.step()
+        _backward_and_step(loop, loss)
         total += loss.item() * len(targets)
         count += len(targets)
         steps += 1
         if progress is not None:
-            progress(TrainProgress(epoch, cfg.epochs, step, len(loop.loader), loss.item()))
-    loop.schedule.step()
+            progress(TrainProgress(epoch, cfg.epochs, step, len(loop.loader), loss.item(), lr))
+    with warnings.catch_warnings():
+        if loop.scaler is not None:  # fp16's loss scale skipped every step of the epoch (overflow): no misorder
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)
+        loop.schedule.step()
     if world > 1:  # the epoch's loss over every process's images
         total, count = distributed.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64)).tolist()
-    return total / max(count, 1), steps
+    return _Epoch(total / max(count, 1), steps, lr)
+
+
+def _backward_and_step(loop: _Loop, loss: Tensor) -> None:
+    """Gradients and the optimiser's step; under fp16 through the loss scale, which skips a step whose
+    gradients overflowed and lowers the scale (the gradients are unscaled before the step)."""
+    if loop.scaler is None:
+        loss.backward()
+        loop.optimizer.step()
+        return
+    loop.scaler.scale(loss).backward()
+    loop.scaler.step(loop.optimizer)
+    loop.scaler.update()
 
 
 def _capture(
@@ -273,6 +319,10 @@ def _capture(
         tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
     tensors["rng.loader"] = generator.get_state()
     tensors.update(_python_random_state())
+    if loop.scaler is not None:  # fp16: resume with the loss scale reached, not the initial one
+        state = loop.scaler.state_dict()
+        tensors["scaler.scale"] = torch.tensor(state["scale"], dtype=torch.float64)
+        tensors["scaler.growth_tracker"] = torch.tensor(state["_growth_tracker"], dtype=torch.int64)
     return tensors
 
 
@@ -305,19 +355,17 @@ def _restore(
     resume: TrainState,
     stage: nn.Module,
     classifier: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    params: list[nn.Parameter],
-    schedule: Any,
+    loop: _Loop,
     generator: torch.Generator,
     device: torch.device,
 ) -> None:
     """Put parameters, momentum, schedule and RNG states back as they were after ``resume.epoch``.
     A checkpoint that does not fit (another drl version, a hand-made file) is refused naming --restart."""
-    t = resume.tensors
+    t, optimizer = resume.tensors, loop.optimizer
     try:
         stage.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("stage.")})
         classifier.load_state_dict({k[11:]: v for k, v in t.items() if k.startswith("classifier.")})
-        for i, p in enumerate(params):
+        for i, p in enumerate(loop.params):
             if f"momentum.{i}" in t:
                 if t[f"momentum.{i}"].shape != p.shape:
                     raise ValueError(
@@ -329,6 +377,9 @@ def _restore(
             torch.cuda.set_rng_state(t["rng.cuda"], device)
         generator.set_state(t["rng.loader"])
         _set_python_random_state(t)
+        if loop.scaler is not None:
+            scale, tracker = float(t["scaler.scale"]), int(t["scaler.growth_tracker"])
+            loop.scaler.load_state_dict({**loop.scaler.state_dict(), "scale": scale, "_growth_tracker": tracker})
     except (RuntimeError, KeyError, ValueError, TypeError, OverflowError) as exc:
         raise RunStateError(
             f"the epoch checkpoint after epoch {resume.epoch} does not fit this stage ({str(exc).splitlines()[0]}); "
@@ -337,7 +388,7 @@ def _restore(
     with warnings.catch_warnings():  # replaying the schedule, no optimizer step is due
         warnings.simplefilter("ignore", UserWarning)
         for _ in range(resume.epoch):
-            schedule.step()
+            loop.schedule.step()
 
 
 def _check_finite(epoch: int, loss: float, stage: nn.Module, classifier: nn.Module, cfg: TrainConfig) -> None:
@@ -353,14 +404,26 @@ def _check_finite(epoch: int, loss: float, stage: nn.Module, classifier: nn.Modu
 
 
 def initial_class_means(
-    network: nn.Module, images: LabelledImages, data_config: dict[str, Any], *, batch_size: int
+    network: nn.Module,
+    images: LabelledImages,
+    data_config: dict[str, Any],
+    *,
+    batch_size: int,
+    num_workers: int = 0,
+    precision: str = "fp32",
 ) -> Tensor:
     """(C, d) mean feature (on the CPU) of each class in the newest (untrained) stage's subspace, eval transform:
     a classifier that starts there already separates the stage's classes, so the first steps
     refine the features instead of chasing random class directions."""
     network.stages[-1].eval()  # no dropout (EASE); train_stage switches it back to training
     feats, labels = embed_images(
-        network, images, data_config, batch_size=batch_size, indices=distributed.shard(len(images))
+        network,
+        images,
+        data_config,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        precision=precision,
+        indices=distributed.shard(len(images)),
     )
     return class_means(feats[:, -1:], labels, len(images.class_names))[:, 0]
 

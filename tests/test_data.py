@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -270,3 +272,65 @@ def test_a_dataset_that_raises_or_has_no_length_is_refused():
 
     with pytest.raises(UsageError, match="map-style torch Dataset"):
         dataset_images(Stream())
+
+
+def test_make_loader_pins_memory_for_a_gpu_only(make_folder):
+    """Batches bound for CUDA are page-locked (the copy then overlaps loading); a CPU pass is left as it is."""
+    import warnings
+
+    from drlcli.data import make_loader
+
+    dataset = ImageDataset(scan_class_folders(make_folder("d", [0], n=2)), eval_transform(CFG))
+    with warnings.catch_warnings():  # without CUDA torch may warn that pinning is moot
+        warnings.simplefilter("ignore", UserWarning)
+        gpu = make_loader(dataset, batch_size=2, device=torch.device("cuda", 0), num_workers=3, shuffle=False)
+    cpu = make_loader(dataset, batch_size=2, device=torch.device("cpu"), shuffle=False)
+    assert gpu.pin_memory is True and gpu.num_workers == 3 and gpu.batch_size == 2
+    assert cpu.pin_memory is False and cpu.num_workers == 0
+
+
+def test_every_pass_loads_with_the_workers_asked_for(stage_folders, tmp_path, monkeypatch):
+    """Training, the classifier's prototype start, the prototype/statistics pass, evaluation and predict
+    all build their loader with the requested workers and their device (pin_memory follows it)."""
+    from drlcli import data, evaluate, init_run, learn_stage, model, predict, train
+    from drlcli.predict import predict_sources
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    built = []
+
+    def recording(dataset, *, batch_size, device, num_workers=0, **options):
+        built.append((num_workers, torch.device(device).type))
+        return data.make_loader(dataset, batch_size=batch_size, device=device, num_workers=0, **options)
+
+    for module in (model, train, predict):
+        monkeypatch.setattr(module, "make_loader", recording)
+    run = tmp_path / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    train_dir, test_dir = stage_folders[0]
+    overrides = {"epochs": 1, "batch_size": 12, "num_workers": 2, "head_init": "prototypes"}
+    learn_stage(run, data_dir=train_dir, eval_data_dir=test_dir, train_overrides=overrides, device="cpu")
+    assert built == [(2, "cpu")] * 4  # head start, training, prototypes (and the ridge statistics), evaluation
+    built.clear()
+    evaluate(run, all_seen=True, device="cpu", num_workers=3)
+    assert built == [(3, "cpu")]
+    built.clear()
+    assert len(list(predict_sources([str(test_dir)], run_dir=run, device="cpu", num_workers=1))) == 12
+    assert built == [(1, "cpu")]
+    with pytest.raises(UsageError, match=r"--workers must be an integer in \[0, 256\], got -1"):
+        evaluate(run, all_seen=True, device="cpu", num_workers=-1)
+    with pytest.raises(UsageError, match="--workers"):
+        list(predict_sources([str(test_dir)], run_dir=run, device="cpu", num_workers=1000))
+
+
+def test_eval_with_worker_processes_gives_the_same_accuracy(learned_run, stage_folders):
+    from typer.testing import CliRunner
+
+    from drlcli.cli import app
+
+    runner = CliRunner()
+    args = ["eval", "--run", str(learned_run), "--data", str(stage_folders[1][1]), "--device", "cpu", "--json"]
+    plain, workers = (runner.invoke(app, [*args, "--workers", n]) for n in ("0", "2"))
+    assert plain.exit_code == workers.exit_code == 0, workers.output
+    assert json.loads(plain.stdout)["accuracy"] == json.loads(workers.stdout)["accuracy"]
+    too_many = runner.invoke(app, [*args, "--workers", "100000"])
+    assert too_many.exit_code == 2 and "--workers" in too_many.stderr

@@ -118,7 +118,7 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
     )
 
     def stop(event):
-        if event.phase == "train" and event.detail.startswith("epoch 2/"):
+        if event.phase == "train" and event.epoch == 2:
             raise _Interrupt
 
     with pytest.raises(_Interrupt):

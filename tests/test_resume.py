@@ -17,7 +17,7 @@ class Interrupt(Exception):
 
 def _stop_at_epoch(n):
     def progress(event):
-        if event.phase == "train" and event.detail.startswith(f"epoch {n}/"):
+        if event.phase == "train" and event.epoch == n:
             raise Interrupt
 
     return progress

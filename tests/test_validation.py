@@ -270,7 +270,7 @@ def test_a_checkpoint_that_no_longer_fits_says_restart(run, stage_folders, craft
     train = stage_folders[1][0]
 
     def stop(event):
-        if event.phase == "train" and event.detail.startswith("epoch 2/"):
+        if event.phase == "train" and event.epoch == 2:
             raise Interrupt
 
     with pytest.raises(Interrupt):
@@ -438,7 +438,7 @@ def test_plain_progress_is_one_line_per_interval_plus_the_last(monkeypatch, caps
     for epoch in range(1, epochs + 1):  # 100 steps, one per second
         for step in range(1, steps + 1):
             clock["now"] += 1.0
-            reporter(api.Progress("train", (epoch - 1) * steps + step, epochs * steps, f"epoch {epoch}/{epochs}"))
+            reporter(api.Progress("train", (epoch - 1) * steps + step, epochs * steps, epoch=epoch, epochs=epochs))
     logging.getLogger("drlcli").handlers.clear()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train ")]
     assert len(lines) <= 1 + 100 // 10 + 1 and lines[-1].startswith("train 100/100")

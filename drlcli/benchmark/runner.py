@@ -4,7 +4,8 @@ through the same library calls as the CLI; resume, timing and rescoring.
 Each stage's images become a folder of symlinks under ``OUT/data``; each variant's run lives in
 ``OUT/runs/<variant>``. Re-running the same command continues unfinished variants from their last
 committed stage and reuses finished ones. Several class orders (``seeds``): each seed is the
-benchmark above in its own ``OUT/seed_<seed>/`` (resumed per seed).
+benchmark above in its own ``OUT/seed_<seed>/`` (resumed per seed). With a TensorBoard folder, each
+variant's event files go to ``TB/<variant>`` (``TB/seed_<seed>/<variant>``), one TensorBoard run each.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import torch
 
 from .. import api, distributed, jsonio
 from ..config import RunConfig
-from ..data import ImageDataset, eval_transform, scan_class_folders
+from ..data import ImageDataset, check_workers, eval_transform, scan_class_folders
 from ..errors import UsageError
 from ..methods import method_of
 from ..metrics import AccuracyReport, accuracy_report
 from ..model import embed_images
+from ..precision import autocast, check_precision
 from ..prototypes import score, synthesize
 from ..rundir import RunDir
+from ..tracking import check_tensorboard_dir
 from .protocol import (
     DEFAULT_SEED,
     BenchmarkData,
@@ -66,6 +69,9 @@ class BenchmarkSettings:
     device: str = "auto"
     timing_batch: int = 32
     rescore: tuple[str, ...] = ()  # score options (e.g. "beta=0/rule=concat") also evaluated per run
+    precision: str = "fp32"  # the network forward's in every pass (precision.py)
+    num_workers: int | None = None  # DataLoader workers of every pass; None: each variant's config
+    tensorboard_dir: Path | None = None  # event files, one folder per variant (tracking.py)
 
 
 def benchmark(
@@ -82,10 +88,31 @@ def benchmark(
     ``settings.seed`` was chosen rather than the default (it contradicts ``seeds``)."""
     variants = parse_methods(methods)
     if seeds is None:
+        check_settings(settings, [Path(settings.out_dir)])
         return run_benchmark(settings, variants, progress=progress, log=log)
     if seed_given:
         raise UsageError("pass --seed or --seeds, not both")
-    return run_seeds(settings, variants, parse_seeds(seeds), progress=progress, log=log)
+    orders = parse_seeds(seeds)
+    check_settings(settings, [Path(settings.out_dir) / f"seed_{seed}" for seed in orders])
+    return run_seeds(settings, variants, orders, progress=progress, log=log)
+
+
+def check_settings(settings: BenchmarkSettings, outs: list[Path]) -> None:
+    """Fail before any work: workers, precision, and a TensorBoard folder that is inside a run
+    directory or among the runs under ``OUT/runs`` (``outs``: each class order's OUT)."""
+    if settings.num_workers is not None:
+        check_workers(settings.num_workers)
+    check_precision(settings.precision, api.resolve_device(settings.device))
+    if settings.tensorboard_dir is None:
+        return
+    check_tensorboard_dir(settings.tensorboard_dir)
+    folder = Path(settings.tensorboard_dir).resolve()
+    for runs in (out.resolve() / "runs" for out in outs):
+        if folder == runs or runs in folder.parents:
+            raise UsageError(
+                f"--tensorboard {settings.tensorboard_dir} is inside {runs}, where the benchmark keeps its run "
+                "directories; pick a folder outside it (e.g. OUT/tensorboard)"
+            )
 
 
 # ------------------------------------------------------------------------------ stage data
@@ -163,8 +190,9 @@ def _check_protocol(path: Path, protocol: dict[str, Any], *, write: bool) -> Non
 # ------------------------------------------------------------------------- timing, scoring
 
 
-def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
-    """Median seconds per image of network + scoring on one batch of test images (after 1 warm-up)."""
+def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int, *, precision: str = "fp32") -> float:
+    """Median seconds per image of network + scoring on one batch of test images (after 1 warm-up),
+    the network in ``precision``."""
     model = loaded.model
     images = scan_class_folders(test_dir, what="timing images")
     dataset = ImageDataset(images, eval_transform(model.data_config))
@@ -172,7 +200,7 @@ def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
     device = model.device
     x = torch.stack([dataset[i][0] for i in range(n)]).to(device)
     times = []
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast(device, precision):
         for _ in range(6):  # the first is a warm-up
             start = time.perf_counter()
             model.score_images(x)
@@ -183,7 +211,12 @@ def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int) -> float:
 
 
 def rescore(
-    loaded: api.LoadedRun, test_dirs: list[Path], scores: list[dict[str, Any]]
+    loaded: api.LoadedRun,
+    test_dirs: list[Path],
+    scores: list[dict[str, Any]],
+    *,
+    num_workers: int = 0,
+    precision: str = "fp32",
 ) -> list[tuple[dict[str, Any], list[AccuracyReport]]]:
     """A_t after every stage under other scoring options, without retraining.
 
@@ -196,7 +229,14 @@ def rescore(
     feats, targets = [], []
     for test_dir in test_dirs[: model.num_stages]:
         images = scan_class_folders(test_dir, what="test data")
-        f, y = embed_images(model.network, images, model.data_config, batch_size=api.EVAL_BATCH_SIZE)
+        f, y = embed_images(
+            model.network,
+            images,
+            model.data_config,
+            batch_size=api.EVAL_BATCH_SIZE,
+            num_workers=num_workers,
+            precision=precision,
+        )
         feats.append(f)
         targets.append(torch.tensor([index[name] for name in images.class_names])[y])
     features, target = torch.cat(feats), torch.cat(targets)
@@ -293,15 +333,19 @@ class _Session:
 
         def relay(event: api.Progress) -> None:
             if self.progress:
-                self.progress(api.Progress(event.phase, event.step, event.total, f"{tag} {event.detail}".strip()))
+                self.progress(replace(event, detail=f"{tag} {event.detail}".strip()))
 
         train_dir, test_dir = self.folders[k]
+        settings = self.settings
         result = api.learn_stage(
             run_dir,
             data_dir=train_dir,
             eval_data_dir=test_dir,
-            device=self.settings.device,
-            ptm_weights=self.settings.ptm_weights,
+            train_overrides={"num_workers": settings.num_workers},  # None: the variant's config
+            device=settings.device,
+            ptm_weights=settings.ptm_weights,
+            precision=settings.precision,
+            tensorboard_dir=Path(settings.tensorboard_dir) / variant.dirname if settings.tensorboard_dir else None,
             progress=relay,
         )
         acc = result.eval.top1 if result.eval else float("nan")
@@ -311,12 +355,18 @@ class _Session:
         """The variant's results row, then one per ``--rescore`` option (trained methods only)."""
         settings = self.settings
         loaded = api.load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
-        per_image = _timing(loaded, self.folders[-1][1], settings.timing_batch)
+        per_image = _timing(loaded, self.folders[-1][1], settings.timing_batch, precision=settings.precision)
         row = summary_row(variant.label, variant, run_dir, config, per_image)
         if not (score_options and method_of(config).trains):
             return [row]
         self.say(f"[{variant.label}] rescoring with {list(settings.rescore)}")
-        rescored = rescore(loaded, [f[1] for f in self.folders], score_options)
+        rescored = rescore(
+            loaded,
+            [f[1] for f in self.folders],
+            score_options,
+            num_workers=loaded.config.train.num_workers if settings.num_workers is None else settings.num_workers,
+            precision=settings.precision,
+        )
         return [row] + [rescored_row(row, text, o, r) for text, (o, r) in zip(settings.rescore, rescored)]
 
 
@@ -362,8 +412,16 @@ def run_benchmark(
         "results": results,
         "wall_seconds": round(time.perf_counter() - session.started, 1),
     }
-    report["artifacts"] = write_reports(report, out) if main else {}
+    report["artifacts"] = _artifacts(report, out, settings) if main else {}
     return report
+
+
+def _artifacts(report: dict[str, Any], out: Path, settings: BenchmarkSettings) -> dict[str, str | None]:
+    """The files written: results.json, results.md, the plot, and the TensorBoard folder if asked for."""
+    paths = write_reports(report, out)
+    if settings.tensorboard_dir is not None:
+        paths["tensorboard"] = str(settings.tensorboard_dir)
+    return paths
 
 
 def _plan_record(settings: BenchmarkSettings, plan: StagePlan) -> dict[str, Any]:
@@ -375,6 +433,7 @@ def _plan_record(settings: BenchmarkSettings, plan: StagePlan) -> dict[str, Any]
         "test_images": num_images(plan.data.test, plan.stages, settings.max_test_per_class),
         "epochs": settings.epochs,
         "device": str(api.resolve_device(settings.device)),
+        "precision": settings.precision,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -394,9 +453,13 @@ def run_seeds(
     reports = {}
     for k, seed in enumerate(seeds, 1):
         say(f"class order {k}/{len(seeds)}: seed {seed}")
+        tensorboard = Path(settings.tensorboard_dir) / f"seed_{seed}" if settings.tensorboard_dir else None
         reports[seed] = run_benchmark(
-            replace(settings, seed=seed, out_dir=out / f"seed_{seed}"), variants, progress=progress, log=log
+            replace(settings, seed=seed, out_dir=out / f"seed_{seed}", tensorboard_dir=tensorboard),
+            variants,
+            progress=progress,
+            log=log,
         )
     report = aggregate(reports)
-    report["artifacts"] = write_reports(report, out) if distributed.is_main() else {}
+    report["artifacts"] = _artifacts(report, out, settings) if distributed.is_main() else {}
     return report

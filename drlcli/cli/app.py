@@ -20,12 +20,16 @@ from .options import (
     ExportFormat,
     JsonOpt,
     MethodName,
+    PrecisionName,
+    PrecisionOpt,
     PtmArgOpt,
     QuietOpt,
     RandomInitOpt,
     RunOpt,
+    TensorBoardOpt,
     VerboseOpt,
     WeightsOpt,
+    WorkersOpt,
     parse_ptm_args,
     train_default,
 )
@@ -155,11 +159,14 @@ def learn_stage(
         min=0,
         max=MAX_WORKERS,
         show_default=False,
-        help=f"DataLoader worker processes; {train_default('num_workers')}.",
+        help=f"DataLoader worker processes of every pass (training, prototypes, evaluation); "
+        f"{train_default('num_workers')}.",
     ),
     restart: bool = typer.Option(
         False, "--restart", help="Discard an interrupted run's epoch checkpoint instead of resuming it."
     ),
+    precision: PrecisionName = PrecisionOpt,
+    tensorboard: Path | None = TensorBoardOpt,
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -182,6 +189,8 @@ def learn_stage(
             device=device,
             ptm_weights=ptm_weights,
             restart=restart,
+            precision=precision.value,
+            tensorboard_dir=tensorboard,
             progress=reporter,
         )
 
@@ -202,6 +211,8 @@ def eval_(
         help="Class folders of classes the run has NOT learned: also report how well the 'unknown' answer "
         "separates them from the known images (AUROC, unknown accepted, known rejected).",
     ),
+    workers: int = WorkersOpt,
+    precision: PrecisionName = PrecisionOpt,
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -222,6 +233,8 @@ def eval_(
             confusions=confusions,
             plot_path=plot,
             unknown_dir=unknown_data,
+            num_workers=workers,
+            precision=precision.value,
             progress=reporter,
         )
 
@@ -271,7 +284,8 @@ def predict(
     ),
     top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
-    workers: int = typer.Option(0, "--workers", min=0, max=MAX_WORKERS, help="DataLoader worker processes."),
+    workers: int = WorkersOpt,
+    precision: PrecisionName = PrecisionOpt,
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
@@ -295,6 +309,7 @@ def predict(
             top_k=top_k,
             batch_size=batch_size,
             num_workers=workers,
+            precision=precision.value,
             stats=stats,
             progress=reporter,
         ):
@@ -357,6 +372,23 @@ def benchmark(
         "--rescore",
         help="Also score each trained run's prototype bank with these options, no retraining (e.g. beta=0).",
     ),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=0,
+        max=MAX_WORKERS,
+        show_default=False,
+        help="DataLoader worker processes of every pass; default: each variant's config (0 unless a variant sets "
+        "num_workers).",
+    ),
+    precision: PrecisionName = PrecisionOpt,
+    tensorboard: Path | None = typer.Option(
+        None,
+        "--tensorboard",
+        help="Also write TensorBoard event files, one folder per variant (DIR/<variant>; DIR/seed_<seed>/<variant> "
+        "with --seeds), outside --out/runs: per-epoch loss and learning rate, per-stage A_t, Ā and forgetting "
+        "(tensorboard extra).",
+    ),
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -386,6 +418,9 @@ def benchmark(
             skip_classes=tuple(skip_class),
             device=device,
             rescore=tuple(rescore),
+            precision=precision.value,
+            num_workers=workers,
+            tensorboard_dir=tensorboard,
         )
         return run_benchmark(
             settings, methods, seeds=seeds, seed_given=seed is not None, progress=reporter, log=reporter.log

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 import yaml
 
-from ..config import TrainConfig
+from ..config import MAX_WORKERS, PRECISIONS, TrainConfig
 from ..errors import EXIT_CODES, UsageError
 from ..methods import METHODS
 
@@ -35,6 +35,23 @@ PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (rep
 # choices that --help and shell completion show (the values are the library's own names)
 MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)
 ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "onnx")}, type=str)
+PrecisionName = Enum("PrecisionName", {p: p for p in PRECISIONS}, type=str)
+
+PrecisionOpt = typer.Option(
+    PrecisionName("fp32"),
+    "--precision",
+    help="dtype of the network's forward: fp32 (default: exact, the numbers of a run without it), bf16 or fp16 "
+    "(autocast; fp16 needs CUDA, bf16 also runs on CPU). Scoring stays fp32.",
+)
+WorkersOpt = typer.Option(
+    0, "--workers", min=0, max=MAX_WORKERS, help="DataLoader worker processes that load the images (default 0: none)."
+)
+TensorBoardOpt = typer.Option(
+    None,
+    "--tensorboard",
+    help="Also write TensorBoard event files to this folder (outside any run): per-epoch loss and learning rate, "
+    "per-stage A_t, Ā and forgetting (tensorboard extra).",
+)
 
 
 def train_default(field: str) -> str:

@@ -102,7 +102,7 @@ class Reporter:
         if self._first_step < event.step < event.total:
             rate = (now - self._phase_start) / (event.step - self._first_step)
             left = f", ~{rate * (event.total - event.step):.0f}s left"
-        log.info("%s %d/%d %s%s", event.phase, event.step, event.total, event.detail, left)
+        log.info("%s %d/%d %s%s", event.phase, event.step, event.total, progress_text(event), left)
 
     def warn(self, message: str) -> None:
         if self._bar is not None:
@@ -140,12 +140,28 @@ class Reporter:
                 self._bar.remove_task(self._task)
             self._phase = event.phase
             self._task = self._bar.add_task(event.phase, total=event.total or None, detail="")
-        self._bar.update(self._task, completed=event.step, total=event.total or None, detail=event.detail)
+        self._bar.update(self._task, completed=event.step, total=event.total or None, detail=progress_text(event))
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def progress_text(event: api.Progress) -> str:
+    """A progress event's figures as the words beside its bar: e.g. ``epoch 2/5 loss 0.4321 lr 0.00905``."""
+    words = [event.detail] if event.detail else []
+    if event.epoch is not None:
+        words.append(f"epoch {event.epoch}/{event.epochs}")
+    if event.loss is not None:
+        words.append(f"loss {event.loss:.4f}")
+    if event.lr is not None:
+        words.append(f"lr {event.lr:.3g}")
+    if event.eval_set is not None:
+        words.append(f"set {event.eval_set}/{event.num_eval_sets}")
+    if event.num_failed is not None:
+        words.append(f"{event.num_failed} failed")
+    return " ".join(words)
 
 
 # ------------------------------------------------------------------------------ emitters

@@ -88,6 +88,8 @@ def learn_stage(r: dict[str, Any]) -> str:
     )
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
+    if r["tensorboard_dir"]:
+        lines.append(f"tensorboard: {r['tensorboard_dir']}")
     return _text(lines)
 
 

@@ -1,0 +1,273 @@
+"""``--precision`` (issue 17): fp32 by default and untouched, bf16 autocast on CPU, fp16 refused off
+CUDA, its loss scale in training, the precision in stage.json and in the checkpoint's key."""
+
+import json
+import math
+import warnings
+from copy import deepcopy
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from drlcli import evaluate, init_run, learn_stage, load_run
+from drlcli.cli import app
+from drlcli.config import IPAConfig, TrainConfig
+from drlcli.data import scan_class_folders
+from drlcli.errors import RunStateError, UsageError
+from drlcli.ipa import IPANetwork
+from drlcli.precision import autocast, check_precision, grad_scaler
+from drlcli.rundir import CHECKPOINT, CHECKPOINT_META, RunDir
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+from drlcli.train import TrainState, train_stage
+
+runner = CliRunner()
+OPTS = {"epochs": 2, "batch_size": 12}
+CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
+
+
+def drl(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _stop_at_epoch(n):
+    def progress(event):
+        if event.phase == "train" and event.epoch == n:
+            raise _Interrupt
+
+    return progress
+
+
+def _new_run(path):
+    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    return path
+
+
+def test_check_precision_refuses_unknown_names_and_fp16_off_cuda():
+    check_precision("fp32", torch.device("cpu"))
+    check_precision("bf16", torch.device("cpu"))
+    check_precision("fp16", torch.device("cuda"))  # a check only: no GPU is touched
+    with pytest.raises(UsageError, match=r"--precision must be one of fp32, bf16, fp16, got 'fp8'"):
+        check_precision("fp8", torch.device("cpu"))
+    with pytest.raises(UsageError, match=r"fp16 needs CUDA \(this call runs on cpu\); use --precision bf16"):
+        check_precision("fp16", torch.device("cpu"))
+    assert grad_scaler(torch.device("cpu"), "fp32") is None and grad_scaler(torch.device("cpu"), "bf16") is None
+    with warnings.catch_warnings():  # without CUDA the scaler warns that it disables itself
+        warnings.simplefilter("ignore", UserWarning)
+        assert isinstance(grad_scaler(torch.device("cuda"), "fp16"), torch.amp.GradScaler)
+
+
+def test_fp32_runs_no_autocast_and_bf16_does(tiny_ptm, images):
+    """fp32 is the plain forward (bit-identical to a call without --precision); bf16 is autocast."""
+    cpu = torch.device("cpu")
+    with autocast(cpu, "fp32"):
+        assert not torch.is_autocast_enabled("cpu")
+        plain = tiny_ptm.forward_features(images)
+    assert torch.equal(plain, tiny_ptm.forward_features(images))
+    with autocast(cpu, "bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert tiny_ptm.patch_embed(images).dtype == torch.bfloat16
+        rounded = tiny_ptm.forward_features(images)
+    assert not torch.equal(rounded, plain) and torch.allclose(rounded.float(), plain, atol=0.1)
+
+
+@pytest.mark.parametrize("command", ["learn-stage", "eval", "predict", "benchmark"])
+def test_fp16_on_cpu_is_exit_2_naming_bf16(command, learned_run, stage_folders, tmp_path):
+    train, test = stage_folders[2]
+    args = {
+        "learn-stage": ["--run", learned_run, "--data", train],
+        "eval": ["--run", learned_run, "--data", stage_folders[0][1]],
+        "predict": [test, "--run", learned_run],
+        "benchmark": ["--data", tmp_path / "none", "--out", tmp_path / "bench"],
+    }[command]
+    before = RunDir(learned_run).manifest()["generation"]
+    result = drl(command, *args, "--device", "cpu", "--precision", "fp16")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "fp16 needs CUDA" in lines[0] and "use --precision bf16" in lines[0]
+    assert not result.stdout and RunDir(learned_run).manifest()["generation"] == before
+    assert not (tmp_path / "bench").exists()
+    unknown = drl(command, *args, "--device", "cpu", "--precision", "fp8")
+    assert unknown.exit_code == 2 and "--precision" in unknown.stderr
+
+
+def test_help_names_the_choices_and_the_default():
+    for command in ("learn-stage", "eval", "predict", "benchmark"):
+        text = " ".join(drl(command, "--help").stdout.split())
+        assert "--precision <fp32|bf16|fp16>" in text and "fp32 (default" in text and "[default: fp32]" in text, command
+
+
+def test_the_default_never_enters_autocast(learned_run, stage_folders, tmp_path, monkeypatch):
+    """Without --precision nothing runs under autocast: the numbers are those of drl before the option."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(learned_run, run)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.autocast entered at the default precision")
+
+    real = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: real(*a, **k) if k.get("enabled") is False else refuse())
+    train, test = stage_folders[2]
+    result = learn_stage(run, data_dir=train, eval_data_dir=test, train_overrides=OPTS, device="cpu")
+    assert result.eval is not None and RunDir(run).stage(3).meta["precision"] == "fp32"
+    assert evaluate(run, all_seen=True, device="cpu").report.num_images == 12
+    predicted = drl("predict", test, "--run", run, "--device", "cpu", "--json")
+    assert predicted.exit_code == 0, predicted.output
+
+
+def test_bf16_learns_evaluates_and_predicts_on_cpu(stage_folders, tmp_path):
+    """bf16 autocast on CPU: stage.json records it, the stage differs from fp32's only by rounding,
+    and the scores stay fp32, close to fp32's."""
+    train, test = stage_folders[0]
+    runs = {p: _new_run(tmp_path / p) for p in ("fp32", "bf16")}
+    results = {
+        p: learn_stage(run, data_dir=train, eval_data_dir=test, train_overrides=OPTS, device="cpu", precision=p)
+        for p, run in runs.items()
+    }
+    meta = RunDir(runs["bf16"]).stage(1).meta
+    assert meta["precision"] == "bf16" and RunDir(runs["fp32"]).stage(1).meta["precision"] == "fp32"
+    assert results["bf16"].epoch_losses != results["fp32"].epoch_losses  # autocast ran
+    assert all(
+        math.isclose(a, b, rel_tol=0.05) for a, b in zip(results["bf16"].epoch_losses, results["fp32"].epoch_losses)
+    )
+    model = load_run(runs["fp32"], device="cpu").model
+    images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        exact = model.score_images(images)
+        with autocast(torch.device("cpu"), "bf16"):
+            rounded = model.score_images(images)
+    assert rounded.dtype == torch.float32 and 0 < (rounded - exact).abs().max() < 0.05
+    evaluated = evaluate(runs["fp32"], all_seen=True, device="cpu", precision="bf16")
+    assert abs(evaluated.report.top1 - results["fp32"].eval.top1) <= 100 / 12 + 1e-6  # at most one image flips
+    predicted = drl("predict", test, "--run", runs["bf16"], "--device", "cpu", "--precision", "bf16", "--json")
+    assert predicted.exit_code == 0 and len(predicted.stdout.splitlines()) == 12
+
+
+def test_resume_under_another_precision_is_refused(run_dir, stage_folders):
+    """Like a resume on another device type: exit 7 naming the precision to resume with, or --restart.
+    A checkpoint without the key was written in fp32; the same precision resumes bit for bit."""
+    train = stage_folders[0][0]
+    with pytest.raises(_Interrupt):
+        learn_stage(
+            run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16", progress=_stop_at_epoch(2)
+        )
+    meta_path = run_dir / CHECKPOINT / CHECKPOINT_META
+    meta = json.loads(meta_path.read_text())
+    assert meta["precision"] == "bf16"
+    with pytest.raises(RunStateError, match=r"after epoch 1 in bf16.*asks for fp32.*--precision bf16.*--restart") as e:
+        learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
+    assert e.value.exit_code == 7
+    result = drl("learn-stage", "--run", run_dir, "--data", train, "--epochs", "2", "--batch-size", "12")
+    assert result.exit_code == 7 and "--precision bf16 to resume" in result.stderr, result.output
+    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "precision"}))  # an older drl's
+    with pytest.raises(RunStateError, match="in fp32, and this call asks for bf16"):
+        learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
+    meta_path.write_text(json.dumps(meta))
+    resumed = learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
+    straight_run = _new_run(run_dir.parent / "straight")
+    straight = learn_stage(straight_run, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
+    assert resumed.resumed_from_epoch == 1 and resumed.epoch_losses == straight.epoch_losses
+    a, b = RunDir(run_dir).stage(1).tensors, RunDir(straight_run).stage(1).tensors
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp16_training_scales_the_loss_and_resumes_with_its_scale(tiny_ptm, make_folder, monkeypatch):
+    """The GradScaler path, run on CPU's fp16 autocast (which the API refuses as slow, not wrong): the
+    checkpoint holds the loss scale, and a resume continues with it, bit for bit."""
+    images = scan_class_folders(make_folder("d", [0, 1], n=6))
+    cfg = TrainConfig(epochs=3, batch_size=6, seed=2)
+    steps = []
+    real_step = torch.amp.GradScaler.step
+    monkeypatch.setattr(torch.amp.GradScaler, "step", lambda self, *a, **k: steps.append(1) or real_step(self, *a, **k))
+
+    def network():
+        net = IPANetwork(tiny_ptm, IPAConfig())
+        net.new_stage(seed=0)
+        return net
+
+    states: list[TrainState] = []  # copies: a state's tensors are the live parameters and buffers
+    straight = network()
+    result = train_stage(straight, images, cfg, CFG, precision="fp16", on_epoch=lambda s: states.append(deepcopy(s)))
+    assert len(steps) == result.steps == 6 and all(math.isfinite(loss) for loss in result.epoch_losses)
+    after_one = states[0]
+    assert {"scaler.scale", "scaler.growth_tracker"} <= after_one.tensors.keys()
+    assert after_one.tensors["scaler.scale"].item() > 0
+    resumed = network()
+    again = train_stage(resumed, images, cfg, CFG, precision="fp16", resume=after_one)
+    assert again.epoch_losses == result.epoch_losses
+    a, b = straight.stages[-1].state_dict(), resumed.stages[-1].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    no_scale = TrainState(1, {k: v for k, v in after_one.tensors.items() if not k.startswith("scaler.")}, [1.0], 0.0, 2)
+    with pytest.raises(RunStateError, match="does not fit this stage.*--restart"):
+        train_stage(network(), images, cfg, CFG, precision="fp16", resume=no_scale)
+    fp32_states: list[TrainState] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor does the scaler's silenced schedule warning leak
+        train_stage(network(), images, cfg, CFG, on_epoch=fp32_states.append)
+    assert not any(k.startswith("scaler.") for k in fp32_states[0].tensors)
+
+
+def test_graph_models_refuse_a_precision(learned_run, stage_folders, tmp_path):
+    from drlcli import export_run
+
+    export_run(learned_run, tmp_path / "m.pt", fmt="torchscript")
+    export_run(learned_run, tmp_path / "m.drl")
+    test = stage_folders[0][1]
+    result = drl(
+        "predict", test, "--model", tmp_path / "m.pt", "--trust-code", "--precision", "bf16", "--device", "cpu"
+    )
+    assert result.exit_code == 2 and "applies to a run or a .drl model" in result.stderr
+    assert "leave --precision out" in result.stderr and not result.stdout
+    result = drl("predict", test, "--model", tmp_path / "m.drl", "--precision", "bf16", "--device", "cpu", "--json")
+    assert result.exit_code == 0 and len(result.stdout.splitlines()) == 12
+
+
+def test_train_progress_carries_numbers(run_dir, stage_folders):
+    """Epoch, loss and learning rate reach the callback as numbers; the lr follows the cosine schedule."""
+    events = []
+    learn_stage(
+        run_dir,
+        data_dir=stage_folders[0][0],
+        eval_data_dir=stage_folders[0][1],
+        train_overrides={"epochs": 3, "batch_size": 12, "lr": 0.02},
+        device="cpu",
+        progress=events.append,
+    )
+    train = [e for e in events if e.phase == "train"]
+    assert train and all(e.detail == "" and isinstance(e.loss, float) for e in train)
+    lrs = {e.epoch: e.lr for e in train}
+    assert lrs == pytest.approx({k: 0.01 * (1 + math.cos(math.pi * (k - 1) / 3)) for k in (1, 2, 3)})
+    assert {e.epochs for e in train} == {3} and train[-1].step == train[-1].total
+    evaluated = [e for e in events if e.phase == "evaluate"]
+    assert evaluated and all(e.detail == "" and (e.eval_set, e.num_eval_sets) == (1, 1) for e in evaluated)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_on_cuda(stage_folders, tmp_path, precision):
+    """Learn (interrupted and resumed: fp16's loss scale comes back from the checkpoint), evaluate and
+    predict in half precision on CUDA; the stage records it; accuracy stays within an image of fp32's."""
+    run, opts = _new_run(tmp_path / "r"), {"epochs": 2, "batch_size": 12}
+    train, test = stage_folders[0]
+    with pytest.raises(_Interrupt):
+        learn_stage(
+            run, data_dir=train, train_overrides=opts, device="cuda", precision=precision, progress=_stop_at_epoch(2)
+        )
+    _, tensors = RunDir(run).checkpoint()
+    assert ("scaler.scale" in tensors) == (precision == "fp16")
+    resumed = learn_stage(
+        run, data_dir=train, eval_data_dir=test, train_overrides=opts, device="cuda", precision=precision
+    )
+    assert resumed.resumed_from_epoch == 1 and all(math.isfinite(loss) for loss in resumed.epoch_losses)
+    assert RunDir(run).stage(1).meta["precision"] == precision
+    half = evaluate(run, all_seen=True, device="cuda", precision=precision).report.top1
+    full = evaluate(run, all_seen=True, device="cuda").report.top1
+    assert abs(half - full) <= 100 / 12 + 1e-6
+    predicted = drl("predict", test, "--run", run, "--device", "cuda", "--precision", precision, "--json")
+    assert predicted.exit_code == 0 and len(predicted.stdout.splitlines()) == 12
