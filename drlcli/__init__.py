@@ -8,6 +8,7 @@ The public API: each function backs one CLI command.
     drlcli.learn_stage("runs/shop", data=train_set, class_names=train_set.classes)  # a torch Dataset
     drlcli.evaluate("runs/shop", all_seen=True).report.top1
     drlcli.export_run("runs/shop", Path("model.onnx"), fmt="onnx")   # drl | torchscript | onnx
+    drlcli.forget_class("runs/shop", "cat", reason="wrong label")     # restore_class brings it back
 """
 
 __version__ = "0.1.0"
@@ -21,11 +22,13 @@ from .errors import DrlError
 if TYPE_CHECKING:
     from .api import evaluate, info, init_run, learn_stage, load_run
     from .export import export_run, load_export, load_model
+    from .forget import forget_class, restore_class
 
 # imported on first use, so `drl --help` and `drl --version`'s parsing do not wait for torch
 _LAZY = {
     **dict.fromkeys(("evaluate", "info", "init_run", "learn_stage", "load_run"), ".api"),
     **dict.fromkeys(("export_run", "load_export", "load_model"), ".export"),
+    **dict.fromkeys(("forget_class", "restore_class"), ".forget"),
 }
 
 
@@ -43,10 +46,12 @@ __all__ = [
     "TrainConfig",
     "evaluate",
     "export_run",
+    "forget_class",
     "info",
     "init_run",
     "learn_stage",
     "load_export",
     "load_model",
     "load_run",
+    "restore_class",
 ]

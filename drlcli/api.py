@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, backbone, distributed, hub, openset, restore
+from . import __version__, backbone, distributed, forget, hub, openset, restore
 from .backbone import PTMSource
 from .config import RunConfig, check_ptm_record
 from .data import (
@@ -187,6 +187,7 @@ class LoadedRun:
     config: RunConfig
     model: IncrementalModel
     stage_metas: list[dict[str, Any]]
+    forgotten: forget.ForgetLog = field(default_factory=forget.ForgetLog)  # classes out of the answers
 
 
 def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, ptm_weights: Path | None):
@@ -228,7 +229,8 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
     stages = run.stages(manifest)
     for stage in stages:
         check_stage_meta(run, stage.index, stage.meta)
-    tensors = _run_tensors(run, method_of(config), analytic_head(config), stages, width=backbone.width(ptm))
+    forgotten, classes = forget.active_classes(run, manifest, stages)  # per stage: its classes not forgotten
+    tensors = _run_tensors(run, method_of(config), analytic_head(config), stages, classes, width=backbone.width(ptm))
 
     def fit_error(position: int | None, exc: Exception) -> IntegrityError:
         index = stages[position].index if position is not None else stages[-1].index
@@ -238,7 +240,7 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
         ptm,
         config,
         tensors,
-        class_names=[name for stage in stages for name in stage.meta["classes"]],
+        class_names=[name for names in classes for name in names],
         num_stages=len(stages) if method_of(config).trains else 0,
         data_config=record["ptm"]["data_config"],
         fit_error=fit_error,
@@ -252,7 +254,7 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
         model.device,
         time.perf_counter() - start,
     )
-    return LoadedRun(run, manifest, record, config, model, metas)
+    return LoadedRun(run, manifest, record, config, model, metas, forgotten)
 
 
 def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:
@@ -263,18 +265,25 @@ def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:
 
 
 def _run_tensors(
-    run: RunDir, method: Method, head: AnalyticHead | None, stages: list[StageRecord], *, width: int
+    run: RunDir,
+    method: Method,
+    head: AnalyticHead | None,
+    stages: list[StageRecord],
+    classes: list[list[str]],
+    *,
+    width: int,
 ) -> dict[str, torch.Tensor]:
     """A run's stages under ``restore.py``'s tensor names: each stage's ``<method prefix><param>``
     becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded
-    bank, the stage files' head tensors the head's state. Each stage's tensors are checked first."""
+    bank, the stage files' head tensors the head's state. ``classes`` holds each stage's active classes
+    (not forgotten): one prototype row each. Each stage's tensors are checked first."""
     num_subspaces = method.offset + (len(stages) if method.trains else 0)
     tensors: dict[str, torch.Tensor] = {}
     rows, class_stage = [], []
     for position, stage in enumerate(stages):
         prototypes = stage.tensors.get("prototypes")
         subspaces = method.offset + (position + 1 if method.trains else 0)
-        expected = (len(stage.meta["classes"]), subspaces, width)
+        expected = (len(classes[position]), subspaces, width)
         if prototypes is None or tuple(prototypes.shape) != expected:
             found = "none" if prototypes is None else tuple(prototypes.shape)
             raise _stage_error(run, stage.index, ValueError(f"prototypes have shape {found}, expected {expected}"))
@@ -465,9 +474,10 @@ def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None)
                 raise DataError(f"{what}; restore it or evaluate with --data DIR")
             missing.append(f"{what}: left out of this evaluation")
             continue
-        sets.append(
-            eval_set(scan_class_folders(path, what="registered eval data"), loaded.model, what="registered eval data")
-        )
+        images = scan_class_folders(path, what="registered eval data")
+        images = forget.without_forgotten(images, loaded.forgotten, loaded.model.class_names)
+        if images is not None:  # None: every class of it is forgotten
+            sets.append(eval_set(images, loaded.model, what="registered eval data"))
     return sets
 
 
@@ -686,7 +696,7 @@ def learn_stage(
             tracker=tracker,
             progress=progress,
         )
-        unchanged = _already_committed(stage.images, stage.fingerprint, stage.learned, stage.loaded)
+        unchanged = _already_committed(stage.images, stage.fingerprint, stage.loaded)
         if unchanged is not None:
             return unchanged
         _check_data(stage)
@@ -1105,17 +1115,16 @@ def _learned(
     )
 
 
-def _already_committed(
-    images: LabelledImages, fingerprint: str, learned: dict[str, int], loaded: LoadedRun
-) -> StageResult | None:
-    """The committed stage that learned exactly these images, as a no-op result (or None)."""
-    stages = {learned.get(name) for name in images.class_names}
-    if len(stages) != 1 or None in stages:
+def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedRun) -> StageResult | None:
+    """The committed stage that learned exactly these images, as a no-op result (or None). Its
+    classes as learned: a class forgotten since (drl forget) does not make the same drop new again."""
+    classes = list(images.class_names)
+    meta = next(
+        (m for m in loaded.stage_metas if m["classes"] == classes and m["data_fingerprint"] == fingerprint), None
+    )
+    if meta is None:
         return None
-    (index,) = stages
-    meta = next(m for m in loaded.stage_metas if m["stage"] == index)
-    if meta["classes"] != list(images.class_names) or meta["data_fingerprint"] != fingerprint:
-        return None
+    index = meta["stage"]
     train = meta["metrics"].get("train") or {}
     evaluation = meta["metrics"].get("eval")
     return StageResult(
@@ -1243,6 +1252,7 @@ def verify(run_dir: Path | str) -> VerifyResult:
     problems = run.verify()
     if problems:
         raise IntegrityError(f"run {run.path} is damaged: {'; '.join(problems)}" if len(problems) > 1 else problems[0])
+    forget.check(run, manifest)  # the forget log and what it kept fit the stages
     checkpoint = run.checkpoint()
     waiting = None
     if checkpoint is not None and checkpoint[0].get("generation") == manifest["generation"]:
@@ -1271,6 +1281,7 @@ def info(run_dir: Path | str) -> dict[str, Any]:
     stages, metas = [], [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
     for index, meta in zip(run.stage_indices(manifest), metas):
         check_stage_meta(run, index, meta)
+    forgotten = forget.read_log(run, manifest, {meta["stage"]: meta for meta in metas})
     total_bytes = run.size_bytes(manifest)
     cum_params = cum_bytes = cum_classes = 0
     for index, meta in zip(run.stage_indices(manifest), metas):
@@ -1278,12 +1289,14 @@ def info(run_dir: Path | str) -> dict[str, Any]:
         stage_bytes = run.stage_bytes(index, manifest)
         cum_params += meta["num_params"]
         cum_bytes += stage_bytes
-        cum_classes += len(meta["classes"])
+        num_classes = len(forgotten.active(meta))
+        cum_classes += num_classes
         stages.append(
             {
                 "stage": index,
-                "num_classes": len(meta["classes"]),
-                "classes": meta["classes"],
+                "num_classes": num_classes,  # its classes the run answers with (not forgotten)
+                "classes": meta["classes"],  # as learned
+                "forgotten": forgotten.of_stage(index),  # of those, the ones out of the answers (drl forget)
                 "num_images": sum(meta["images_per_class"].values()),
                 "num_params": meta["num_params"],  # trained in this stage (the PTM is frozen)
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
@@ -1308,6 +1321,8 @@ def info(run_dir: Path | str) -> dict[str, Any]:
         "total_bytes": total_bytes,
         "base_bytes": total_bytes - cum_bytes,  # run.yaml (+ ptm.safetensors for --random-init)
         "stages": stages,
+        "forgotten": [entry.to_dict() for entry in forgotten.forgotten],
+        "forget_history": list(forgotten.events),
         "history": history_of(metas).to_dict(),
         "config": record["config"],
     }

@@ -93,6 +93,14 @@ class ImageSet(LabelledImages):
             digest.update(f"{self.class_names[label]}\0{rel}\0{path.stat().st_size}\n".encode())
         return digest.hexdigest()
 
+    def without_classes(self, names: set[str]) -> ImageSet | None:
+        """The same set without the images of the classes ``names`` (None: no class is left)."""
+        keep = [name for name in self.class_names if name not in names]
+        if not keep:
+            return None
+        label = {self.class_names.index(name): k for k, name in enumerate(keep)}
+        pairs = [(path, label[old]) for path, old in zip(self.paths, self.labels) if old in label]
+        return ImageSet(self.root, tuple(keep), tuple(p for p, _ in pairs), tuple(k for _, k in pairs))
 
 @dataclass(frozen=True, eq=False)
 class DatasetImages(LabelledImages):

@@ -36,6 +36,7 @@ FORMAT = "drl-export"
 FORMAT_VERSION = "2"
 FORMATS = ("drl", *GRAPH_FORMATS)
 PTM_PREFIX = "ptm."  # the PTM's weights; every other tensor is named as restore.py says
+STAGE_PREFIX = "stage."  # restore.STAGE's prefix: stage.<i>.<param>
 SPEC_TYPES = {
     "method": str,
     "config": dict,
@@ -181,7 +182,9 @@ def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     modelfile.require_keys(path, spec["ptm"], {"name": str, "sha256": str})
     modelfile.check_class_names(path, spec["class_names"])
     modelfile.check_data_config(path, spec["data_config"])
-    if not 0 <= spec["num_stages"] <= len(spec["class_names"]):  # every stage brings a class
+    stored = {name.split(".", 2)[1] for name in tensors if name.startswith(STAGE_PREFIX)}
+    # at most one stage per stored stage's parameters (a stage may have no class left: drl forget)
+    if not 0 <= spec["num_stages"] <= len(stored):
         raise IntegrityError(f"{path} has a malformed spec (num_stages {spec['num_stages']}); export it again")
     return tensors, spec
 

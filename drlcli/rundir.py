@@ -9,6 +9,12 @@ Layout (format version 1)::
     stages/NNN/weights.safetensors   stage parameters + real prototypes of its classes
     stages/NNN/statistics.safetensors  accumulated statistics of the stage's images (ranpac's Gram
                                increments); read only to learn a later stage, never for inference
+    stages/NNN/weights-gGGGGGG.safetensors, statistics-gGGGGGG.safetensors
+                               the same files as rewritten by the commit of generation GGGGGG
+                               (``drl forget``): the manifest lists exactly one version of each
+    forgotten/log-gGGGGGG.json the forget log: forgotten classes and every forget/restore (forget.py)
+    forgotten/rows-gGGGGGG.safetensors  what the forget of generation GGGGGG took out of the stage
+                               files (one class's slices), kept so that ``--restore`` can put it back
     .lock                      writer lock (flock) with the holder's pid, host and start time
     .staging/                  files being written; never trusted, cleaned by the next writer
     .checkpoint/               the last finished epoch of an interrupted learn-stage (not part
@@ -21,6 +27,12 @@ Every file is immutable once listed in the manifest. A commit writes new files i
 replaces ``manifest.json`` by an atomic rename and fsyncs the directory. A crash at any moment
 leaves the old manifest (and the old state) or the new one. Readers trust only files the manifest
 lists, and verify their sha256 on every read. Nothing here is ever unpickled.
+
+A commit may also supersede listed files (``drl forget`` rewrites a stage's files under new names):
+the new manifest no longer lists them and names them under ``superseded``; the writer deletes them
+right after the commit point, and the next writer deletes any that a crash left. A run whose
+manifest lists a ``forgotten/`` file is format version 2 (older releases refuse it by its version,
+never misread it); every other run stays version 1, readable by older releases.
 
 Files are created, written, renamed and removed only through ``storage.py`` (fsynced, no links
 followed); this module decides which names they get.
@@ -67,7 +79,9 @@ except ImportError:  # Windows: the package still imports; writing a run refuses
     fcntl = None  # type: ignore[assignment]
 
 FORMAT = "drl-run"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a run without forget files; one with them is FORGET_FORMAT_VERSION
+FORGET_FORMAT_VERSION = 2
+READABLE_VERSIONS = (FORMAT_VERSION, FORGET_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 RUN_CONFIG = "run.yaml"
 PTM_WEIGHTS = "ptm.safetensors"
@@ -77,9 +91,10 @@ STAGING = ".staging"
 CHECKPOINT = ".checkpoint"
 CHECKPOINT_META = "checkpoint.json"
 QUARANTINE = ".quarantine"
+FORGOTTEN = "forgotten"
 # every name a run keeps at its top level: never a link, and never a user's file that init would take over
-RESERVED = (MANIFEST, RUN_CONFIG, PTM_WEIGHTS, STAGES, LOCK, STAGING, CHECKPOINT, QUARANTINE)
-OWN_FOLDERS = (STAGES, CHECKPOINT, STAGING)  # folders whose every entry is the run's
+RESERVED = (MANIFEST, RUN_CONFIG, PTM_WEIGHTS, STAGES, LOCK, STAGING, CHECKPOINT, QUARANTINE, FORGOTTEN)
+OWN_FOLDERS = (STAGES, CHECKPOINT, STAGING, FORGOTTEN)  # folders whose every entry is the run's
 _STAGING_NAME = re.compile(r"[0-9a-f]{32}")
 _CHECKPOINT_TENSORS = re.compile(r"[0-9a-f]{32}\.safetensors")
 _CHECKPOINT_TMP = f".{CHECKPOINT_META}.tmp"
@@ -88,6 +103,10 @@ log = logging.getLogger(__name__)
 STAGE_META = "stage.json"
 STAGE_WEIGHTS = "weights.safetensors"
 STATISTICS = "statistics.safetensors"
+FORGET_LOG = "log.json"
+FORGOTTEN_ROWS = "rows.safetensors"
+# a file rewritten by the commit of generation G: <stem>-g<G, 6+ digits>.<suffix>
+_REVISION = re.compile(r"(?P<stem>[a-z]+)(?:-g(?P<generation>[0-9]{6,}))?\.(?P<suffix>json|safetensors)")
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -99,9 +118,64 @@ def stage_dir(index: int) -> str:
     return f"{STAGES}/{index:03d}"
 
 
-def stage_file(index: int, name: str) -> str:
-    """The run-relative name of one of stage ``index``'s files (``STAGE_META``, ``STAGE_WEIGHTS``...)."""
-    return f"{stage_dir(index)}/{name}"
+def revision(name: str, generation: int | None) -> str:
+    """``name`` as written by the commit of ``generation`` (``weights.safetensors`` ->
+    ``weights-g000007.safetensors``); ``name`` itself for None."""
+    if generation is None:
+        return name
+    stem, _, suffix = name.partition(".")
+    return f"{stem}-g{generation:06d}.{suffix}"
+
+
+def stage_file(index: int, name: str, *, generation: int | None = None) -> str:
+    """The run-relative name of one of stage ``index``'s files (``STAGE_META``, ``STAGE_WEIGHTS``...);
+    with ``generation``, the name that commit rewrites it under (``STAGE_WEIGHTS`` and ``STATISTICS``)."""
+    return f"{stage_dir(index)}/{revision(name, generation)}"
+
+
+def forget_log_file(generation: int) -> str:
+    """The forget log as the commit of ``generation`` writes it."""
+    return f"{FORGOTTEN}/{revision(FORGET_LOG, generation)}"
+
+
+def forgotten_rows_file(generation: int) -> str:
+    """The slices the forget of ``generation`` took out of the stage files."""
+    return f"{FORGOTTEN}/{revision(FORGOTTEN_ROWS, generation)}"
+
+
+def current_file(manifest: dict[str, Any], name: str) -> str | None:
+    """The listed version of a file that commits may rewrite (``stage_file(i, STAGE_WEIGHTS)``,
+    ``f"{FORGOTTEN}/{FORGET_LOG}"``): the name itself or one revision of it; None when none is listed."""
+    folder, _, base = name.rpartition("/")
+    stem, _, suffix = base.partition(".")
+    found = []
+    for listed in manifest["files"]:
+        parent, _, leaf = listed.rpartition("/")
+        match = _REVISION.fullmatch(leaf) if parent == folder else None
+        if match and match["stem"] == stem and match["suffix"] == suffix:
+            found.append(listed)
+    if len(found) > 1:
+        raise IntegrityError(
+            f"{MANIFEST} lists {len(found)} versions of {name} ({', '.join(sorted(found))}); the run is damaged: "
+            "restore it from a backup"
+        )
+    return found[0] if found else None
+
+
+def _supersedable(name: str) -> bool:
+    """Whether ``name`` is a file a commit may supersede: a stage's weights or statistics, or a forget file."""
+    parts = PurePosixPath(name).parts
+    match = _REVISION.fullmatch(parts[-1]) if parts else None
+    if match is None or len(parts) not in (2, 3):
+        return False
+    if parts[0] == FORGOTTEN and len(parts) == 2:
+        return f"{match['stem']}.{match['suffix']}" in (FORGET_LOG, FORGOTTEN_ROWS)
+    return (
+        parts[0] == STAGES
+        and len(parts) == 3
+        and re.fullmatch(r"[0-9]{3,}", parts[1]) is not None
+        and f"{match['stem']}.{match['suffix']}" in (STAGE_WEIGHTS, STATISTICS)
+    )
 
 
 # --------------------------------------------------------------- no-follow access (the one place)
@@ -216,14 +290,15 @@ class RunDir:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise IntegrityError(f"{path} is not a drl manifest; restore it from a backup")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise IntegrityError(
-                f"run {self.path} has format version {version}, this drl reads version "
-                f"{FORMAT_VERSION}; use the drl release that wrote it"
+                f"run {self.path} has format version {version}, this drl reads versions "
+                f"{' and '.join(map(str, READABLE_VERSIONS))}; use the drl release that wrote it"
             )
         if not _well_formed(data):
             raise IntegrityError(
-                f"{path} is malformed (files, stages or generation of the wrong type); restore it from a backup"
+                f"{path} is malformed (files, stages, generation or superseded of the wrong type); restore it "
+                "from a backup"
             )
         self._refuse_links(data)
         return data
@@ -286,17 +361,36 @@ class RunDir:
     def stage_meta(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.parsed(stage_file(index, STAGE_META), manifest, json.loads)
 
+    def stage_file_name(self, index: int, name: str, manifest: dict[str, Any] | None = None) -> str | None:
+        """The listed version of stage ``index``'s ``name`` (``STAGE_WEIGHTS``, ``STATISTICS``), or None."""
+        return current_file(manifest or self.manifest(), stage_file(index, name))
+
     def stage(self, index: int, manifest: dict[str, Any] | None = None) -> StageRecord:
         manifest = manifest or self.manifest()
         meta = self.stage_meta(index, manifest)
-        tensors = self.parsed(stage_file(index, STAGE_WEIGHTS), manifest, st_load)
+        weights = self.stage_file_name(index, STAGE_WEIGHTS, manifest) or stage_file(index, STAGE_WEIGHTS)
+        tensors = self.parsed(weights, manifest, st_load)  # an unlisted name: "the run is incomplete"
         return StageRecord(index, meta, tensors)
 
     def stage_statistics(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
         """A stage's statistics file (empty when the stage has none)."""
         manifest = manifest or self.manifest()
-        name = stage_file(index, STATISTICS)
-        return self.parsed(name, manifest, st_load) if name in manifest["files"] else {}
+        name = self.stage_file_name(index, STATISTICS, manifest)
+        return self.parsed(name, manifest, st_load) if name is not None else {}
+
+    def forget_log_name(self, manifest: dict[str, Any] | None = None) -> str | None:
+        """The listed forget log, or None when no class was ever forgotten."""
+        return current_file(manifest or self.manifest(), f"{FORGOTTEN}/{FORGET_LOG}")
+
+    def forget_log(self, manifest: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The forget log (``forget.py`` reads it), or None when no class was ever forgotten."""
+        manifest = manifest or self.manifest()
+        name = self.forget_log_name(manifest)
+        return self.parsed(name, manifest, json.loads) if name is not None else None
+
+    def forgotten_rows(self, generation: int, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
+        """The slices the forget of ``generation`` kept (IntegrityError when the manifest does not list them)."""
+        return self.parsed(forgotten_rows_file(generation), manifest, st_load)
 
     def stages(self, manifest: dict[str, Any] | None = None) -> list[StageRecord]:
         manifest = manifest or self.manifest()
@@ -391,8 +485,10 @@ class RunDir:
 
 
 def _well_formed(manifest: dict[str, Any]) -> bool:
-    """The manifest's fields have the types this module reads (a crafted one may not)."""
+    """The manifest's fields have the types this module reads (a crafted one may not). A superseded
+    file is one a commit may supersede and is no longer listed: nothing else is ever deleted by it."""
     files, stages = manifest.get("files"), manifest.get("stages")
+    superseded = manifest.get("superseded", [])
     return (
         _is_int(manifest.get("generation"))
         and isinstance(files, dict)
@@ -401,6 +497,8 @@ def _well_formed(manifest: dict[str, Any]) -> bool:
         and all(
             isinstance(e, dict) and isinstance(e.get("sha256"), str) and _is_int(e.get("bytes")) for e in files.values()
         )
+        and isinstance(superseded, list)
+        and all(isinstance(n, str) and _supersedable(n) and n not in files for n in superseded)
     )
 
 
@@ -455,12 +553,14 @@ class RunWriter:
         storage.remove_dir_if_empty(self.run.path / STAGING)
         if not self.run.exists():
             return
-        self._tidy(
-            STAGES,
-            keep=lambda name: f"{STAGES}/{name}" in listed,
-            delete=_never,
-            why=f"not listed in {MANIFEST}: left by an interrupted commit or a restored older manifest",
-        )
+        manifest = self.run.manifest()
+        self.delete_superseded(manifest)  # first: a superseded file must go, never into the quarantine
+        unlisted = f"not listed in {MANIFEST}: left by an interrupted commit or a restored older manifest"
+        self._tidy(STAGES, keep=lambda name: f"{STAGES}/{name}" in listed, delete=_never, why=unlisted)
+        for folder in sorted(listed) + [FORGOTTEN]:  # files an interrupted commit renamed into place
+            self._tidy(
+                folder, keep=lambda name, f=folder: f"{f}/{name}" in manifest["files"], delete=_never, why=unlisted
+            )
         self._tidy(CHECKPOINT, keep=_is_checkpoint_file, delete=_never, why="not a name drl writes there")
 
     def _tidy(self, folder: str, *, keep: Callable[[str], object], delete: Callable[[str], object], why: str) -> None:
@@ -527,12 +627,18 @@ class RunWriter:
         *,
         manifest: dict[str, Any] | None,
         new_stage: int | None = None,
+        supersede: tuple[str, ...] = (),
     ) -> dict[str, Any]:
-        """Publish ``files`` (run-relative name → bytes; names must be new) with a new manifest."""
+        """Publish ``files`` (run-relative name → bytes; names must be new) with a new manifest.
+        ``supersede``: listed files the new manifest drops (a stage file rewritten under a new name,
+        an old forget file); they are deleted once the new manifest is in place."""
         old_files = dict(manifest["files"]) if manifest else {}
         clash = sorted(set(files) & set(old_files))
         if clash:
             raise RunStateError(f"{clash[0]} is already committed; committed files are never rewritten")
+        unknown = [name for name in supersede if name not in old_files or not _supersedable(name)]
+        if unknown:
+            raise RunStateError(f"{unknown[0]} is not a committed file a commit may supersede")
         finals = {name: self.run._inside(name) for name in files}  # refuses names escaping the run, links
         staging = self.run.path / STAGING / uuid.uuid4().hex
         placed: list[Path] = []  # files moved into place; taken back unless the manifest is replaced
@@ -540,7 +646,7 @@ class RunWriter:
         try:
             make_dirs(self.run.path, PurePosixPath(STAGING, staging.name))
             entries = self._place(files, staging, finals, placed)
-            new_manifest = _next_manifest(manifest, entries, new_stage)
+            new_manifest = _next_manifest(manifest, entries, new_stage, supersede)
             data = encode_json(new_manifest)
             storage.write_atomic(self.run.path / MANIFEST, data, tmp=staging / MANIFEST)  # the commit point
         except OSError as exc:
@@ -550,7 +656,25 @@ class RunWriter:
                 _take_back(placed, self.run.path)
             storage.discard(staging)
             storage.remove_dir_if_empty(self.run.path / STAGING)
+        self.delete_superseded(new_manifest)
         return new_manifest
+
+    def delete_superseded(self, manifest: dict[str, Any]) -> None:
+        """Delete the files ``manifest``'s commit superseded (its ``superseded`` list): done by that
+        commit itself, and again by the next writer when a crash came first."""
+        names = manifest.get("superseded", [])
+        try:
+            paths = [self.run._inside(name) for name in names]
+            gone = [path for path in paths if os.path.lexists(path)]
+            for path in gone:
+                storage.remove(path)
+            for parent in {path.parent for path in gone}:
+                storage.fsync_dir(parent)
+        except OSError as exc:
+            raise StorageError(
+                f"the new state of {self.run.path} is committed, but deleting the files it superseded failed "
+                f"({exc.strerror or exc}); any later drl command that writes to the run deletes them: re-run this one"
+            ) from exc
 
     def _place(
         self, files: dict[str, bytes], staging: Path, finals: dict[str, Path], placed: list[Path]
@@ -589,19 +713,32 @@ class RunWriter:
         )
 
 
-def _next_manifest(manifest: dict[str, Any] | None, entries: dict[str, Any], new_stage: int | None) -> dict[str, Any]:
-    """The manifest after a commit: one generation on, the new files (and stage) listed."""
+def _next_manifest(
+    manifest: dict[str, Any] | None, entries: dict[str, Any], new_stage: int | None, supersede: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The manifest after a commit: one generation on, the new files (and stage) listed, the
+    superseded ones dropped and named (deleted next)."""
     stages = list(manifest["stages"]) if manifest else []
     if new_stage is not None:
         stages.append(new_stage)
-    return {
+    kept = {k: v for k, v in (manifest["files"] if manifest else {}).items() if k not in supersede}
+    files = {**kept, **entries}
+    new = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version(files),
         "generation": (manifest["generation"] + 1) if manifest else 1,
         "committed": _now(),
         "stages": stages,
-        "files": {**(manifest["files"] if manifest else {}), **entries},
+        "files": files,
     }
+    if supersede:
+        new["superseded"] = sorted(supersede)
+    return new
+
+
+def format_version(files: dict[str, Any]) -> int:
+    """2 once the run lists a forget file (older releases must refuse it, not misread it), else 1."""
+    return FORGET_FORMAT_VERSION if any(name.startswith(f"{FORGOTTEN}/") for name in files) else FORMAT_VERSION
 
 
 def _never(_: str) -> bool:

@@ -73,10 +73,11 @@ def _cases(root, run, test_dir, bench_data):
             3,
         ),
         "demo": (["--out", root / "demo", "--epochs", "1", "--device", "cpu"], ["--out", root / "demo"], 7),
+        "forget": (["--run", run, "--class", "class_00"], ["--run", run, "--class", "nope"], 3),
     }
 
 
-COMMANDS = ["init", "learn-stage", "eval", "export", "predict", "verify", "info", "benchmark", "demo"]
+COMMANDS = ["init", "learn-stage", "eval", "export", "predict", "verify", "info", "benchmark", "demo", "forget"]
 
 
 def test_the_contract_covers_every_command():
@@ -114,8 +115,12 @@ def test_json_and_plain_output(work, stage_folders, bench_data, command):
     assert "--no-such-option" in parse.stderr and len(parse.stderr.strip().splitlines()) == 1
     if command in ("init", "demo"):  # the success case made what the second run needs to find
         shutil.rmtree(root / ("new" if command == "init" else "demo"))
+    if command == "forget":  # bring the class back, for the plain run and the tests after this one
+        assert drl("forget", "--run", run, "--restore", "class_00").exit_code == 0
     plain = drl(command, *good)  # the human output: plain text, no control characters either
     assert plain.exit_code == 0 and plain.stdout.strip(), plain.stderr
+    if command == "forget":
+        assert drl("forget", "--run", run, "--restore", "class_00").exit_code == 0
 
 
 def test_quiet_and_verbose_together_are_refused(work):

@@ -146,3 +146,16 @@ def test_a_run_from_before_calibration_never_answers_unknown(learned, stage_fold
     args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1])]
     result = runner.invoke(app, [*args, "--run", str(run), "--json"])
     assert result.exit_code == 7 and "calibrated the unknown answer" in _error(result)
+
+
+def test_forgetting_a_class_takes_its_threshold_out_and_restore_puts_it_back(learned, stage_folders, tmp_path):
+    run = Path(shutil.copytree(learned, tmp_path / "run"))
+    images = str(stage_folders[0][1])
+    before = [json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()]
+    assert runner.invoke(app, ["forget", "--class", "class_01", "--run", str(run), "--json"]).exit_code == 0
+    after = [json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()]
+    assert all(t["class"] != "class_01" for line in after for t in line["top"])
+    assert all(isinstance(line["unknown"], bool) for line in after)  # still calibrated, one bias less
+    assert runner.invoke(app, ["forget", "--restore", "class_01", "--run", str(run), "--json"]).exit_code == 0
+    again = [json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()]
+    assert again == before

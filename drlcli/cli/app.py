@@ -331,6 +331,47 @@ def info(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, ve
 
 
 @app.command()
+def forget(
+    class_name: str | None = typer.Option(
+        None, "--class", help="Take this class out of every answer (eval, predict, later exports)."
+    ),
+    restore: str | None = typer.Option(
+        None, "--restore", help="Bring back a class forgotten without --purge (its kept slices)."
+    ),
+    reason: str | None = typer.Option(
+        None, "--reason", help="Why (one line), recorded in the run's forget log with the UTC time."
+    ),
+    purge: bool = typer.Option(
+        False,
+        "--purge",
+        help="With --class: keep nothing of the class's prototypes and head columns (legal deletion); it cannot "
+        "be restored. On a class already forgotten, deletes what was kept.",
+    ),
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Forget a learned class (a new generation of the run without it), or --restore one.
+
+    What the class's images left in shared statistics and trained stage networks stays; exports made
+    before are unchanged. See the README, "Forgetting a class"."""
+
+    def action(_: Reporter) -> Any:
+        if (class_name is None) == (restore is None):
+            raise UsageError("pass exactly one of --class NAME (forget it) or --restore NAME (bring it back)")
+        if restore is not None and purge:
+            raise UsageError("--purge goes with --class (forget and keep nothing), not with --restore")
+        from .. import forget as forgetting
+
+        if restore is not None:
+            return forgetting.restore_class(run, restore, reason=reason)
+        return forgetting.forget_class(run, class_name, reason=reason, purge=purge)
+
+    execute(action, render.forget, as_json=as_json, quiet=quiet, verbose=verbose)
+
+
+@app.command()
 def benchmark(
     data: Path = typer.Option(
         ..., "--data", help="Folder with train/ and test/ class folders, or train.txt + test.txt + one image tree."

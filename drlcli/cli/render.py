@@ -160,7 +160,33 @@ def info(r: dict[str, Any]) -> str:
     ]
     if r["stages"]:
         lines += growth_lines(r["stages"]) + history_lines(r["history"])
+    return _text(lines + forgotten_lines(r["forgotten"]))
+
+
+def forget(r: dict[str, Any]) -> str:
+    what = {"forget": "forgot", "purge": "purged what was kept of forgotten", "restore": "restored"}[r["action"]]
+    lines = [
+        f"{what} class {r['class']!r} (stage {r['stage']}) at {r['at']}"
+        + (f" ({r['reason']})" if r["reason"] else "")
+        + f"; run {r['run_dir']} is at generation {r['generation']}, answering with {r['num_classes']} classes"
+    ]
+    if r["action"] == "forget" and r["kept"]:
+        lines.append(f"its slices are kept: `drl forget --restore {r['class']}` brings it back, --purge deletes them")
+    elif r["action"] == "forget":
+        lines.append("nothing of it was kept (--purge): it cannot be restored")
+    if r["forgotten"]:
+        lines.append("forgotten now: " + ", ".join(r["forgotten"]))
     return _text(lines)
+
+
+def forgotten_lines(entries: list[dict[str, Any]]) -> list[str]:
+    """``info``: the classes out of the answers, with when, why and whether they can come back."""
+    return [
+        f"forgotten: {e['class']!r} of stage {e['stage']} at {e['at']}"
+        + (f" ({e['reason']})" if e["reason"] else "")
+        + ("; restorable" if e["kept"] else "; purged")
+        for e in entries
+    ]
 
 
 def benchmark(r: dict[str, Any]) -> str:
