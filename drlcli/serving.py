@@ -243,7 +243,7 @@ def exportable(network: nn.Module) -> Iterator[None]:
 
 def check_devices(fmt: str) -> list[str]:
     """The device types a fresh export is checked on: CPU always; for TorchScript CUDA too when this
-    host has it (an ONNX graph runs on onnxruntime's CPU provider here)."""
+    host has it (an ONNX graph is checked on onnxruntime's CPU provider)."""
     return ["cpu", "cuda"] if fmt == "torchscript" and torch.cuda.is_available() else ["cpu"]
 
 
@@ -284,11 +284,24 @@ def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> b
     return proto.SerializeToString()
 
 
-def _onnx_session(data: bytes) -> Any:
+def onnx_providers(device: str, available: list[str]) -> list[str]:
+    """onnxruntime's execution providers for ``device``: CUDA first when the device is a GPU and this
+    onnxruntime has the CUDA provider (onnxruntime-gpu), then the CPU one (always)."""
+    wants_gpu = torch.device(device).type == "cuda"
+    if wants_gpu and "CUDAExecutionProvider" not in available:
+        log.warning("onnxruntime has no CUDA provider (install onnxruntime-gpu): the ONNX graph runs on the CPU")
+    if wants_gpu and "CUDAExecutionProvider" in available:
+        index = torch.device(device).index or 0
+        return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]  # type: ignore[list-item]
+    return ["CPUExecutionProvider"]
+
+
+def _onnx_session(data: bytes, device: str = "cpu") -> Any:
     ort = require("onnxruntime", extra="export", purpose="running an ONNX export")
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: its warnings are coloured lines on stderr
-    return ort.InferenceSession(data, sess_options=options, providers=["CPUExecutionProvider"])
+    providers = onnx_providers(device, list(ort.get_available_providers()))
+    return ort.InferenceSession(data, sess_options=options, providers=providers)
 
 
 def _onnx_payload_sha256(proto: Any) -> str:
@@ -315,7 +328,7 @@ def load_graph(
     fmt = fmt or format_of(path)
     modelfile.require_trust(path, fmt, trust_code)
     modelfile.check_content(path, fmt)
-    return _load_torchscript(path, device) if fmt == "torchscript" else _load_onnx(path)
+    return _load_torchscript(path, device) if fmt == "torchscript" else _load_onnx(path, device)
 
 
 def _load_torchscript(path: Path, device: str) -> GraphModel:
@@ -340,7 +353,7 @@ def _load_torchscript(path: Path, device: str) -> GraphModel:
     return GraphModel("torchscript", spec, module, torch.device(device))
 
 
-def _load_onnx(path: Path) -> GraphModel:
+def _load_onnx(path: Path, device: str = "cpu") -> GraphModel:
     onnx = require("onnx", extra="export", purpose="reading an ONNX export")
     require("onnxruntime", extra="export", purpose="running an ONNX export")
     try:
@@ -355,7 +368,7 @@ def _load_onnx(path: Path) -> GraphModel:
     if _onnx_payload_sha256(proto) != spec["payload_sha256"]:
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
     try:
-        session = _onnx_session(proto.SerializeToString())
+        session = _onnx_session(proto.SerializeToString(), device)
     except Exception as exc:
         raise IntegrityError(f"onnxruntime cannot load {path} ({_short(exc)}); export it again") from exc
 
