@@ -1273,6 +1273,12 @@ def verify(run_dir: Path | str) -> VerifyResult:
 # ---------------------------------------------------------------------------------- info
 
 
+def _threshold(meta: dict[str, Any]) -> float | None:
+    entry = meta.get("open_set")
+    value = entry.get("threshold") if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def info(run_dir: Path | str) -> dict[str, Any]:
     """What the run holds: PTM, method, stages, classes, sizes, accuracy history (no PTM load)."""
     run = RunDir(run_dir)
@@ -1305,6 +1311,7 @@ def info(run_dir: Path | str) -> dict[str, Any]:
                 "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)
                 "accuracy": evaluation["top1"] if evaluation else None,
                 "train_seconds": (meta["metrics"].get("train") or {}).get("seconds"),
+                "unknown_threshold": _threshold(meta),  # the open-set calibration (openset.py); null before it
             }
         )
     return {

@@ -83,6 +83,13 @@ def test_each_stage_stores_its_calibration(learned):
         assert torch.equal(weights[BIAS], torch.full((3,), cal["threshold"]))
 
 
+def test_info_shows_each_stage_threshold(learned):
+    out = json.loads(runner.invoke(app, ["info", "--run", str(learned), "--json"]).stdout)
+    for stage in out["stages"]:
+        meta = json.loads((learned / "stages" / f"{stage['stage']:03d}" / "stage.json").read_text())
+        assert stage["unknown_threshold"] == meta["open_set"]["threshold"]
+
+
 def test_predict_marks_unknown_images_and_keeps_the_top_k(learned, stage_folders):
     result = runner.invoke(app, ["predict", str(stage_folders[2][1]), "--run", str(learned), "--json", "--top-k", "2"])
     assert result.exit_code == 0, result.stdout
