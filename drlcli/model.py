@@ -18,7 +18,7 @@ from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, LabelledImages, eval_transform, make_loader, start_workers
 from .methods import StageNetwork
-from .openset import known_scores
+from .openset import known_scores, open_set_bias
 from .precision import autocast
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
@@ -114,7 +114,7 @@ class IncrementalModel:
             assert self.unknown_bias is not None
             state = self._scoring[key] = (
                 self.real_prototypes[:, 0].to(device, torch.float32),
-                self.unknown_bias.to(device, torch.float32),
+                open_set_bias(self.unknown_bias).to(device, torch.float32),
             )
         return state
 

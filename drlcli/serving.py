@@ -46,7 +46,7 @@ from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
 from .modelfile import format_of
-from .openset import known_scores
+from .openset import known_scores, open_set_bias
 from .prototypes import concat_scores, score_weights, weighted_scores
 
 GRAPH_FORMATS = ("torchscript", "onnx")
@@ -75,7 +75,7 @@ class ScoringGraph(nn.Module):
         self.register_buffer("weights", weights)  # (C, S)
         self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
         calibrated = model.unknown_bias is not None
-        bias = model.unknown_bias if calibrated else torch.zeros(len(model.class_names))
+        bias = open_set_bias(model.unknown_bias) if calibrated else torch.zeros(len(model.class_names))
         self.register_buffer("open_prototypes", model.real_prototypes[:, 0].detach().clone().float())  # (C, d)
         self.register_buffer("open_bias", bias.detach().clone().float())  # (C,)
 
