@@ -166,3 +166,15 @@ def test_forgetting_a_class_takes_its_threshold_out_and_restore_puts_it_back(lea
     assert runner.invoke(app, ["forget", "--restore", "class_01", "--run", str(run), "--json"]).exit_code == 0
     again = [json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()]
     assert again == before
+
+
+@pytest.mark.parametrize(
+    "section", [{"rejection": 0.0}, {"rejection": 0.6}, {"holdout": 0.0}, {"holdout": 0.9}, {"rejection": float("nan")}]
+)
+def test_open_set_options_out_of_range_are_refused(section):
+    from drlcli.config import RunConfig
+    from drlcli.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"open_set\.(rejection|holdout) must be a"):
+        RunConfig.for_method("drl", {"open_set": section})
+    assert RunConfig.for_method("drl", {"open_set": {"rejection": 0.01}}).open_set.rejection == 0.01
