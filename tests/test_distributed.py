@@ -89,3 +89,22 @@ def test_sum_gate_ablation_trains_under_ddp(tmp_path, stage_folders):
     done = _torchrun("learn-stage", "--run-dir", run, "--data", stage_folders[0][0], *OPTS)
     assert done.returncode == 0, done.stderr[-2000:]
     assert RunDir(run).stage_indices() == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_with_nccl_commit_one_stage(tmp_path, stage_folders):
+    """torchrun on 2 GPUs (NCCL, one device per rank): the stage commits once, ranks agree, eval runs."""
+    run = tmp_path / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    train, test = stage_folders[0]
+    args = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cuda"]
+    done = _torchrun("learn-stage", "--run-dir", run, "--data", train, "--eval-data", test, *args, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert out["ok"] and out["stage"] == 1
+    meta = RunDir(run).stage_meta(1)
+    assert meta["world_size"] == 2 and meta["device"].startswith("cuda")
+    evaluated = _torchrun("eval", "--run-dir", run, "--all-seen", "--device", "cuda", "--json")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads(evaluated.stdout)["accuracy"]["num_images"] == out["eval"]["num_images"]

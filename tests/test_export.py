@@ -265,6 +265,22 @@ def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt):
+    """Each export loaded for CUDA (ONNX: onnxruntime's CUDA provider when it has one) gives the CPU's
+    scores and unknown answers."""
+    _, path = exported("drl", fmt)
+    images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    on_cpu = load_model(path, device="cpu", trust_code=True)
+    on_gpu = load_model(path, device="cuda", trust_code=True)
+    with torch.no_grad():
+        expected, known_expected = on_cpu.classify(images)
+        got, known = on_gpu.classify(images.to(on_gpu.device))
+    assert (got.float().cpu() - expected).abs().max() <= 1e-3
+    assert (known.float().cpu() - known_expected).abs().max() <= 1e-3
+
+
 def test_onnx_runs_on_the_best_provider_for_the_device(monkeypatch):
     from drlcli import serving
     from drlcli.serving import onnx_providers
