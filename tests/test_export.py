@@ -112,6 +112,9 @@ def test_every_format_scores_like_the_run(method_runs, exported, stage_folders, 
         (expected, known_expected), (got, known_got) = run_model.classify(images), model.classify(images)
     assert got.shape == expected.shape == (24, 6)
     assert (got - expected).abs().max() <= 1e-4
+    with torch.no_grad():
+        one = model.classify(images[:1])[0]  # batch 1: the batch axis is dynamic down to one image
+    assert one.shape == (1, 6) and (one - expected[:1]).abs().max() <= 1e-4
     assert torch.equal(got.argmax(1), expected.argmax(1))
     # the calibrated "unknown" answer travels with every format and agrees with the run's
     assert known_got.shape == known_expected.shape == (24,)
