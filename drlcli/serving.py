@@ -7,15 +7,17 @@ per class in ``class_names`` order, and ``known`` (B,), the open-set score of ``
 (below 0: no learned class claims the image; the spec's ``open_set.calibrated`` says whether the
 run calibrated it, else ``known`` is meaningless and ignored). The prototype bank (synthesised prototypes included) and the
 scoring weights are constants of the graph, so serving needs neither drl nor the run directory:
-``torch.jit.load``, ``torch.export.load`` or onnxruntime. The batch axis is dynamic; H and W are the PTM's input size.
+``torch.jit.load``, ``torch.export.load`` or onnxruntime. The batch axis is dynamic; H and W are
+the PTM's input size.
 
 What a server needs beside the graph is recorded in the file as one ``spec``: class names,
 preprocessing (mean, std, input size, interpolation, crop), PTM name and sha256, the scoring
 options, ``payload_sha256`` over the weights and ``spec_sha256`` over the spec (``modelfile.py``),
 so a damaged file is refused, never used. TorchScript keeps it in ``_extra_files["drl.json"]``;
 ``.pt2`` in the archive's extra files (``torch.export.save(..., extra_files={"drl.json": ...})``,
-``payload_sha256`` over the program's state_dict and tensor constants); ONNX in ``metadata_props``, one key per top-level entry (strings as they are, everything else as
-JSON). Graph format 2 added ``spec_sha256``.
+``payload_sha256`` over the program's state_dict and tensor constants); ONNX in
+``metadata_props``, one key per top-level entry (strings as they are, everything else as JSON).
+Graph format 2 added ``spec_sha256``.
 
 Loading a TorchScript file runs its code, and ``torch.export.load`` unpickles (falling back to
 ``weights_only=False``), so ``load_graph`` needs ``trust_code=True`` for both; an ONNX file is data
@@ -24,9 +26,9 @@ for onnxruntime (standard operators only, no external data files), loaded freely
 ONNX is written by the torch.export-based exporter (``torch.onnx.export(dynamo=True)``, needs
 onnxscript); the TorchScript-based one (deprecated upstream) is only the fallback when that fails.
 
-While a graph is traced or exported, the network runs its functional path (``exportable``: no in-place writes
-into ``out=`` slices, no cached parameter copies), chosen explicitly here, never by asking the
-tracer; ``write_graph`` still checks the result against the eager model before writing it.
+While a graph is traced or exported, the network runs its functional path (``exportable``: no
+in-place writes into ``out=`` slices, no cached parameter copies), chosen explicitly here, never
+by asking the tracer; ``write_graph`` still checks the result against the eager model before writing it.
 
 A graph serves; it cannot learn more stages (export again from the run after ``learn-stage``).
 ``ease`` graphs run one ViT pass per stage, as the method does.
