@@ -365,6 +365,9 @@ def _onnx_session(data: bytes, device: str = "cpu") -> Any:
     ort = require("onnxruntime", extra="export", purpose="running an ONNX export")
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: its warnings are coloured lines on stderr
+    # as many CPU threads as torch uses (torch.set_num_threads), not onnxruntime's own default
+    # (every physical core): an ONNX export runs on the same CPU budget as the other formats
+    options.intra_op_num_threads = max(1, torch.get_num_threads())
     providers = onnx_providers(device, list(ort.get_available_providers()))
     return ort.InferenceSession(data, sess_options=options, providers=providers)
 
