@@ -7,7 +7,7 @@ The public API: each function backs one CLI command.
     drlcli.learn_stage("runs/shop", data_dir=Path("drops/day1"), eval_data_dir=Path("drops/day1-test"))
     drlcli.learn_stage("runs/shop", data=train_set, class_names=train_set.classes)  # a torch Dataset
     drlcli.evaluate("runs/shop", all_seen=True).report.top1
-    drlcli.export_run("runs/shop", Path("model.onnx"), fmt="onnx")   # drl | torchscript | onnx
+    drlcli.export_run("runs/shop", Path("model.onnx"), fmt="onnx")   # drl | torchscript | pt2 | onnx
     drlcli.forget_class("runs/shop", "cat", reason="wrong label")     # restore_class brings it back
 """
 

@@ -1,7 +1,7 @@
 """The single-file inference artifact: PTM weights, stage weights, real prototypes, class names,
 data config and scoring options in one safetensors file, loadable without the run directory.
-``export_run`` also writes the serving graphs (``--format torchscript|onnx``, see ``serving.py``),
-and ``load_model`` reads any of the three, the format told by the file name (``modelfile.py``).
+``export_run`` also writes the serving graphs (``--format torchscript|pt2|onnx``, see ``serving.py``),
+and ``load_model`` reads any of the four, the format told by the file name (``modelfile.py``).
 
 The file's metadata holds ``format``/``format_version`` and a JSON ``spec`` (class names, config,
 PTM identity, data config) that carries ``payload_sha256`` over every tensor (name, dtype, shape,
@@ -96,7 +96,7 @@ def write_export(
 
 
 def resolve_format(fmt: str | None, out_path: Path) -> str:
-    """The export format: as given, else from the file name (.onnx, .pt/.ts/.torchscript, else drl).
+    """The export format: as given, else from the file name (.onnx, .pt2, .pt/.ts/.torchscript, else drl).
     A format the name contradicts is refused: ``load_model`` tells formats by name alone."""
     named = format_of(out_path)
     if fmt is None:
@@ -115,7 +115,7 @@ def export_run(
     run_dir: Path | str, out_path: Path, *, fmt: str | None = None, ptm_weights: Path | None = None
 ) -> ExportResult:
     """Write the run's current model as one file: ``drl`` (see module docstring), or a serving
-    graph with the scoring baked in (``torchscript``, ``onnx``). Reads the run, never writes it, and
+    graph with the scoring baked in (``torchscript``, ``pt2``, ``onnx``). Reads the run, never writes it, and
     refuses an ``out_path`` inside any run directory (it could replace that run's files)."""
     from .api import load_run
 
@@ -231,8 +231,8 @@ def _fitting(path: Path) -> Iterator[None]:
 
 def load_model(path: Path | str, *, device: str = "cpu", trust_code: bool = False) -> IncrementalModel | GraphModel:
     """Any export, ready for ``predict``: the format comes from the name (``.drl``; ``.pt``/``.ts``
-    TorchScript; ``.onnx``), never from the content. TorchScript runs the file's own code, so it
-    loads only with ``trust_code=True``; a file whose content is not what its name says is refused."""
+    TorchScript; ``.pt2`` torch.export; ``.onnx``), never from the content. TorchScript runs the
+    file's own code and torch.export.load unpickles, so both load only with ``trust_code=True``; a file whose content is not what its name says is refused."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"model file {path} not found; pass a file written by `drl export`")

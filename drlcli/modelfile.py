@@ -1,11 +1,14 @@
 """What a model file must prove before drl uses it, for every export format (``.drl``, TorchScript,
-ONNX): its format comes from its name, its content is that format, and its ``spec`` (class names,
+torch.export ``.pt2``, ONNX): its format comes from its name, its content is that format, and its ``spec`` (class names,
 preprocessing, PTM identity, scoring options, the weights' checksum) is checksummed and well formed.
 
 Trust. A ``.drl`` file (safetensors + JSON) and an ONNX file (standard operators run by
 onnxruntime; no Python, no custom-op libraries, no external data files) hold data only. A
 TorchScript file holds code: loading it runs its ``__setstate__``, scoring runs its ``forward``,
-and either can read or write files. So TorchScript loads only with ``trust_code=True``
+and either can read or write files. A ``.pt2`` (``torch.export.save``) is read by
+``torch.export.load``, which unpickles parts of the archive and falls back to
+``torch.load(weights_only=False)`` (arbitrary code) when the safe unpickler refuses them; its own
+docs say never to load one from an untrusted source. So TorchScript and ``.pt2`` load only with ``trust_code=True``
 (``drl predict --trust-code``), and a file is never loaded as a format its name does not say: a
 ``.drl`` that holds TorchScript is refused, not run.
 
@@ -19,25 +22,35 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
 from . import config
 from .errors import IntegrityError, UsageError
 
-SUFFIX_FORMATS = {".onnx": "onnx", ".pt": "torchscript", ".ts": "torchscript", ".torchscript": "torchscript"}
-FORMAT_SUFFIX = {"drl": ".drl", "torchscript": ".pt", "onnx": ".onnx"}
-CODE_FORMATS = ("torchscript",)  # formats whose files run their own code when loaded
+SUFFIX_FORMATS = {
+    ".onnx": "onnx",
+    ".pt": "torchscript",
+    ".ts": "torchscript",
+    ".torchscript": "torchscript",
+    ".pt2": "pt2",
+}
+FORMAT_SUFFIX = {"drl": ".drl", "torchscript": ".pt", "pt2": ".pt2", "onnx": ".onnx"}
+CODE_FORMATS = ("torchscript", "pt2")  # formats whose files may run their own code when loaded
+ZIP_FORMATS = ("torchscript", "pt2")  # both are zip archives; a pt2 archive names its format in a member
+PT2_MARKER = "archive_format"  # torch.export.save's member that says "pt2"
 SPEC_SHA256 = "spec_sha256"
 
 
 def format_of(path: Path | str) -> str:
-    """The format a file's name says: .pt/.ts/.torchscript, .onnx, anything else drl (no code)."""
+    """The format a file's name says: .pt/.ts/.torchscript, .pt2, .onnx, anything else drl (no code)."""
     return SUFFIX_FORMATS.get(Path(path).suffix.lower(), "drl")
 
 
 def content_format(head: bytes) -> str:
-    """What the first bytes look like: torchscript (a zip), drl (safetensors), onnx or unknown."""
+    """What the first bytes look like: torchscript (a zip; ``zip_format`` tells pt2 apart), drl
+    (safetensors), onnx or unknown."""
     if head.startswith(b"PK\x03\x04"):
         return "torchscript"
     if len(head) > 8 and head[8:9] == b"{":  # safetensors: 8-byte header length, then JSON
@@ -64,11 +77,25 @@ def check_content(path: Path, fmt: str) -> None:
     except OSError as exc:
         raise IntegrityError(f"cannot read model file {path}: {exc.strerror or exc}; pass an exported file") from exc
     found = content_format(head)
+    if found in ZIP_FORMATS:
+        found = zip_format(path, fmt)
     if found != fmt and not (fmt == "drl" and found == "unknown"):  # the drl reader names junk itself
         raise IntegrityError(
             f"{path} is named as a {fmt} file but holds {found} content; refused (drl never loads a file as "
             f"another format): export it again as *{FORMAT_SUFFIX[fmt]}"
         )
+
+
+def zip_format(path: Path, named: str) -> str:
+    """torchscript or pt2, by the archive's members (pt2: ``<archive>/archive_format``). A zip whose
+    member list cannot be read is taken as what its name says: that format's loader refuses it."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return named if named in ZIP_FORMATS else "torchscript"
+    is_pt2 = any(name == PT2_MARKER or name.endswith("/" + PT2_MARKER) for name in names)
+    return "pt2" if is_pt2 else "torchscript"
 
 
 # ------------------------------------------------------------------------------- the spec

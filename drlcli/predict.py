@@ -1,5 +1,5 @@
 """``drl predict``: top-k classes for images, from a run directory or an exported file (``.drl``,
-TorchScript or ONNX: anything with class names, a data config and ``score_images``).
+TorchScript, .pt2 or ONNX: anything with class names, a data config and ``score_images``).
 
 Sources are image files, folders (every image below them, sorted), list files (``.txt``, one
 path per line, relative paths taken from the list's folder) or ``-`` (paths on stdin). Results
@@ -200,7 +200,7 @@ def load_classifier(
     ptm_weights: Path | None = None,
     trust_code: bool = False,
 ) -> Classifier:
-    """An exported file (``model_path``; TorchScript only with ``trust_code``), else the run's model."""
+    """An exported file (``model_path``; TorchScript and .pt2 only with ``trust_code``), else the run's model."""
     from . import api
     from .export import load_model
 
@@ -226,7 +226,7 @@ def predict_sources(
 ) -> Iterator[Prediction]:
     """``drl predict``: expand ``sources`` (see ``expand_sources``), load the model (``load_classifier``)
     and yield one ``Prediction`` per image in order, counting them in ``stats``. ``precision`` (fp32,
-    bf16, fp16 on CUDA) is for a run or a ``.drl`` file; TorchScript and ONNX graphs run as exported."""
+    bf16, fp16 on CUDA) is for a run or a ``.drl`` file; TorchScript, .pt2 and ONNX graphs run as exported."""
     from .api import Progress, resolve_device
     from .precision import check_precision
 

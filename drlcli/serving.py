@@ -1,4 +1,5 @@
-"""Serving graphs: the TorchScript and ONNX exports of the single-pass network and its scoring.
+"""Serving graphs: the TorchScript, torch.export (``.pt2``) and ONNX exports of the single-pass
+network and its scoring.
 
 The graph takes a preprocessed image batch ``images`` (B, 3, H, W) float32 (resized, centre-
 cropped and normalised as the PTM's data config says) and returns ``scores`` (B, C), one column
@@ -6,21 +7,28 @@ per class in ``class_names`` order, and ``known`` (B,), the open-set score of ``
 (below 0: no learned class claims the image; the spec's ``open_set.calibrated`` says whether the
 run calibrated it, else ``known`` is meaningless and ignored). The prototype bank (synthesised prototypes included) and the
 scoring weights are constants of the graph, so serving needs neither drl nor the run directory:
-``torch.jit.load`` or onnxruntime. The batch axis is dynamic; H and W are the PTM's input size.
+``torch.jit.load``, ``torch.export.load`` or onnxruntime. The batch axis is dynamic; H and W are
+the PTM's input size.
 
 What a server needs beside the graph is recorded in the file as one ``spec``: class names,
 preprocessing (mean, std, input size, interpolation, crop), PTM name and sha256, the scoring
 options, ``payload_sha256`` over the weights and ``spec_sha256`` over the spec (``modelfile.py``),
 so a damaged file is refused, never used. TorchScript keeps it in ``_extra_files["drl.json"]``;
-ONNX in ``metadata_props``, one key per top-level entry (strings as they are, everything else as
-JSON). Graph format 2 added ``spec_sha256``.
+``.pt2`` in the archive's extra files (``torch.export.save(..., extra_files={"drl.json": ...})``,
+``payload_sha256`` over the program's state_dict and tensor constants); ONNX in
+``metadata_props``, one key per top-level entry (strings as they are, everything else as JSON).
+Graph format 2 added ``spec_sha256``.
 
-Loading a TorchScript file runs its code, so ``load_graph`` needs ``trust_code=True`` for it; an
-ONNX file is data for onnxruntime (standard operators only, no external data files), loaded freely.
+Loading a TorchScript file runs its code, and ``torch.export.load`` unpickles (falling back to
+``weights_only=False``), so ``load_graph`` needs ``trust_code=True`` for both; an ONNX file is data
+for onnxruntime (standard operators only, no external data files), loaded freely.
 
-While a graph is traced, the network runs its functional path (``exportable``: no in-place writes
-into ``out=`` slices, no cached parameter copies), chosen explicitly here, never by asking the
-tracer; ``write_graph`` still checks the result against the eager model before writing it.
+ONNX is written by the torch.export-based exporter (``torch.onnx.export(dynamo=True)``, needs
+onnxscript); the TorchScript-based one (deprecated upstream) is only the fallback when that fails.
+
+While a graph is traced or exported, the network runs its functional path (``exportable``: no
+in-place writes into ``out=`` slices, no cached parameter copies), chosen explicitly here, never
+by asking the tracer; ``write_graph`` still checks the result against the eager model before writing it.
 
 A graph serves; it cannot learn more stages (export again from the run after ``learn-stage``).
 ``ease`` graphs run one ViT pass per stage, as the method does.
@@ -33,6 +41,7 @@ import hashlib
 import io
 import logging
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,15 +58,16 @@ from .modelfile import format_of
 from .openset import known_scores, open_set_bias
 from .prototypes import concat_scores, score_weights, weighted_scores
 
-GRAPH_FORMATS = ("torchscript", "onnx")
+GRAPH_FORMATS = ("torchscript", "pt2", "onnx")
 FORMAT_VERSION = "3"
 READABLE_VERSIONS = ("2",)  # older graph formats still loaded (no ``known`` output)
 ONNX_DOMAINS = ("", "ai.onnx")  # standard operators only: no custom-op libraries
 ONNX_OPSET = 18
-SPEC_FILE = "drl.json"  # TorchScript extra file
+SPEC_FILE = "drl.json"  # TorchScript and .pt2 extra file
 JSON_KEYS = ("ptm", "num_stages", "class_names", "class_stage", "data_config", "score", "input", "output", "open_set")
 CHECK_TOLERANCE = 1e-3  # a graph that disagrees more with the eager model on a check batch is not written
-ONNX_PACKAGES = ("onnx", "onnxruntime")  # the export extra
+ONNX_PACKAGES = ("onnx", "onnxruntime")  # the export extra (onnxscript too: the dynamo exporter)
+PT2_CONSTANT = "constant."  # prefix of a .pt2 program's tensor constants in its payload checksum
 log = logging.getLogger(__name__)
 
 
@@ -173,7 +183,7 @@ def graph_spec(model: IncrementalModel, ptm_record: dict[str, Any], config: RunC
 def write_graph(
     model: IncrementalModel, ptm_record: dict[str, Any], config: RunConfig, out_path: Path, *, fmt: str
 ) -> tuple[int, float]:
-    """Trace the model into ``out_path`` (atomically); returns (bytes, max |Δscore| of the check)."""
+    """Trace or export the model into ``out_path`` (atomically); returns (bytes, max |Δscore| of the check)."""
     if not model.class_names:
         raise RunStateError("the run has learned no stage yet; run `drl learn-stage` before exporting a graph")
     if fmt == "onnx":  # fail before any work when the extra is missing
@@ -186,15 +196,10 @@ def write_graph(
     check = torch.randn(3, *size, generator=generator)  # another batch size: the batch axis must be dynamic
     spec = graph_spec(model, ptm_record, config, fmt)
     out_path = Path(out_path)
-    with torch.no_grad(), warnings.catch_warnings():
-        # the tracer warns about shapes read as Python numbers (block and stage counts,
-        # head sizes): they are fixed by the model; the batch axis stays dynamic (checked below)
-        warnings.simplefilter("ignore")
+    with torch.no_grad():
         expected = _joined(*graph(check))  # the eager model, as predict runs it
         with exportable(graph.network):
-            data = (
-                _torchscript_bytes(graph, example, spec) if fmt == "torchscript" else _onnx_bytes(graph, example, spec)
-            )
+            data = GRAPH_WRITERS[fmt](graph, example, spec)
     diffs = []
 
     def agrees(tmp: Path) -> None:
@@ -242,26 +247,92 @@ def exportable(network: nn.Module) -> Iterator[None]:
 
 
 def check_devices(fmt: str) -> list[str]:
-    """The device types a fresh export is checked on: CPU always; for TorchScript CUDA too when this
+    """The device types a fresh export is checked on: CPU always; for TorchScript and pt2 CUDA too when this
     host has it (an ONNX graph is checked on onnxruntime's CPU provider)."""
-    return ["cpu", "cuda"] if fmt == "torchscript" and torch.cuda.is_available() else ["cpu"]
+    return ["cpu", "cuda"] if fmt in ("torchscript", "pt2") and torch.cuda.is_available() else ["cpu"]
 
 
 def _torchscript_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:
-    traced = torch.jit.trace(graph, example, check_trace=False)
+    with warnings.catch_warnings():
+        # only the tracer's own notes on shapes read as Python numbers (block and stage counts, head
+        # sizes, fixed by the model; the batch axis stays dynamic, checked by write_graph); torch's
+        # deprecation warnings for TorchScript go through
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(graph, example, check_trace=False)
     spec = modelfile.with_checksum({**spec, "payload_sha256": backbone.tensors_sha256(traced.state_dict())})
     buffer = io.BytesIO()
     torch.jit.save(traced, buffer, _extra_files={SPEC_FILE: jsonio.dumps(spec)})
     return buffer.getvalue()
 
 
-def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:
-    """PyTorch's TorchScript-based ONNX exporter (seconds, a compact graph). The network takes its
-    functional path while traced (``exportable``); ``write_graph`` checks the result anyway."""
-    onnx = require("onnx", extra="export", purpose="--format onnx")
-    printed = io.StringIO()  # the exporter reports its steps on stdout, which belongs to results
+def _batch_dim() -> dict[str, dict[int, Any]]:
+    """The images' batch axis, dynamic (``torch.export.Dim``); every other axis is the PTM's."""
+    return {"images": {0: torch.export.Dim("batch", min=1)}}
+
+
+def _pt2_payload(program: Any) -> dict[str, Tensor]:
+    """What ``payload_sha256`` covers in a .pt2: the program's state_dict and its tensor constants."""
+    tensors = dict(program.state_dict)
+    tensors.update({PT2_CONSTANT + k: v for k, v in program.constants.items() if isinstance(v, Tensor)})
+    return tensors
+
+
+def _pt2_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:
+    """``torch.export`` (strict=False: no TorchDynamo bytecode tracing) of the graph, saved with the spec."""
+    program = torch.export.export(graph, (example,), dynamic_shapes=_batch_dim(), strict=False)
+    spec = modelfile.with_checksum({**spec, "payload_sha256": backbone.tensors_sha256(_pt2_payload(program))})
     buffer = io.BytesIO()
+    torch.export.save(program, buffer, extra_files={SPEC_FILE: jsonio.dumps(spec)})
+    return buffer.getvalue()
+
+
+def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> bytes:
+    """PyTorch's torch.export-based ONNX exporter; its TorchScript-based one only as the fallback.
+    The network takes its functional path while exported (``exportable``); ``write_graph`` checks
+    the result against the eager model anyway, whichever exporter wrote it."""
+    onnx = require("onnx", extra="export", purpose="--format onnx")
+    printed = io.StringIO()  # the exporters report their steps on stdout, which belongs to results
     with contextlib.redirect_stdout(printed):
+        try:
+            data = _onnx_dynamo(graph, example)
+        except Exception as exc:
+            # The dynamo exporter needs onnxscript (the export extra installs it) and covers fewer
+            # cases than the tracer; the TorchScript-based exporter (deprecated upstream, still in
+            # torch) keeps `drl export --format onnx` working where it fails. Its deprecation
+            # warning is let through.
+            log.warning("the torch.export-based ONNX exporter failed (%s); using the TorchScript-based one", _short(exc))
+            data = _onnx_torchscript(graph, example)
+    if printed.getvalue().strip():
+        log.debug("%s", printed.getvalue().strip())
+    proto = onnx.load_from_string(data)
+    spec = modelfile.with_checksum({**spec, "payload_sha256": _onnx_payload_sha256(proto)})
+    for key, value in spec.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value if isinstance(value, str) else jsonio.dumps(value)
+    proto.producer_name, proto.producer_version = "drl", __version__
+    onnx.checker.check_model(proto)
+    return proto.SerializeToString()
+
+
+def _onnx_dynamo(graph: ScoringGraph, example: Tensor) -> bytes:
+    program = torch.onnx.export(
+        graph,
+        (example,),
+        dynamo=True,
+        input_names=["images"],
+        output_names=["scores", "known"],
+        opset_version=ONNX_OPSET,
+        dynamic_shapes=_batch_dim(),
+        optimize=True,
+        verbose=False,
+    )
+    return program.model_proto.SerializeToString()
+
+
+def _onnx_torchscript(graph: ScoringGraph, example: Tensor) -> bytes:
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # as in _torchscript_bytes
         torch.onnx.export(
             graph,
             (example,),
@@ -272,16 +343,10 @@ def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> b
             opset_version=ONNX_OPSET,
             dynamic_axes={"images": {0: "batch"}, "scores": {0: "batch"}, "known": {0: "batch"}},
         )
-    if printed.getvalue().strip():
-        log.debug("%s", printed.getvalue().strip())
-    proto = onnx.load_from_string(buffer.getvalue())
-    spec = modelfile.with_checksum({**spec, "payload_sha256": _onnx_payload_sha256(proto)})
-    for key, value in spec.items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value if isinstance(value, str) else jsonio.dumps(value)
-    proto.producer_name, proto.producer_version = "drl", __version__
-    onnx.checker.check_model(proto)
-    return proto.SerializeToString()
+    return buffer.getvalue()
+
+
+GRAPH_WRITERS = {"torchscript": _torchscript_bytes, "pt2": _pt2_bytes, "onnx": _onnx_bytes}
 
 
 def onnx_providers(device: str, available: list[str]) -> list[str]:
@@ -300,6 +365,9 @@ def _onnx_session(data: bytes, device: str = "cpu") -> Any:
     ort = require("onnxruntime", extra="export", purpose="running an ONNX export")
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: its warnings are coloured lines on stderr
+    # as many CPU threads as torch uses (torch.set_num_threads), not onnxruntime's own default
+    # (every physical core): an ONNX export runs on the same CPU budget as the other formats
+    options.intra_op_num_threads = max(1, torch.get_num_threads())
     providers = onnx_providers(device, list(ort.get_available_providers()))
     return ort.InferenceSession(data, sess_options=options, providers=providers)
 
@@ -322,21 +390,20 @@ def _onnx_payload_sha256(proto: Any) -> str:
 def load_graph(
     path: Path | str, *, fmt: str | None = None, device: str = "cpu", trust_code: bool = False
 ) -> GraphModel:
-    """Load a TorchScript (only with ``trust_code``: it runs the file's code) or ONNX export and
-    check its content, spec and weights. ``fmt`` defaults to what the file name says."""
+    """Load a TorchScript or .pt2 (only with ``trust_code``: loading may run the file's code) or ONNX
+    export and check its content, spec and weights. ``fmt`` defaults to what the file name says."""
     path = Path(path)
     fmt = fmt or format_of(path)
     modelfile.require_trust(path, fmt, trust_code)
     modelfile.check_content(path, fmt)
-    return _load_torchscript(path, device) if fmt == "torchscript" else _load_onnx(path, device)
+    loader = {"torchscript": _load_torchscript, "pt2": _load_pt2}.get(fmt, _load_onnx)
+    return loader(path, device)
 
 
 def _load_torchscript(path: Path, device: str) -> GraphModel:
     extra = {SPEC_FILE: ""}
     try:
-        with warnings.catch_warnings():  # TorchScript is deprecated upstream; loading still works
-            warnings.simplefilter("ignore", FutureWarning)
-            module = torch.jit.load(str(path), map_location=torch.device(device), _extra_files=extra)
+        module = torch.jit.load(str(path), map_location=torch.device(device), _extra_files=extra)
     except (RuntimeError, ValueError, OSError) as exc:
         raise IntegrityError(
             f"{path} is not a readable drl TorchScript export ({_short(exc)}); export it again"
@@ -351,6 +418,59 @@ def _load_torchscript(path: Path, device: str) -> GraphModel:
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
     module.eval()
     return GraphModel("torchscript", spec, module, torch.device(device))
+
+
+def _load_pt2(path: Path, device: str) -> GraphModel:
+    extra = {SPEC_FILE: ""}
+    program = _pt2_step(path, "not a readable drl pt2 export", lambda: _read_pt2(path, extra))
+    text = extra[SPEC_FILE]
+    if not text:
+        raise IntegrityError(
+            f"{path} is a pt2 file but not a drl export (no {SPEC_FILE}); pass a file written by `drl export`"
+        )
+    spec = modelfile.parse_spec(path, text.decode() if isinstance(text, bytes) else text)
+    _check_spec(path, spec, "pt2")
+    if backbone.tensors_sha256(_pt2_payload(program)) != spec["payload_sha256"]:
+        raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
+    if torch.device(device).type != "cpu":
+        program = _pt2_step(
+            path,
+            f"not movable to {device}",
+            lambda: torch.export.passes.move_to_device_pass(program, torch.device(device)),
+        )
+    module = _pt2_step(path, "not a runnable drl pt2 export", program.module)
+    return GraphModel("pt2", spec, module, torch.device(device))
+
+
+def _read_pt2(path: Path, extra: dict[str, Any]) -> Any:
+    with open(path, "rb") as handle, _quiet("torch.export"):
+        zipfile.ZipFile(handle).namelist()  # an unreadable archive is refused here, before torch reads it
+        handle.seek(0)
+        # a handle, not the path: torch.export.load takes a path by its suffix, a handle as pt2;
+        # its own failures are logged as warnings with a trace: the IntegrityError says it
+        return torch.export.load(handle, extra_files=extra)
+
+
+def _pt2_step(path: Path, what: str, step: Callable[[], Any]) -> Any:
+    """One step of reading a .pt2: whatever torch raises on a damaged or crafted archive is exit 5."""
+    try:
+        return step()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # torch's deserializer meets a file: any failure means damage
+        raise IntegrityError(f"{path} is {what} ({_short(exc)}); export it again") from exc
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Logger ``name`` says errors only for the block."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def _load_onnx(path: Path, device: str = "cpu") -> GraphModel:

@@ -56,8 +56,11 @@ def test_damaged_export_is_refused(learned, tmp_path):
 # ------------------------------------------------------------- TorchScript and ONNX graphs
 
 needs_onnx = pytest.mark.skipif(not HAS_ONNX, reason="the export extra (onnx, onnxruntime) is missing")
-FORMATS = ["drl", "torchscript", pytest.param("onnx", marks=needs_onnx)]
-SUFFIX = {"drl": "drl", "torchscript": "pt", "onnx": "onnx"}
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:FutureWarning")  # TorchScript, upstream
+FORMATS = ["drl", "torchscript", "pt2", pytest.param("onnx", marks=needs_onnx)]
+GRAPHS = ["torchscript", "pt2", pytest.param("onnx", marks=needs_onnx)]
+SUFFIX = {"drl": "drl", "torchscript": "pt", "pt2": "pt2", "onnx": "onnx"}
+CODE = ("torchscript", "pt2")  # loaded only with trust_code
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,7 @@ def test_every_format_scores_like_the_run(method_runs, exported, stage_folders, 
     assert (out.format, out.path, out.num_classes, out.num_stages) == (fmt, str(path), 6, 2)
     assert out.run_dir == str(method_runs[method]) and out.bytes == path.stat().st_size
     assert (out.check_max_abs_diff is None) == (fmt == "drl")
-    model = load_model(path, trust_code=fmt == "torchscript")  # our own file: its code is ours
+    model = load_model(path, trust_code=fmt in CODE)  # our own file: its code is ours
     run_model = load_run(method_runs[method], device="cpu").model
     assert model.class_names == run_model.class_names and model.data_config == run_model.data_config
     transform = eval_transform(run_model.data_config)  # what a server does before calling the graph
@@ -109,6 +112,9 @@ def test_every_format_scores_like_the_run(method_runs, exported, stage_folders, 
         (expected, known_expected), (got, known_got) = run_model.classify(images), model.classify(images)
     assert got.shape == expected.shape == (24, 6)
     assert (got - expected).abs().max() <= 1e-4
+    with torch.no_grad():
+        one = model.classify(images[:1])[0]  # batch 1: the batch axis is dynamic down to one image
+    assert one.shape == (1, 6) and (one - expected[:1]).abs().max() <= 1e-4
     assert torch.equal(got.argmax(1), expected.argmax(1))
     # the calibrated "unknown" answer travels with every format and agrees with the run's
     assert known_got.shape == known_expected.shape == (24,)
@@ -126,6 +132,19 @@ def test_torchscript_needs_only_torch(exported, method_runs):
     _check_spec(spec, "torchscript", load_run(method_runs["drl"], device="cpu").model)
     scores, known = module(torch.zeros(5, 3, 32, 32))
     assert tuple(scores.shape) == (5, 6) and tuple(known.shape) == (5,)
+
+
+def test_pt2_needs_only_torch(exported, method_runs):
+    """The .pt2 file alone: torch.export.load, the spec in its extra files, images -> scores."""
+    _, path = exported("drl", "pt2")
+    extra = {"drl.json": ""}
+    program = torch.export.load(str(path), extra_files=extra)
+    spec = json.loads(extra["drl.json"])
+    _check_spec(spec, "pt2", load_run(method_runs["drl"], device="cpu").model)
+    scores, known = program.module()(torch.zeros(5, 3, 32, 32))
+    assert tuple(scores.shape) == (5, 6) and tuple(known.shape) == (5,)
+    with pytest.raises(UsageError, match="pt2 file, which runs its own code when loaded; pass --trust-code"):
+        load_model(path)
 
 
 @needs_onnx
@@ -155,11 +174,12 @@ def _check_spec(spec, fmt, run_model):
 
 def test_format_from_suffix_and_bad_formats(method_runs, tmp_path, run_dir):
     assert resolve_format(None, Path("m.onnx")) == "onnx" and resolve_format(None, Path("m.pt")) == "torchscript"
+    assert resolve_format(None, Path("m.pt2")) == "pt2" and resolve_format("pt2", Path("m.PT2")) == "pt2"
     assert resolve_format(None, Path("m.bin")) == "drl" and resolve_format("drl", Path("m.bin")) == "drl"
-    for fmt, name in (("drl", "m.pt"), ("torchscript", "m.drl"), ("onnx", "m.pt")):  # loading goes by the name
+    for fmt, name in (("drl", "m.pt"), ("torchscript", "m.drl"), ("onnx", "m.pt"), ("pt2", "m.pt"), ("torchscript", "m.pt2")):  # loading goes by the name
         with pytest.raises(UsageError, match=f"names a .* file but --format is {fmt}; name it"):
             resolve_format(fmt, Path(name))
-    with pytest.raises(UsageError, match="unknown export format 'tflite'; use one of drl, torchscript, onnx"):
+    with pytest.raises(UsageError, match="unknown export format 'tflite'; use one of drl, torchscript, pt2, onnx"):
         export_run(method_runs["drl"], tmp_path / "m", fmt="tflite")
     with pytest.raises(RunStateError, match="learned no stage"):
         export_run(run_dir, tmp_path / "e.pt", fmt="torchscript")
@@ -176,7 +196,33 @@ def test_missing_onnx_extra_names_the_fix(method_runs, tmp_path, monkeypatch):
     assert info.value.exit_code == 2 and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=needs_onnx)])
+@needs_onnx
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the fallback exporter is deprecated upstream
+@pytest.mark.skipif(importlib.util.find_spec("onnxscript") is None, reason="onnxscript (export extra) is missing")
+def test_onnx_uses_the_torch_export_based_exporter_and_falls_back(method_runs, tmp_path, monkeypatch):
+    """dynamo=True first (the TorchScript-based exporter is deprecated upstream); the old one only when it fails."""
+    from drlcli import serving
+
+    warned = []
+    monkeypatch.setattr(serving.log, "warning", lambda message, *args: warned.append(message % args))
+    real_old = serving._onnx_torchscript
+
+    def unused(*args):
+        raise AssertionError("the TorchScript-based exporter ran")
+
+    monkeypatch.setattr(serving, "_onnx_torchscript", unused)
+    assert export_run(method_runs["simplecil"], tmp_path / "new.onnx").check_max_abs_diff <= 1e-3 and not warned
+
+    def failing(*args):
+        raise RuntimeError("no dynamo today")
+
+    monkeypatch.setattr(serving, "_onnx_torchscript", real_old)
+    monkeypatch.setattr(serving, "_onnx_dynamo", failing)
+    assert export_run(method_runs["simplecil"], tmp_path / "old.onnx").check_max_abs_diff <= 1e-3
+    assert len(warned) == 1 and "no dynamo today" in warned[0] and "TorchScript-based" in warned[0]
+
+
+@pytest.mark.parametrize("fmt", GRAPHS)
 def test_damaged_graph_is_refused(exported, tmp_path, fmt):
     _, original = exported("simplecil", fmt)
     path = tmp_path / original.name
@@ -185,12 +231,12 @@ def test_damaged_graph_is_refused(exported, tmp_path, fmt):
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="damaged|not a readable"):
         load_model(path, trust_code=True)
-    path.write_bytes(b"PK\x03\x04junk" if fmt == "torchscript" else b"\x08junk")
+    path.write_bytes(b"\x08junk" if fmt == "onnx" else b"PK\x03\x04junk")
     with pytest.raises(IntegrityError, match="not a readable"):
         load_model(path, trust_code=True)
 
 
-@pytest.mark.parametrize("fmt", ["torchscript", pytest.param("onnx", marks=needs_onnx)])
+@pytest.mark.parametrize("fmt", GRAPHS)
 def test_a_graph_that_disagrees_with_the_run_is_never_written(method_runs, tmp_path, monkeypatch, fmt):
     from drlcli import serving
 
@@ -202,7 +248,7 @@ def test_a_graph_that_disagrees_with_the_run_is_never_written(method_runs, tmp_p
 
     monkeypatch.setattr(serving, "load_graph", wrong_scores)
     with pytest.raises(IntegrityError, match="disagrees with the model by 1.00e\\+00"):
-        export_run(method_runs["drl"], tmp_path / f"m.{'pt' if fmt == 'torchscript' else 'onnx'}", fmt=fmt)
+        export_run(method_runs["drl"], tmp_path / f"m.{SUFFIX[fmt]}", fmt=fmt)
     assert not list(tmp_path.iterdir())
 
 
@@ -232,6 +278,7 @@ def test_fresh_graph_is_checked_on_every_device_type(method_runs, tmp_path, monk
     assert serving.check_devices("torchscript") == ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert serving.check_devices("torchscript") == ["cpu", "cuda"] and serving.check_devices("onnx") == ["cpu"]
+    assert serving.check_devices("pt2") == ["cpu", "cuda"]
     real_load, seen = serving.load_graph, []
 
     def recording(path, *, device="cpu", **kwargs):
@@ -245,13 +292,15 @@ def test_fresh_graph_is_checked_on_every_device_type(method_runs, tmp_path, monk
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
-def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders):
-    """The nightly path: a .pt exported anywhere, loaded with map_location cuda, predicts like the run."""
+@pytest.mark.parametrize("fmt", CODE)
+def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders, fmt):
+    """The nightly path: a .pt (map_location cuda) or .pt2 (move_to_device_pass) exported anywhere,
+    loaded on cuda, predicts like the run."""
     from typer.testing import CliRunner
 
     from drlcli.cli import app
 
-    _, path = exported("drl", "torchscript")
+    _, path = exported("drl", fmt)
     model = load_model(path, device="cuda", trust_code=True)
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

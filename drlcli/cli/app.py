@@ -243,12 +243,13 @@ def eval_(
 
 @app.command()
 def export(
-    out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl, model.pt, model.onnx)."),
+    out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl, model.pt, model.pt2, model.onnx)."),
     fmt: ExportFormat | None = typer.Option(
         None,
         "--format",
-        help="drl (the run's model in one file; default), torchscript or onnx (images -> scores graph, "
-        "for serving; onnx needs the export extra). Default: from the --out suffix (.pt/.ts, .onnx), else drl; "
+        help="drl (the run's model in one file; default), torchscript, pt2 (torch.export) or onnx (images -> scores "
+        "graph, for serving; onnx needs the export extra). Default: from the --out suffix (.pt/.ts, .pt2, .onnx), "
+        "else drl; "
         "a --format the suffix contradicts is refused.",
     ),
     ptm_weights: Path | None = WeightsOpt,
@@ -273,13 +274,14 @@ def predict(
     model: Path | None = typer.Option(
         None,
         "--model",
-        help="An exported file instead of --run: .drl, .onnx, or .pt/.ts TorchScript (needs --trust-code). "
+        help="An exported file instead of --run: .drl, .onnx, .pt/.ts TorchScript or .pt2 torch.export (both need "
+        "--trust-code). "
         "The format comes from the name; content that does not match it is refused (exit 5).",
     ),
     trust_code: bool = typer.Option(
         False,
         "--trust-code",
-        help="Allow a TorchScript --model: loading and running it EXECUTES CODE FROM THE FILE (it can read, "
+        help="Allow a TorchScript or .pt2 --model: loading it may EXECUTE CODE FROM THE FILE (it can read, "
         "write or delete files). Only for files you made or trust; .drl and .onnx never need it.",
     ),
     top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),

@@ -34,7 +34,7 @@ PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (rep
 
 # choices that --help and shell completion show (the values are the library's own names)
 MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)
-ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "onnx")}, type=str)
+ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "pt2", "onnx")}, type=str)
 PrecisionName = Enum("PrecisionName", {p: p for p in PRECISIONS}, type=str)
 
 PrecisionOpt = typer.Option(
