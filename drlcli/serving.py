@@ -86,12 +86,11 @@ class ScoringGraph(nn.Module):
         self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
         calibrated = model.unknown_bias is not None
         bias = open_set_bias(model.unknown_bias) if calibrated else torch.zeros(len(model.class_names))
-        self.register_buffer("open_prototypes", model.real_prototypes[:, 0].detach().clone().float())  # (C, d)
         self.register_buffer("open_bias", bias.detach().clone().float())  # (C,)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         features = self.network(images)  # (B, S, d)
-        known = known_scores(features[:, 0], self.open_prototypes, self.open_bias)
+        known = known_scores(features[:, 0], self.bank[:, 0], self.open_bias)  # subspace 0 is never synthesised
         if self.head is not None:
             return self.head(features), known
         if self.concat:

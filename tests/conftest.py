@@ -18,6 +18,20 @@ from drlcli import backbone  # noqa: E402
 from drlcli.backbone import PTMSource  # noqa: E402
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders, make_stages  # noqa: E402
 
+
+class Pairs(torch.utils.data.Dataset):
+    """A map-style torch Dataset over a list of (image, label) pairs (the API's Dataset input)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
 SHARED_DATA = Path(os.environ.get("DRL_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from conftest import Pairs
 
 from drlcli import evaluate, init_run, learn_stage
 from drlcli.data import load_rgb, scan_class_folders
@@ -13,17 +13,6 @@ from drlcli.rundir import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 OPTS = {"epochs": 1, "batch_size": 12}
-
-
-class Pairs(Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, index):
-        return self.items[index]
 
 
 def as_dataset(folder, *, numbered: list[str] | None = None) -> Pairs:

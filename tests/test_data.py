@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import Pairs
 from PIL import Image
-from torch.utils.data import Dataset
 
 from drlcli import backbone
 from drlcli.data import (
@@ -168,17 +168,6 @@ def test_eval_transform_is_timms_own(tiny_ptm):
 
 
 # ------------------------------------------------------------------------ torch datasets
-
-
-class Pairs(Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, index):
-        return self.items[index]
 
 
 def test_dataset_of_pil_images_and_tensors_with_names_or_int_labels():
