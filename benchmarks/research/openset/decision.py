@@ -10,16 +10,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ptm_heads"))
-from ptmheads import auroc, class_order, l2n, load_feats  # noqa: E402
+from ptmheads import auroc, l2n, ordered_split  # noqa: E402
 
 
 def main():
     name, rate = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.05
-    feats = load_feats(name)
-    Xtr, ytr, _ = feats["parts"]["train"]
-    Xe, ye = feats["parts"]["testcap"][:2]
-    pos = class_order(feats["classes"], 1993)
-    yp, ye = pos[ytr], pos[ye]
+    Xtr, yp, Xe, ye = ordered_split(name, test=True)
     K = 90
     mu = np.stack([Xtr[yp == c].mean(0) for c in range(K)])
     thr = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ptm_heads"))
-from ptmheads import auroc, class_order, l2n, load_feats, val_split  # noqa: E402
+from ptmheads import auroc, l2n, ordered_split  # noqa: E402
 
 
 def blk(k, part=0):
@@ -28,16 +28,7 @@ def kmeans(X, k, it=20, seed=0):
 def main():
     name = sys.argv[1]
     test = "--test" in sys.argv
-    feats = load_feats(name)
-    Xtr, ytr, _ = feats["parts"]["train"]
-    pos = class_order(feats["classes"], 1993)
-    if test:
-        Xe, ye = feats["parts"]["testcap"][:2]
-    else:
-        fit, vcap, _ = val_split(name.replace("_ml", "") + "_ml", feats, 1993)
-        Xe, ye = Xtr[vcap], ytr[vcap]
-        Xtr, ytr = Xtr[fit], ytr[fit]
-    yp, ye = pos[ytr], pos[ye]
+    Xtr, yp, Xe, ye = ordered_split(name, test)
     K = 90
     m = yp < K
     Xk, yk = Xtr[m], yp[m]

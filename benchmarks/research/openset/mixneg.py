@@ -7,22 +7,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ptm_heads"))
-from ptmheads import auroc, class_order, l2n, load_feats, val_split  # noqa: E402
+from ptmheads import auroc, l2n, ordered_split  # noqa: E402
 
 
 def main():
     name = sys.argv[1]
     test = "--test" in sys.argv
-    feats = load_feats(name)
-    Xtr, ytr, _ = feats["parts"]["train"]
-    pos = class_order(feats["classes"], 1993)
-    if test:
-        Xe, ye = feats["parts"]["testcap"][:2]
-    else:
-        fit, vcap, _ = val_split(name, feats, 1993)
-        Xe, ye = Xtr[vcap], ytr[vcap]
-        Xtr, ytr = Xtr[fit], ytr[fit]
-    yp, ye = pos[ytr], pos[ye]
+    Xtr, yp, Xe, ye = ordered_split(name, test)
     K, M = 90, 3000
     R = torch.randn(192, M, generator=torch.Generator().manual_seed(0)).double()
     phi = lambda X: torch.relu(torch.from_numpy(X) @ R)  # noqa: E731

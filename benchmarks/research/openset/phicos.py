@@ -7,21 +7,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ptm_heads"))
-from ptmheads import auroc, class_order, l2n, load_feats, val_split  # noqa: E402
+from ptmheads import auroc, l2n, ordered_split  # noqa: E402
 
 
 def main():
     name, test = sys.argv[1], "--test" in sys.argv
-    feats = load_feats(name)
-    Xtr, ytr, _ = feats["parts"]["train"]
-    pos = class_order(feats["classes"], 1993)
-    if test:
-        Xe, ye = feats["parts"]["testcap"][:2]
-    else:
-        fit, vcap, _ = val_split(name, feats, 1993)
-        Xe, ye = Xtr[vcap], ytr[vcap]
-        Xtr, ytr = Xtr[fit], ytr[fit]
-    yp, ye = pos[ytr], pos[ye]
+    Xtr, yp, Xe, ye = ordered_split(name, test)
     K = 90
     known = ye < K
     for M in (3000,):

@@ -55,6 +55,21 @@ def val_split(name: str, feats: dict, seed: int):
     return np.array(fit), np.array(vcap), np.array(vfull)
 
 
+def ordered_split(name: str, test: bool, seed: int = 1993):
+    """(Xtr, ytr, Xe, ye), labels as positions in the seed's class order: the train features and the
+    capped test (``test``), or the validation split's fit part and its capped validation part."""
+    feats = load_feats(name)
+    Xtr, ytr, _ = feats["parts"]["train"]
+    pos = class_order(feats["classes"], seed)
+    if test:
+        Xe, ye = feats["parts"]["testcap"][:2]
+    else:
+        fit, vcap, _ = val_split(name, feats, seed)
+        Xe, ye = Xtr[vcap], ytr[vcap]
+        Xtr, ytr = Xtr[fit], ytr[fit]
+    return Xtr, pos[ytr], Xe, pos[ye]
+
+
 def class_order(classes, seed):
     from drlcli.benchmark import class_order as co
 
