@@ -306,7 +306,10 @@ def _run_tensors(
     if stages and all(b is not None for b in biases):  # runs from before open-set scoring have none
         tensors[openset.BIAS] = torch.cat([b.flatten() for b in biases])
     if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
-        state = head.from_stages([stage.tensors for stage in stages]).state_dict()
+        try:
+            state = head.from_stages([stage.tensors for stage in stages]).state_dict()
+        except (RuntimeError, KeyError, ValueError) as exc:  # a crafted or damaged head tensor
+            raise _stage_error(run, stages[-1].index, exc) from exc
         tensors.update({restore.HEAD + k: v for k, v in state.items()})
     return tensors
 

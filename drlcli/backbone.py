@@ -213,7 +213,7 @@ def tensors_sha256(tensors: dict[str, Tensor]) -> str:
     for key, value in sorted(tensors.items()):
         tensor = value.detach().cpu().contiguous()
         digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 

@@ -55,6 +55,10 @@ class RanpacConfig:
     lambda_min_exp: int = -8  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
     lambda_max_exp: int = 8
     subspaces: int = 1  # leading subspaces the head reads: 1: f_0 (RanPAC's); 2: [f_0, f_1] (drl: + stage 1's)
+    # class covariances (ranpac.py): w of z(ridge) + w z(-Mahalanobis to class means); 0: RanPAC's ridge alone
+    covariance_weight: float = 0.0
+    covariance_shrink: float = 0.3  # a: S <- (1 - a) S + a (tr S / d) I
+    covariance_blend: float = 0.8  # b: S_c <- (1 - b) S_c + b S_pooled
 
     def resolved_proj_dim(self, width: int) -> int:
         return self.proj_dim if self.proj_dim is not None else min(3000, 16 * width)
@@ -294,6 +298,9 @@ _RANGES = {
     ("ranpac", "lambda_min_exp"): Range(-30, 30),
     ("ranpac", "lambda_max_exp"): Range(-30, 30),
     ("ranpac", "subspaces"): Range(1, 2),
+    ("ranpac", "covariance_weight"): Range(0, 100),
+    ("ranpac", "covariance_shrink"): Range(0, 1),
+    ("ranpac", "covariance_blend"): Range(0, 1),
     ("open_set", "rejection"): Range(0, 0.5, low_open=True),
     ("open_set", "holdout"): Range(0, 0.5, low_open=True),
 }

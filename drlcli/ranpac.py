@@ -24,6 +24,21 @@ increments: G_f and G_v as packed upper triangles (M(M+1)/2 fp32 each: 18 MB at 
 Q_v for the stage's own classes only (an old class's columns of Q never change: its y is 0 in
 later stages). It is read only to learn a later stage. The optional first-stage adaptation of
 the PTM (RanPAC's phase 1) is not implemented.
+
+Class covariances (``ranpac.covariance_weight`` w > 0; drl's default, not RanPAC's): a second,
+FeCAM-style score on x = f_0 / ‖f_0‖, the negative Mahalanobis distance to each class's mean,
+
+    m_c(x) = −(x − μ_c)ᵀ P_c (x − μ_c),    P_c = shrink_a((1 − b) S_c + b S)⁻¹,
+    shrink_a(S) = (1 − a) S + a (tr S / d) I,
+
+S_c the class's covariance, S the within-class covariance pooled over every class seen (a
+``covariance_shrink``, b ``covariance_blend``). The two scores are put on one scale per image by
+standardising each over the classes (z(s) = (s − mean) / std) and added: z(ridge) + w z(m). Each
+stage stores its classes' μ_c and S_c (weights file, one row per class) and its summed
+within-class scatter with its image and class counts (statistics file); the newest stage's
+weights hold the pooled S and (w, a, b). The precisions are computed when the head is built, so
+every class's P_c uses the newest S (``docs/benchmarks.md``: freezing them at their own stage lost
+the gain on Caltech-101).
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from torch import Tensor, nn
 
 from . import distributed
 from .config import RanpacConfig, RunConfig
+from .errors import IntegrityError
 from .methods.ranpac import TENSOR_PREFIX as PREFIX  # tensor names in a stage's weights file
 
 if TYPE_CHECKING:
@@ -77,6 +93,75 @@ def validation_mask(labels: Tensor, *, fraction: float, seed: int) -> Tensor:
         if n_val > 0:
             mask[idx[torch.from_numpy(rng.permutation(len(idx))[:n_val])]] = True
     return mask
+
+
+# ------------------------------------------------------------------------- class covariances
+
+COV_MEAN = f"{PREFIX}cov_mean"  # (n, d) per class of the stage
+COV_COVARIANCE = f"{PREFIX}cov_covariance"  # (n, d, d) per class of the stage
+COV_SHARED = f"{PREFIX}cov_shared"  # (d, d) pooled within-class covariance, newest stage
+COV_PARAMS = f"{PREFIX}cov_params"  # (3,) w, a, b, newest stage
+COV_SCATTER, COV_COUNTS = "cov_scatter", "cov_counts"  # statistics: (d, d) summed scatter, (2,) images, classes
+
+
+def covariance_input(features: Tensor) -> Tensor:
+    """x = f_0 / ‖f_0‖, (B, d), from (B, S, d) features."""
+    return F.normalize(features[:, 0], dim=-1)
+
+
+@dataclass(frozen=True)
+class ClassMoments:
+    """First and second moments of each class's x (sums over its images)."""
+
+    sums: Tensor  # (n, d)
+    outer: Tensor  # (n, d, d)
+    counts: Tensor  # (n,)
+
+    @classmethod
+    def of(cls, x: Tensor, labels: Tensor, num_classes: int) -> ClassMoments:
+        x = x.to(STAT_DTYPE)
+        y = F.one_hot(labels, num_classes).to(STAT_DTYPE)  # (N, n)
+        outer = torch.einsum("nc,nd,ne->cde", y, x, x)
+        return cls(y.T @ x, outer, y.sum(0))
+
+    def all_reduced(self) -> ClassMoments:
+        if distributed.world_size() == 1:
+            return self
+        return ClassMoments(*(distributed.all_reduce_sum(t) for t in (self.sums, self.outer, self.counts)))
+
+    def means(self) -> Tensor:
+        return self.sums / self.counts.clamp_min(1)[:, None]
+
+    def scatters(self) -> Tensor:
+        """(n, d, d) Σ (x − μ_c)(x − μ_c)ᵀ over each class's images."""
+        mean = self.means()
+        return self.outer - self.counts[:, None, None] * mean[:, :, None] * mean[:, None, :]
+
+    def covariances(self) -> Tensor:
+        return self.scatters() / (self.counts - 1).clamp_min(1)[:, None, None]
+
+
+def pooled_covariance(statistics: list[dict[str, Tensor]]) -> Tensor:
+    """S: the within-class scatter of every stage's statistics over (images − classes)."""
+    scatter = sum(s[COV_SCATTER].to(STAT_DTYPE) for s in statistics)
+    counts = sum(s[COV_COUNTS].to(STAT_DTYPE) for s in statistics)
+    return scatter / max(float(counts[0] - counts[1]), 1.0)
+
+
+def precisions(covariances: Tensor, shared: Tensor, *, shrink: float, blend: float) -> Tensor:
+    """P_c = shrink_a((1 − b) S_c + b S)⁻¹ for (C, d, d) class covariances, float64."""
+    cov = (1 - blend) * covariances.to(STAT_DTYPE) + blend * shared.to(STAT_DTYPE)
+    d = cov.shape[-1]
+    eye = torch.eye(d, dtype=STAT_DTYPE)
+    trace = cov.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
+    cov = (1 - shrink) * cov + (shrink * trace / d + 1e-8) * eye  # 1e-8: invertible when every image is equal
+    return torch.linalg.inv(cov)
+
+
+def standardise(scores: Tensor) -> Tensor:
+    """Each row over the classes to mean 0, std 1 (a row of equal scores to 0)."""
+    centred = scores - scores.mean(1, keepdim=True)
+    return centred / centred.pow(2).mean(1, keepdim=True).sqrt().clamp_min(1e-12)
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -205,27 +290,85 @@ def solve(stats: Statistics, lam: float) -> Tensor:
 
 
 class RanpacHead(nn.Module):
-    """Scores from the PTM subspace: ReLU(f_0 R) W, (B, S, d) -> (B, C)."""
+    """Scores from the PTM subspace, (B, S, d) -> (B, C): ReLU(f_0 R) W, or with class covariances
+    z(ReLU(f_0 R) W) + w z(m(x)) (module docstring)."""
 
-    def __init__(self, projection: Tensor, weight: Tensor):
+    def __init__(
+        self,
+        projection: Tensor,
+        weight: Tensor,
+        cov_mean: Tensor | None = None,
+        cov_precision: Tensor | None = None,
+        cov_weight: Tensor | None = None,
+    ):
         super().__init__()
         self.register_buffer("projection", projection.float().contiguous())  # (d, M)
         self.register_buffer("weight", weight.float().contiguous())  # (M, C)
+        parts = (cov_mean, cov_precision, cov_weight)
+        if any(p is not None for p in parts):
+            if any(p is None for p in parts):
+                raise ValueError("the class-covariance head needs cov_mean, cov_precision and cov_weight")
+            num_classes, width = weight.shape[1], cov_mean.shape[-1]
+            if (
+                tuple(cov_mean.shape) != (num_classes, width)
+                or tuple(cov_precision.shape) != (num_classes, width, width)
+                or cov_weight.numel() != 1
+            ):
+                raise ValueError(
+                    f"class-covariance tensors of shapes {tuple(cov_mean.shape)}, {tuple(cov_precision.shape)}, "
+                    f"{tuple(cov_weight.shape)} do not fit {num_classes} classes"
+                )
+            parts = tuple(p.float().contiguous() for p in (cov_mean, cov_precision, cov_weight.reshape(())))
+        self.register_buffer("cov_mean", parts[0])  # (C, d); None: plain ridge (RanPAC's)
+        self.register_buffer("cov_precision", parts[1])  # (C, d, d)
+        self.register_buffer("cov_weight", parts[2])  # () w
 
     def forward(self, features: Tensor) -> Tensor:
         # the head lives on the model's device and scores in fp32 (``IncrementalModel.scores``): no
         # per-batch copy, and no `.to(features)` that a traced graph would record with its device
         phi = F.relu(head_input(features, self.projection.shape[0]) @ self.projection)  # (B, M)
-        return phi @ self.weight
+        scores = phi @ self.weight
+        if self.cov_mean is None:
+            return scores
+        diff = covariance_input(features)[:, None, :] - self.cov_mean  # (B, C, d)
+        distance = (torch.einsum("bcd,cde->bce", diff, self.cov_precision) * diff).sum(-1)  # (B, C)
+        return standardise(scores) - self.cov_weight * standardise(distance)
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> RanpacHead:
-        return cls(state["projection"], state["weight"])
+        return cls(
+            state["projection"], state["weight"], state.get("cov_mean"), state.get("cov_precision"), state.get("cov_weight")
+        )
 
     @classmethod
     def from_stages(cls, stage_tensors: list[dict[str, Tensor]]) -> RanpacHead:
-        """R from stage 1's weights, W from the newest stage's."""
-        return cls(stage_tensors[0][f"{PREFIX}projection"], stage_tensors[-1][f"{PREFIX}weight"])
+        """R from stage 1's weights, W (and, with class covariances, S and w, a, b) from the newest
+        stage's, μ_c and S_c from each class's own stage."""
+        return cls.assemble(stage_tensors[0][f"{PREFIX}projection"], stage_tensors[-1], stage_tensors)
+
+    @classmethod
+    def assemble(cls, projection: Tensor, newest: dict[str, Tensor], stages: list[dict[str, Tensor]]) -> RanpacHead:
+        """The head from R, the newest stage's tensors and every stage's (for μ_c and S_c)."""
+        weight = newest[f"{PREFIX}weight"]
+        if COV_PARAMS not in newest:
+            return cls(projection, weight)
+        if any(COV_MEAN not in t or COV_COVARIANCE not in t for t in stages) or COV_SHARED not in newest:
+            raise ValueError("a stage lacks the class-covariance tensors its newest stage uses")
+        params = newest[COV_PARAMS]
+        if tuple(params.shape) != (3,):
+            raise ValueError(f"{COV_PARAMS} has shape {tuple(params.shape)}, expected (3,)")
+        cov_weight, shrink, blend = params.tolist()
+        covariances = torch.cat([t[COV_COVARIANCE] for t in stages])
+        shared = newest[COV_SHARED]
+        if covariances.dim() != 3 or tuple(shared.shape) != tuple(covariances.shape[1:]):
+            raise ValueError(f"{COV_SHARED} has shape {tuple(shared.shape)}, not one class covariance's")
+        return cls(
+            projection,
+            weight,
+            torch.cat([t[COV_MEAN] for t in stages]),
+            precisions(covariances, shared, shrink=shrink, blend=blend),
+            torch.tensor(cov_weight),
+        )
 
 
 from_state = RanpacHead.from_state
@@ -273,15 +416,36 @@ def fit_stage(
     phi = expand(head_input(features, projection.shape[0]).cpu(), projection)
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
     run, manifest = loaded.run, loaded.manifest
-    previous = [Statistics.from_tensors(run.stage_statistics(i, manifest)) for i in run.stage_indices(manifest)]
-    total = Statistics.accumulate([*previous, stage])
+    previous_files = [run.stage_statistics(i, manifest) for i in run.stage_indices(manifest)]
+    total = Statistics.accumulate([*map(Statistics.from_tensors, previous_files), stage])
     lambdas = lambda_grid(cfg)
     lam, errors = choose_lambda(total, lambdas)
     weight = solve(total, lam)
-    new_head = RanpacHead(projection, weight)
-    tensors = {f"{PREFIX}weight": new_head.weight}
+    tensors = {f"{PREFIX}weight": weight.float()}
     if head is None:
-        tensors[f"{PREFIX}projection"] = new_head.projection
+        tensors[f"{PREFIX}projection"] = projection.float()
+    statistics = stage.to_tensors()
+    if cfg.covariance_weight > 0:
+        if head is not None and head.cov_mean is None:
+            raise IntegrityError(
+                f"run {run.path} asks for class covariances (ranpac.covariance_weight) that its stages lack; "
+                "restore it from a backup"
+            )
+        moments = ClassMoments.of(covariance_input(features).cpu(), labels.cpu(), num_classes).all_reduced()
+        statistics[COV_SCATTER] = moments.scatters().sum(0).float()
+        statistics[COV_COUNTS] = torch.tensor([float(moments.counts.sum()), float(num_classes)], dtype=STAT_DTYPE)
+        shared = pooled_covariance([*previous_files, statistics])
+        tensors.update(
+            {
+                COV_MEAN: moments.means().float(),
+                COV_COVARIANCE: moments.covariances().float(),
+                COV_SHARED: shared.float(),
+                COV_PARAMS: torch.tensor([cfg.covariance_weight, cfg.covariance_shrink, cfg.covariance_blend]),
+            }
+        )
+    # μ_c and S_c of earlier stages' classes are in their weights files (forget edits them there)
+    earlier = [run.stage(i, manifest).tensors for i in run.stage_indices(manifest)] if COV_PARAMS in tensors else []
+    new_head = RanpacHead.assemble(projection, tensors, [*earlier, tensors])
     meta = {
         "lambda": lam,
         "validation_errors": dict(zip([f"{x:g}" for x in lambdas], errors)),
@@ -290,4 +454,4 @@ def fit_stage(
         "proj_dim": projection.shape[1],
         "seconds": round(time.perf_counter() - start, 3),
     }
-    return StageFit(new_head, tensors, stage.to_tensors(), meta, weight.numel())
+    return StageFit(new_head, tensors, statistics, meta, weight.numel())

@@ -19,6 +19,24 @@ from drlcli.backbone import PTMSource  # noqa: E402
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders, make_stages  # noqa: E402
 
 
+def rewrite_stage_weights(run: Path, index: int, change) -> None:
+    """Change a stage's weights with ``change(tensors)`` and its manifest entry consistently (a crafted run)."""
+    import json
+
+    from safetensors.torch import load, save
+
+    from drlcli.rundir import sha256_bytes
+
+    name = f"stages/{index:03d}/weights.safetensors"
+    tensors = load((run / name).read_bytes())
+    change(tensors)
+    data = save(tensors)
+    (run / name).write_bytes(data)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
 class Pairs(torch.utils.data.Dataset):
     """A map-style torch Dataset over a list of (image, label) pairs (the API's Dataset input)."""
 

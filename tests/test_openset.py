@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import rewrite_stage_weights
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from typer.testing import CliRunner
 
 from drlcli.cli import app
 from drlcli.config import OpenSetConfig
 from drlcli.openset import BIAS, auroc, calibrate, holdout_mask, known_scores, open_set_report
-from drlcli.rundir import sha256_bytes
 
 runner = CliRunner()
 
@@ -122,23 +121,11 @@ def test_unknown_data_holding_a_learned_class_is_refused(learned, stage_folders)
     assert result.exit_code == 3 and "has class(es) this run has learned" in _error(result)
 
 
-def _rewrite_weights(run: Path, index: int, change) -> None:
-    """Change a stage's weights and its manifest entry consistently (a crafted run)."""
-    name = f"stages/{index:03d}/weights.safetensors"
-    tensors = st_load((run / name).read_bytes())
-    change(tensors)
-    data = st_save(tensors)
-    (run / name).write_bytes(data)
-    manifest = json.loads((run / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    (run / "manifest.json").write_text(json.dumps(manifest))
-
-
 def test_crafted_biases_are_refused(learned, stage_folders, tmp_path):
     image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
     for bad in (torch.full((3,), 7.0), torch.zeros(2)):
         run = Path(shutil.copytree(learned, tmp_path / f"run{bad.numel()}"))
-        _rewrite_weights(run, 2, lambda t, bad=bad: t.update({BIAS: bad}))
+        rewrite_stage_weights(run, 2, lambda t, bad=bad: t.update({BIAS: bad}))
         result = runner.invoke(app, ["predict", image, "--run", str(run), "--json"])
         assert result.exit_code == 5, result.stdout
         assert "unknown_bias" in _error(result)
@@ -146,7 +133,7 @@ def test_crafted_biases_are_refused(learned, stage_folders, tmp_path):
 
 def test_a_run_from_before_calibration_never_answers_unknown(learned, stage_folders, tmp_path):
     run = Path(shutil.copytree(learned, tmp_path / "old"))
-    _rewrite_weights(run, 1, lambda t: t.pop(BIAS))
+    rewrite_stage_weights(run, 1, lambda t: t.pop(BIAS))
     image = str(sorted((stage_folders[2][1] / "class_06").iterdir())[0])
     line = json.loads(runner.invoke(app, ["predict", image, "--run", str(run), "--json"]).stdout)
     assert line["unknown"] is None and line["known_score"] is None and len(line["top"]) == 5

@@ -1,10 +1,12 @@
 """The RanPAC baseline: exact incremental ridge, λ from statistics, storage, and the run/export round trip."""
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rewrite_stage_weights
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -231,3 +233,93 @@ def test_cli_init_preset_paper_scores_with_prototypes(tmp_path, stage_folders):
         assert (run / "stages" / "001" / "statistics.safetensors").exists() == (name == "default")
     bad = runner.invoke(app, ["init", "--run", str(tmp_path / "x"), *args, "--preset", "fast"])
     assert bad.exit_code == 2 and "no preset 'fast'" in bad.stderr
+
+
+COV = {"ranpac": {"proj_dim": 64, "covariance_weight": 2.0}}
+
+
+@pytest.fixture(scope="module")
+def covariance_run(tmp_path_factory, stage_folders):
+    """ranpac with class covariances (drl's default head, on an untrained network): 2 stages."""
+    run = tmp_path_factory.mktemp("cov") / "run"
+    config = RunConfig.for_method("ranpac", COV)
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    first = (run / "stages" / "001" / "weights.safetensors").read_bytes()
+    learn_stage(run, data_dir=stage_folders[1][0], device="cpu")
+    assert (run / "stages" / "001" / "weights.safetensors").read_bytes() == first  # old stages unchanged
+    return run
+
+
+def _z(s):
+    s = s - s.mean(1, keepdim=True)
+    return s / s.pow(2).mean(1, keepdim=True).sqrt()
+
+
+def test_class_covariance_head_equals_the_batch_computation(covariance_run, stage_folders, tmp_path):
+    """z(ridge) + w z(−Mahalanobis): class means and covariances, and the covariance pooled over
+    both stages' classes, computed from every training image at once (float64)."""
+    model = load_run(covariance_run, device="cpu").model
+    head = model.head
+    feats, labels = [], []
+    for k, (train, _) in enumerate(stage_folders[:2]):
+        f, y = embed_images(model.network, scan_class_folders(train), model.data_config, batch_size=64)
+        feats.append(f[:, 0].double())
+        labels.append(y + 3 * k)
+    x, y = F.normalize(torch.cat(feats), dim=-1), torch.cat(labels)
+    means = torch.stack([x[y == c].mean(0) for c in range(6)])
+    scatters = torch.stack([(x[y == c] - means[c]).T @ (x[y == c] - means[c]) for c in range(6)])
+    counts = torch.bincount(y).double()
+    pooled = scatters.sum(0) / (len(y) - 6)
+    d = x.shape[1]
+    precisions = []
+    for c in range(6):
+        cov = 0.2 * scatters[c] / (counts[c] - 1) + 0.8 * pooled
+        cov = 0.7 * cov + 0.3 * torch.trace(cov) / d * torch.eye(d, dtype=torch.float64)
+        precisions.append(torch.linalg.inv(cov))
+    assert torch.allclose(head.cov_mean.double(), means, atol=1e-5)
+    want = torch.stack(precisions)  # stored in float32: compare at its resolution times the conditioning
+    assert torch.allclose(head.cov_precision.double(), want, rtol=1e-3, atol=1e-4 * float(want.abs().max()))
+    images = scan_class_folders(stage_folders[1][1])
+    batch = torch.stack([eval_transform(model.data_config)(Image.open(p).convert("RGB")) for p in images.paths[:6]])
+    with torch.no_grad():
+        features = model.network(batch)
+        got = model.scores(features)
+    q = F.normalize(features[:, 0].double(), dim=-1)
+    distance = torch.stack([((q - means[c]) @ precisions[c] * (q - means[c])).sum(1) for c in range(6)], 1)
+    ridge = expand(features[:, 0], head.projection.double()) @ head.weight.double()
+    assert torch.allclose(got.double(), _z(ridge) - 2.0 * _z(distance), atol=1e-3)
+    # every export scores like the run
+    export_run(covariance_run, tmp_path / "m.drl")
+    with torch.no_grad():
+        assert torch.allclose(load_export(tmp_path / "m.drl").score_images(batch), model.score_images(batch), atol=1e-5)
+    assert export_run(covariance_run, tmp_path / "m.pt", fmt="torchscript").check_max_abs_diff <= 1e-3
+
+
+def test_drl_defaults_to_class_covariances_and_ranpac_stays_ranpac():
+    assert RunConfig.for_method("drl").ranpac.covariance_weight == 4.0
+    assert RunConfig.for_method("drl").score.head == "ridge"
+    assert RunConfig.for_method("ranpac").ranpac.covariance_weight == 0.0  # the baseline as published
+    assert RunConfig.for_method("drl", preset="paper").score.head == "prototypes"
+    with pytest.raises(UsageError, match="covariance_weight"):
+        RunConfig.for_method("drl", {"ranpac": {"covariance_weight": -1}})
+    with pytest.raises(UsageError, match="covariance_shrink"):
+        RunConfig.for_method("drl", {"ranpac": {"covariance_shrink": 1.5}})
+
+
+@pytest.mark.parametrize(
+    "craft",
+    [
+        lambda t: t.update({"ranpac.cov_params": torch.ones(2)}),
+        lambda t: t.update({"ranpac.cov_shared": torch.ones(3, 3)}),
+        lambda t: t.update({"ranpac.cov_covariance": torch.zeros(3, 5, 5)}),
+        lambda t: t.pop("ranpac.cov_shared"),
+    ],
+)
+def test_crafted_class_covariances_are_refused(covariance_run, stage_folders, tmp_path, craft):
+    run = shutil.copytree(covariance_run, tmp_path / "run")
+    rewrite_stage_weights(run, 2, craft)
+    image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
+    result = CliRunner().invoke(app, ["predict", image, "--run", str(run), "--json"])
+    assert result.exit_code == 5, result.stdout
+    assert "stage 2 of run" in result.stderr and "restore it from a backup" in result.stderr

@@ -30,6 +30,6 @@ METHOD = Method(
     trains=True,
     offset=1,
     tensor_prefix="ipa.",
-    defaults={"score": {"head": "ridge"}},
+    defaults={"score": {"head": "ridge"}, "ranpac": {"covariance_weight": 4.0}},
     presets={"paper": {"score": {"head": "prototypes"}}},  # the paper's §III-D scoring, SPEC §2.3
 )
