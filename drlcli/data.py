@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
@@ -224,7 +225,28 @@ def load_rgb(path: Path, *, max_side: int = MAX_DECODE_SIDE) -> Image.Image:
         image.draft("RGB", (max_side, max_side))  # JPEG: decode at a reduced scale, never below max_side
         if max(image.size) > max_side:
             image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)  # in the file's own mode
-        return image.convert("RGB")
+        return eight_bit(image).convert("RGB")
+
+
+_WIDE_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})  # one channel, more than 8 bits
+
+
+def eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit, 32-bit integer or floating-point image as 8-bit grey, scaled rather than clipped
+    (PIL's own conversion clips at 255, which turns a 16-bit photo white and a [0, 1] float image
+    black): integers by their full 16-bit scale (or their maximum beyond it), floats in [0, 1] by
+    255 and other floats by their range. Other modes are returned as they are."""
+    if image.mode not in _WIDE_MODES:
+        return image
+    x = np.asarray(image, dtype=np.float64)
+    if image.mode == "F":
+        x = np.where(np.isfinite(x), x, 0.0)
+        low, high = float(x.min()), float(x.max())
+        if low < 0 or high > 1:
+            x = (x - low) / (high - low) if high > low else np.zeros_like(x)
+    else:
+        x = np.clip(x, 0, None) / max(65535.0, float(x.max()))
+    return Image.fromarray(np.round(x * 255).astype(np.uint8), mode="L")
 
 
 def to_rgb(image: Any, *, max_side: int = MAX_DECODE_SIDE) -> Image.Image:
@@ -241,7 +263,7 @@ def to_rgb(image: Any, *, max_side: int = MAX_DECODE_SIDE) -> Image.Image:
     if max(image.size) > max_side:
         image = image.copy()  # thumbnail works in place: the caller's image stays as it was
         image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
-    return image.convert("RGB")
+    return eight_bit(image).convert("RGB")
 
 
 _TENSOR_MODES = {1: "L", 3: "RGB", 4: "RGBA"}

@@ -14,6 +14,7 @@ from drlcli.data import (
     image_extensions,
     load_rgb,
     scan_class_folders,
+    to_rgb,
     train_transform,
     validate_images,
 )
@@ -101,6 +102,24 @@ def test_every_format_pillow_reads_is_an_image(tmp_path):
     assert {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".gif"} <= image_extensions()
     assert not {".txt", ".csv", ".json", ".pdf"} & image_extensions()  # .pdf: Pillow writes it, cannot read it
     assert [p.name for p in expand_sources([str(tmp_path / "d")])] == names  # predict lists them too
+
+
+@pytest.mark.parametrize(
+    ("suffix", "pixels", "grey"),
+    [
+        (".png", np.array([[0, 257 * 128, 65535]], dtype=np.uint16), [0, 128, 255]),  # 16-bit: by 65535
+        (".tif", np.array([[0, 257 * 128, 65535]], dtype=np.uint16), [0, 128, 255]),
+        (".tif", np.array([[0.0, 0.5, 1.0]], dtype=np.float32), [0, 128, 255]),  # float in [0, 1]: by 255
+        (".tif", np.array([[-2.0, 0.0, 2.0]], dtype=np.float32), [0, 128, 255]),  # other floats: by range
+    ],
+)
+def test_wide_images_are_scaled_to_8_bits_not_clipped(tmp_path, suffix, pixels, grey):
+    """PIL's own RGB conversion clips at 255: a 16-bit photo turned white, a [0, 1] float one black."""
+    path = tmp_path / f"wide{suffix}"
+    Image.fromarray(np.repeat(pixels, 2, axis=0)).save(path)
+    for image in (load_rgb(path), to_rgb(Image.open(path))):
+        rgb = np.asarray(image)
+        assert image.mode == "RGB" and rgb[0, :, 0].tolist() == grey and (rgb[..., 0] == rgb[..., 2]).all()
 
 
 def test_a_file_named_as_an_image_that_is_not_one_is_refused(make_folder):
