@@ -121,7 +121,10 @@ class ClassMoments:
     def of(cls, x: Tensor, labels: Tensor, num_classes: int) -> ClassMoments:
         x = x.to(STAT_DTYPE)
         y = F.one_hot(labels, num_classes).to(STAT_DTYPE)  # (N, n)
-        outer = torch.einsum("nc,nd,ne->cde", y, x, x)
+        outer = torch.zeros(num_classes, x.shape[1], x.shape[1], dtype=STAT_DTYPE)
+        for c in range(num_classes):  # one class at a time: memory d², whatever the stage's size
+            xc = x[labels == c]
+            outer[c] = xc.T @ xc
         return cls(y.T @ x, outer, y.sum(0))
 
     def all_reduced(self) -> ClassMoments:

@@ -130,6 +130,7 @@ def main():
     ap.add_argument("--qshrink", type=float, default=0.3)
     ap.add_argument("--qblend", type=float, default=0.8)
     ap.add_argument("--qfreeze", type=int, default=0)
+    ap.add_argument("--max-train", type=int, default=0, help="fit on at most this many images per class (0: all)")
     ap.add_argument("--lamstep", type=float, default=1.0, help="λ grid step in decades")
     a = ap.parse_args()
     torch.set_num_threads(int(__import__("os").environ.get("THREADS", "2")))
@@ -156,6 +157,9 @@ def main():
                 evalsets["testfull"] = (np.concatenate([Xc, parts["testrest"][0][:, pick(cols)]]),
                                         pos[np.concatenate([yc, parts["testrest"][1]])],
                                         np.concatenate([parts["testcap"][0][:, qc], parts["testrest"][0][:, qc]]))
+        if a.max_train:
+            seen_per = {}
+            fit = np.array([i for i in fit if seen_per.setdefault(ytr[i], []).append(i) or len(seen_per[ytr[i]]) <= a.max_train])
         yf = pos[ytr[fit]]
         head = AugRidge(Xtr.shape[1], a.M)
         head.step = a.lamstep
@@ -181,10 +185,10 @@ def main():
                     rec[(k, w)]["groups"].append([100.0 * ok[g == j].mean() for j in range(t + 1)])
         res = {(k if w is None else f"{k}+q{w:g}"): metrics(r["groups"], r["accs"]) for (k, w), r in rec.items()}
         msg = " ".join(f"{k}:{r['Abar']:.2f}/{r['AT']:.2f}/F{r['forgetting']:.2f}" for k, r in res.items())
-        print(f"{a.data} {a.split} {seed} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
+        print(f"{a.data} {a.split} {seed} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''} max_train={a.max_train} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
               f"lams={[f'{l:.0e}' for l in head.lams]}", flush=True)
         with open(HERE / "results" / f"{a.data}_{a.split}_aug.jsonl", "a") as f:
-            f.write(json.dumps({"seed": seed, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
+            f.write(json.dumps({"seed": seed, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
                                 "results": res, "lams": head.lams}) + "\n")
 
 

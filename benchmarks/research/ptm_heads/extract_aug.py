@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from extract import CHUNK, HERE, PTM, WEIGHTS, lists
 from PIL import ImageOps
 
 from drlcli import backbone
 from drlcli.backbone import PTMSource
 from drlcli.data import eval_transform, load_rgb, train_transform
-from extract import CHUNK, HERE, PTM, WEIGHTS, lists
 
 
 def main():
