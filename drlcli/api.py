@@ -308,10 +308,21 @@ def _run_tensors(
     if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
         try:
             state = head.from_stages([stage.tensors for stage in stages]).state_dict()
+            _check_head_width(state, width)
         except (RuntimeError, KeyError, ValueError) as exc:  # a crafted or damaged head tensor
             raise _stage_error(run, stages[-1].index, exc) from exc
         tensors.update({restore.HEAD + k: v for k, v in state.items()})
     return tensors
+
+
+def _check_head_width(state: dict[str, torch.Tensor], width: int) -> None:
+    """The analytic head reads one or two subspaces of the network's width: ValueError otherwise."""
+    rows = state["projection"].shape[0] if state["projection"].dim() == 2 else -1
+    if rows not in (width, 2 * width):
+        raise ValueError(f"the head's projection has {rows} input rows, not {width} or {2 * width}")
+    mean = state.get("cov_mean")
+    if mean is not None and mean.shape[-1] != width:
+        raise ValueError(f"the class covariances have width {mean.shape[-1]}, not the network's {width}")
 
 
 def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], RunConfig]:

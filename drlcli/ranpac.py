@@ -119,10 +119,12 @@ class ClassMoments:
 
     @classmethod
     def of(cls, x: Tensor, labels: Tensor, num_classes: int) -> ClassMoments:
+        """The sums over a stage's images: (n, d, d) float64 for the outer products, filled one
+        class at a time (no (N, n, d) intermediate)."""
         x = x.to(STAT_DTYPE)
         y = F.one_hot(labels, num_classes).to(STAT_DTYPE)  # (N, n)
         outer = torch.zeros(num_classes, x.shape[1], x.shape[1], dtype=STAT_DTYPE)
-        for c in range(num_classes):  # one class at a time: memory d², whatever the stage's size
+        for c in range(num_classes):
             xc = x[labels == c]
             outer[c] = xc.T @ xc
         return cls(y.T @ x, outer, y.sum(0))
@@ -136,12 +138,12 @@ class ClassMoments:
         return self.sums / self.counts.clamp_min(1)[:, None]
 
     def scatters(self) -> Tensor:
-        """(n, d, d) Σ (x − μ_c)(x − μ_c)ᵀ over each class's images."""
+        """(n, d, d) Σ (x − μ_c)(x − μ_c)ᵀ over each class's images, float64."""
         mean = self.means()
-        return self.outer - self.counts[:, None, None] * mean[:, :, None] * mean[:, None, :]
-
-    def covariances(self) -> Tensor:
-        return self.scatters() / (self.counts - 1).clamp_min(1)[:, None, None]
+        out = self.outer.clone()
+        for c in range(len(out)):  # in place, class by class: one (n, d, d) copy in all
+            out[c] -= self.counts[c] * torch.outer(mean[c], mean[c])
+        return out
 
 
 def pooled_covariance(statistics: list[dict[str, Tensor]]) -> Tensor:
@@ -152,13 +154,24 @@ def pooled_covariance(statistics: list[dict[str, Tensor]]) -> Tensor:
 
 
 def precisions(covariances: Tensor, shared: Tensor, *, shrink: float, blend: float) -> Tensor:
-    """P_c = shrink_a((1 − b) S_c + b S)⁻¹ for (C, d, d) class covariances, float64."""
-    cov = (1 - blend) * covariances.to(STAT_DTYPE) + blend * shared.to(STAT_DTYPE)
-    d = cov.shape[-1]
+    """P_c = shrink_a((1 − b) S_c + b S)⁻¹ for (C, d, d) class covariances, float32 (C, d, d).
+
+    One class at a time, by Cholesky: memory stays at a few d × d, and batched LU inverses are not
+    used (on CPU with several threads MKL's batched getrf fails or hangs, pytorch#141358). A
+    matrix that is not positive definite (only a crafted or damaged file gives one) is a
+    ValueError."""
+    d = covariances.shape[-1]
     eye = torch.eye(d, dtype=STAT_DTYPE)
-    trace = cov.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
-    cov = (1 - shrink) * cov + (shrink * trace / d + 1e-8) * eye  # 1e-8: invertible when every image is equal
-    return torch.linalg.inv(cov)
+    shared = blend * shared.to(STAT_DTYPE)
+    out = torch.empty(covariances.shape, dtype=torch.float32)
+    for c in range(covariances.shape[0]):
+        cov = (1 - blend) * covariances[c].to(STAT_DTYPE) + shared
+        cov = (1 - shrink) * cov + (shrink * torch.trace(cov) / d + 1e-8) * eye  # 1e-8: all images equal
+        factor, info = torch.linalg.cholesky_ex(cov)
+        if int(info) != 0:
+            raise ValueError(f"class {c}'s blended covariance is not positive definite")
+        out[c] = torch.cholesky_inverse(factor).float()
+    return out
 
 
 def standardise(scores: Tensor) -> Tensor:
@@ -361,6 +374,8 @@ class RanpacHead(nn.Module):
         if tuple(params.shape) != (3,):
             raise ValueError(f"{COV_PARAMS} has shape {tuple(params.shape)}, expected (3,)")
         cov_weight, shrink, blend = params.tolist()
+        if not (0 <= cov_weight <= 100 and 0 <= shrink <= 1 and 0 <= blend <= 1):
+            raise ValueError(f"{COV_PARAMS} {params.tolist()} is outside w [0, 100], a and b [0, 1]")
         covariances = torch.cat([t[COV_COVARIANCE] for t in stages])
         shared = newest[COV_SHARED]
         if covariances.dim() != 3 or tuple(shared.shape) != tuple(covariances.shape[1:]):
@@ -435,13 +450,15 @@ def fit_stage(
                 "restore it from a backup"
             )
         moments = ClassMoments.of(covariance_input(features).cpu(), labels.cpu(), num_classes).all_reduced()
-        statistics[COV_SCATTER] = moments.scatters().sum(0).float()
+        scatters = moments.scatters()
+        statistics[COV_SCATTER] = scatters.sum(0).float()
         statistics[COV_COUNTS] = torch.tensor([float(moments.counts.sum()), float(num_classes)], dtype=STAT_DTYPE)
         shared = pooled_covariance([*previous_files, statistics])
+        scatters /= (moments.counts - 1).clamp_min(1)[:, None, None]  # the class covariances, in place
         tensors.update(
             {
                 COV_MEAN: moments.means().float(),
-                COV_COVARIANCE: moments.covariances().float(),
+                COV_COVARIANCE: scatters.float(),
                 COV_SHARED: shared.float(),
                 COV_PARAMS: torch.tensor([cfg.covariance_weight, cfg.covariance_shrink, cfg.covariance_blend]),
             }

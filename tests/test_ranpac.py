@@ -296,6 +296,42 @@ def test_class_covariance_head_equals_the_batch_computation(covariance_run, stag
     assert export_run(covariance_run, tmp_path / "m.pt", fmt="torchscript").check_max_abs_diff <= 1e-3
 
 
+def test_class_covariance_width_must_be_the_networks(covariance_run, stage_folders, tmp_path):
+    run = shutil.copytree(covariance_run, tmp_path / "run")
+
+    def narrow(t):  # every class-covariance tensor cut to width 5, consistently
+        t["ranpac.cov_mean"] = t["ranpac.cov_mean"][:, :5].contiguous()
+        t["ranpac.cov_covariance"] = t["ranpac.cov_covariance"][:, :5, :5].contiguous()
+        if "ranpac.cov_shared" in t:
+            t["ranpac.cov_shared"] = t["ranpac.cov_shared"][:5, :5].contiguous()
+
+    for index in (1, 2):
+        rewrite_stage_weights(run, index, narrow)
+    image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
+    result = CliRunner().invoke(app, ["predict", image, "--run", str(run), "--json"])
+    assert result.exit_code == 5 and "not the network's 64" in result.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_precisions_of_real_widths_under_several_threads(threads):
+    """d 192 and 768 (DeiT-Tiny, ViT-B): batched LU inverses fail or hang under several MKL threads."""
+    from drlcli.ranpac import precisions
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for d in (192, 768):
+            x = torch.randn(4, 40, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64)
+            cov = torch.einsum("cnd,cne->cde", x, x) / 39
+            got = precisions(cov, cov.mean(0), shrink=0.3, blend=0.8)
+            blended = 0.7 * (0.2 * cov[0] + 0.8 * cov.mean(0))
+            blended += (0.3 * torch.trace(0.2 * cov[0] + 0.8 * cov.mean(0)) / d + 1e-8) * torch.eye(d, dtype=torch.float64)
+            eye = torch.eye(d, dtype=torch.float64)
+            assert torch.allclose(got[0].double() @ blended, eye, atol=1e-3)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_drl_defaults_to_class_covariances_and_ranpac_stays_ranpac():
     assert RunConfig.for_method("drl").ranpac.covariance_weight == 4.0
     assert RunConfig.for_method("drl").score.head == "ridge"
@@ -314,6 +350,8 @@ def test_drl_defaults_to_class_covariances_and_ranpac_stays_ranpac():
         lambda t: t.update({"ranpac.cov_shared": torch.ones(3, 3)}),
         lambda t: t.update({"ranpac.cov_covariance": torch.zeros(3, 5, 5)}),
         lambda t: t.pop("ranpac.cov_shared"),
+        lambda t: t.update({"ranpac.cov_params": torch.tensor([3e38, 0.3, 0.8])}),  # finite, out of range
+        lambda t: t.update({"ranpac.cov_shared": -torch.eye(64)}),  # blended: not positive definite
     ],
 )
 def test_crafted_class_covariances_are_refused(covariance_run, stage_folders, tmp_path, craft):
