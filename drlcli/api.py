@@ -188,6 +188,7 @@ class LoadedRun:
     model: IncrementalModel
     stage_metas: list[dict[str, Any]]
     forgotten: forget.ForgetLog = field(default_factory=forget.ForgetLog)  # classes out of the answers
+    stage_tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each stage's weights file
 
 
 def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, ptm_weights: Path | None):
@@ -254,7 +255,7 @@ def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | N
         model.device,
         time.perf_counter() - start,
     )
-    return LoadedRun(run, manifest, record, config, model, metas, forgotten)
+    return LoadedRun(run, manifest, record, config, model, metas, forgotten, [stage.tensors for stage in stages])
 
 
 def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:

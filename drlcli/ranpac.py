@@ -463,8 +463,8 @@ def fit_stage(
                 COV_PARAMS: torch.tensor([cfg.covariance_weight, cfg.covariance_shrink, cfg.covariance_blend]),
             }
         )
-    # μ_c and S_c of earlier stages' classes are in their weights files (forget edits them there)
-    earlier = [run.stage(i, manifest).tensors for i in run.stage_indices(manifest)] if COV_PARAMS in tensors else []
+    # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits them there)
+    earlier = loaded.stage_tensors if COV_PARAMS in tensors else []
     new_head = RanpacHead.assemble(projection, tensors, [*earlier, tensors])
     meta = {
         "lambda": lam,
