@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import torch
-from ptmheads import HERE, Gaussian, class_order, load_feats, metrics, val_split
+from ptmheads import HERE, Gaussian, Ridge, class_order, load_feats, metrics, val_split
 
 COLS = {"c7": slice(0, 192), "c11": slice(192, 384)}
 
@@ -22,18 +22,19 @@ def ml_cols(tokens):
     return np.concatenate([np.arange(384 * int(t[1:]), 384 * int(t[1:]) + 192) for t in tokens])
 
 
-class AugRidge:
+class AugRidge(Ridge):
+    """ptmheads.Ridge (RanPAC-style, λ by the held-out split, local search) whose ``add`` takes several
+    views of the same images; every view goes to its source image's side of the split."""
+
     def __init__(self, d, M=3000, seed=0):
+        super().__init__(M=M, seed=seed)
         g = torch.Generator().manual_seed(seed)
         self.R = torch.randn(d, M, generator=g, dtype=torch.float32).double()
         self.G = torch.zeros(M, M, dtype=torch.float64)
         self.GB = torch.zeros_like(self.G)
         self.Q = torch.zeros(M, 0, dtype=torch.float64)
         self.QB = torch.zeros_like(self.Q)
-        self.nB, self.lams, self.W, self.seed, self.step = 0.0, [], None, seed, 1.0
-
-    def phi(self, X):
-        return torch.relu(torch.from_numpy(X).double() @ self.R)
+        self.nB, self.step = 0.0, 1.0
 
     def add(self, views, weights, y):
         M, C = self.R.shape[1], int(y.max()) + 1
@@ -48,40 +49,15 @@ class AugRidge:
         Y = torch.zeros(len(y), C, dtype=torch.float64)
         Y[torch.arange(len(y)), torch.from_numpy(y)] = 1
         for X, w in zip(views, weights):
-            P = self.phi(X)
+            P = self._phi(X)
             self.G += w * P.T @ P
             self.Q += w * P.T @ Y
             self.GB += w * P[mB].T @ P[mB]
             self.QB += w * P[mB].T @ Y[mB]
             self.nB += w * float(mB.sum())
-        lam = self.select(self.G - self.GB, self.Q - self.QB, self.GB, self.QB, self.nB)
+        lam = self._select(self.G - self.GB, self.Q - self.QB, self.GB, self.QB, self.nB)
         self.lams.append(lam)
-        self.W = self.solve(self.G, self.Q, lam)
-
-    @staticmethod
-    def solve(G, Q, lam):
-        L, info = torch.linalg.cholesky_ex(G + lam * torch.eye(G.shape[0], dtype=G.dtype))
-        return None if int(info) else torch.cholesky_solve(Q, L)
-
-    def select(self, GA, QA, GB, QB, nB):
-        def mse(e):
-            W = self.solve(GA, QA, 10.0**e)
-            return float("inf") if W is None else float(nB - 2 * (W * QB).sum() + (W * (GB @ W)).sum())
-
-        st = self.step
-        e = round(math.log10(self.lams[-1]) / st) * st if self.lams else 3
-        cache = {}
-        while True:
-            cand = [x for x in (e - st, e, e + st) if -8 <= x <= 8]
-            for x in cand:
-                cache.setdefault(x, mse(x))
-            nxt = min(cand, key=cache.get)
-            if nxt == e:
-                return 10.0**e
-            e = nxt
-
-    def scores(self, X):
-        return (self.phi(X) @ self.W).numpy()
+        self.W = self._solve(self.G, self.Q, lam)
 
 
 class FrozenQDA(Gaussian):

@@ -311,9 +311,10 @@ class Ridge:
         if self.search == "full":
             best = min(range(-8, 9), key=f)
         else:
-            e = int(round(math.log10(self.lams[-1]))) if self.lams else 3
+            st = getattr(self, "step", 1)  # grid step in decades (aug_eval.py --lamstep)
+            e = round(math.log10(self.lams[-1]) / st) * st if self.lams else 3
             while True:
-                cand = [x for x in (e - 1, e, e + 1) if -8 <= x <= 8]
+                cand = [x for x in (e - st, e, e + st) if -8 <= x <= 8]
                 nxt = min(cand, key=f)
                 if nxt == e:
                     break
