@@ -6,8 +6,11 @@
 
 Random weights of real architectures (timm, no download). Every case is timed in the same process,
 interleaved round by round with the bare forward, and reported as median time / median bare time:
-- inference: ``drl`` with T stages (one pass, prototype scoring included) and ``ease`` with T stages
-  (one ViT pass per stage), against ``ptm.forward_features`` under ``torch.inference_mode``;
+- inference: ``drl`` with T stages scored as the paper does (``--preset paper``: one pass over
+  every subspace, prototype scoring included), the default ``drl`` with T stages (``drl_default``:
+  the ridge + class-covariance head, which reads f_0 alone, so no stage stream is computed; the
+  head's M 3000 projection and C·d² Mahalanobis work included) and ``ease`` with T stages (one ViT
+  pass per stage), against ``ptm.forward_features`` under ``torch.inference_mode``;
 - one training step of a new stage (forward, loss, backward, SGD step; the real ``train.py`` step)
   at stage 1 and stage 10, against one bare frozen forward (``torch.no_grad``) of the same batch;
 - peak memory of each case (CPU: the rise of the process's peak RSS, each case in a fresh process;
@@ -39,6 +42,7 @@ import torch
 from drlcli.config import RunConfig, ScoreConfig
 from drlcli.methods import METHODS
 from drlcli.model import IncrementalModel
+from drlcli.ranpac import RanpacHead
 from drlcli.train import CosineClassifier, _StageStep
 
 CLASSES_PER_STAGE = 10
@@ -74,6 +78,24 @@ def classifier_model(method: str, network: torch.nn.Module) -> IncrementalModel:
         protos[c, offset + int(class_stage[c]) :] = 0
     model = IncrementalModel(network, [str(c) for c in range(num_classes)], class_stage, protos, ScoreConfig(), {})
     model.offset = offset
+    return model
+
+
+def with_default_head(model: IncrementalModel) -> IncrementalModel:
+    """``model`` scored as the default ``drl`` scores: ridge on ReLU(f_0 R) (M from the config) plus
+    class covariances, random tensors of the real shapes."""
+    cfg = RunConfig.for_method("drl").ranpac
+    g = torch.Generator().manual_seed(1)
+    d, num_classes = model.network.width, len(model.class_names)
+    proj_dim = cfg.resolved_proj_dim(d)
+    a = torch.randn(num_classes, d, d, generator=g) / d**0.5
+    model.head = RanpacHead(
+        torch.randn(d, proj_dim, generator=g),
+        torch.randn(proj_dim, num_classes, generator=g),
+        torch.randn(num_classes, d, generator=g),
+        a @ a.transpose(1, 2) + torch.eye(d),
+        torch.tensor(cfg.covariance_weight),
+    ).to(next(model.network.parameters()).device)
     return model
 
 
@@ -172,12 +194,12 @@ def cases_for(arch: str, args, device: torch.device, which: str | None = None) -
                 ptm.forward_features(images)
 
         cases["bare_no_grad"] = bare_no_grad
-    for method, stage_counts in (("drl", args.stages), ("ease", args.ease_stages)):
-        for t in stage_counts:
-            if want(f"{method}_T{t}"):
-                cases[f"{method}_T{t}"] = inference_case(
-                    classifier_model(method, build_network(method, ptm, t)), images
-                )
+    inference = [(f"{m}_T{t}", m, t, False) for m, counts in (("drl", args.stages), ("ease", args.ease_stages)) for t in counts]
+    inference += [(f"drl_default_T{t}", "drl", t, True) for t in args.default_stages]
+    for name, method, t, default_head in inference:
+        if want(name):
+            model = classifier_model(method, build_network(method, ptm, t))
+            cases[name] = inference_case(with_default_head(model) if default_head else model, images)
     for s in args.train_stages:
         for method in ("drl", "ease"):
             if want(f"train_{method}_s{s}") and (method == "drl" or s in args.ease_train_stages):
@@ -279,6 +301,7 @@ def main() -> None:
     parser.add_argument("--archs", default="vit_base_patch16_224,deit_tiny_patch16_224")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--stages", default="1,5,10,20", help="drl inference stage counts")
+    parser.add_argument("--default-stages", default="10,20", help="default drl (ridge + covariance head) stage counts")
     parser.add_argument("--ease-stages", default="10", help="ease inference stage counts")
     parser.add_argument("--train-stages", default="1,10")
     parser.add_argument("--ease-train-stages", default="10")
@@ -297,6 +320,7 @@ def main() -> None:
     args = parser.parse_args()
     args.stages = [int(t) for t in args.stages.split(",") if t]
     args.ease_stages = [int(t) for t in args.ease_stages.split(",") if t]
+    args.default_stages = [int(t) for t in args.default_stages.split(",") if t]
     args.train_stages = [int(t) for t in args.train_stages.split(",") if t]
     args.ease_train_stages = [int(t) for t in args.ease_train_stages.split(",") if t]
     if args.threads:

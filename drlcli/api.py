@@ -462,6 +462,7 @@ def predict_sets(
             precision=precision,
             indices=distributed.shard(len(item.images)),
             progress=report_step,
+            stages=model.stages_scored,
         )
         scores = model.scores(feats)
         predictions.append(scores.topk(min(TOP_K, scores.shape[1]), dim=1).indices.cpu())

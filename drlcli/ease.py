@@ -70,11 +70,12 @@ class EaseNetwork(nn.Module):
         self.stages.append(stage)
         return stage
 
-    def forward(self, images: Tensor) -> Tensor:
-        """Every stage's subspace, (B, S, d); S full ViT passes."""
-        if not self.stages:
+    def forward(self, images: Tensor, stages: int | None = None) -> Tensor:
+        """Every stage's subspace, (B, S, d); S full ViT passes (only the first ``stages`` when given)."""
+        run = list(self.stages)[:stages]
+        if not run:
             return images.new_zeros(images.shape[0], 0, self.width)
-        return torch.stack([self._run(images, stage) for stage in self.stages], dim=1)
+        return torch.stack([self._run(images, stage) for stage in run], dim=1)
 
     def forward_train(self, images: Tensor) -> tuple[None, Tensor]:
         """(None, f_S): the newest stage's feature with gradients (no PTM stream to distil from)."""

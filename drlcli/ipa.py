@@ -123,22 +123,27 @@ class IPANetwork(nn.Module):
         self.stages.append(stage)
         return stage
 
-    def forward(self, images: Tensor) -> Tensor:
-        """Every subspace in one pass: (B, 1+S, d) = [f_0, f_1, ..., f_S]."""
-        return self._run(images, train_last=False)
+    def forward(self, images: Tensor, stages: int | None = None) -> Tensor:
+        """Every subspace in one pass: (B, 1+S, d) = [f_0, f_1, ..., f_S]; with ``stages`` k only the
+        leading ones, (B, 1+k, d): later stages' streams are not computed (a head that reads f_0
+        alone costs one bare PTM pass). A subspace never depends on later stages, so these equal
+        the leading columns of the full output."""
+        return self._run(images, train_last=False, keep=stages)
 
     def forward_train(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """(f_0, f_S) for training the newest stage; only f_S's stream carries gradients."""
         feats = self._run(images, train_last=True)
         return feats[:, 0], feats[:, -1]
 
-    def _run(self, images: Tensor, *, train_last: bool) -> Tensor:
+    def _run(self, images: Tensor, *, train_last: bool, keep: int | None = None) -> Tensor:
         frozen = list(self.stages[:-1] if train_last else self.stages)
+        if keep is not None:
+            frozen = frozen[:keep]
         trainable = self.stages[-1] if train_last else None
         blocks = self.ptm.blocks
         with torch.no_grad():
             x0 = backbone.embed_tokens(self.ptm, images)  # (B, N, d): f^0 of every stream
-            old = self._frozen_stack(frozen)
+            old = self._frozen_stack(frozen) if frozen else {}
         new_params = _stack([trainable], self.num_heads) if trainable is not None else None
         streams: Tensor | None = x0 if frozen else None  # (B, N, d) while every stream equals f^0
         new: Tensor | None = x0 if trainable is not None else None

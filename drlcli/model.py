@@ -94,9 +94,22 @@ class IncrementalModel:
                 return concat_scores(features, bank)
             return weighted_scores(features, bank, weights)
 
+    @property
+    def stages_scored(self) -> int | None:
+        """How many stage subspaces scoring reads: an analytic head's own count (the default ``drl``
+        head and ``ranpac`` read f_0 alone: 0); None for prototype scoring, which reads them all.
+        The open-set score reads f_0 only. Inference computes no subspace beyond these."""
+        if self.head is None:
+            return None
+        return self.head.stages_read(self.network.width)
+
+    def features(self, images: Tensor) -> Tensor:
+        """The subspace features scoring reads, (B, S', d), of a preprocessed batch: one network pass."""
+        return self.network(images, self.stages_scored)
+
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
-        return self.scores(self.network(images))
+        return self.scores(self.features(images))
 
     def known(self, features: Tensor) -> Tensor | None:
         """known(x) (B,) of ``openset.py`` for subspace features (B, S, d); None when uncalibrated."""
@@ -120,7 +133,7 @@ class IncrementalModel:
 
     def classify(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
         """Class scores (B, C) and known(x) (B,) (None when uncalibrated) from one network pass."""
-        features = self.network(images)
+        features = self.features(images)
         return self.scores(features), self.known(features)
 
     def calibrated(self, bias: Tensor) -> None:
@@ -155,10 +168,11 @@ def embed_images(
     precision: str = "fp32",
     indices: list[int] | None = None,
     progress: Any = None,
+    stages: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Subspace features (N, S, d), fp32 on the CPU, of every image (eval transform) and their local
-    labels (N,); only the images at ``indices`` when given (a process's shard). The forward runs in
-    ``precision`` (``precision.autocast``)."""
+    labels (N,); only the images at ``indices`` when given (a process's shard), only the subspaces
+    of the first ``stages`` stages when given. The forward runs in ``precision`` (``precision.autocast``)."""
     device = _device_of(network)
     dataset = ImageDataset(images, eval_transform(data_config))
     loader = make_loader(
@@ -170,10 +184,11 @@ def embed_images(
     )
     feats, labels = [], []
     if len(loader.dataset) == 0:  # an empty shard
-        return torch.zeros(0, network.num_subspaces, network.width), torch.zeros(0, dtype=torch.long)
+        width = network.num_subspaces if stages is None else network.num_subspaces - network.num_stages + stages
+        return torch.zeros(0, width, network.width), torch.zeros(0, dtype=torch.long)
     for step, (batch, target) in enumerate(start_workers(loader), 1):
         with autocast(device, precision):
-            out = network(batch.to(device, non_blocking=True))  # (B, S, d)
+            out = network(batch.to(device, non_blocking=True), stages)  # (B, S, d)
         feats.append(out.float().cpu())
         labels.append(target)
         if progress is not None:

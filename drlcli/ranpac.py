@@ -350,6 +350,10 @@ class RanpacHead(nn.Module):
         distance = (torch.einsum("bcd,cde->bce", diff, self.cov_precision) * diff).sum(-1)  # (B, C)
         return standardise(scores) - self.cov_weight * standardise(distance)
 
+    def stages_read(self, width: int) -> int:
+        """How many stage subspaces after f_0 the head reads (0: f_0 alone, RanPAC's)."""
+        return self.projection.shape[0] // width - 1
+
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> RanpacHead:
         return cls(

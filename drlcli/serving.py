@@ -84,12 +84,15 @@ class ScoringGraph(nn.Module):
         weights = score_weights(model.class_stage, bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=model.offset)
         self.register_buffer("weights", weights)  # (C, S)
         self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
+        self.stages = model.stages_scored  # the head's subspaces only: the others are not computed
+        if self.head is not None:  # it reads the bank only for the open-set score, in subspace 0
+            self.bank, self.weights = self.bank[:, :1].clone(), self.weights[:, :1].clone()
         calibrated = model.unknown_bias is not None
         bias = open_set_bias(model.unknown_bias) if calibrated else torch.zeros(len(model.class_names))
         self.register_buffer("open_bias", bias.detach().clone().float())  # (C,)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        features = self.network(images)  # (B, S, d)
+        features = self.network(images, self.stages)  # (B, S, d)
         known = known_scores(features[:, 0], self.bank[:, 0], self.open_bias)  # subspace 0 is never synthesised
         if self.head is not None:
             return self.head(features), known

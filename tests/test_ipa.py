@@ -185,6 +185,20 @@ def test_stages_batched_equals_one_stage_at_a_time(tiny_ptm, images):
         assert torch.allclose(partial(images), together[:, : t + 1], atol=1e-5)
 
 
+@torch.no_grad()
+def test_leading_subspaces_only_equal_the_full_output(tiny_ptm, images, monkeypatch):
+    """forward(images, k): f_0 and the first k stages' subspaces, as in the full output; k 0 runs
+    no stage stream at all (one bare PTM pass, what a head reading f_0 alone needs)."""
+    net = _network(tiny_ptm, stages=3, randomize=True)
+    full = net(images)
+    for k in range(4):
+        assert torch.allclose(net(images, k), full[:, : k + 1], atol=1e-6)
+    calls = []
+    monkeypatch.setattr(net, "_ipa_block", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(net, "_transfer", lambda *a, **kw: calls.append(1))
+    assert torch.equal(net(images, 0), full[:, :1]) and not calls
+
+
 def test_forward_train_matches_inference_and_only_the_new_stage_gets_gradients(tiny_ptm, images):
     net = _network(tiny_ptm, stages=3, randomize=True)
     for st in net.stages[:-1]:

@@ -204,6 +204,9 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
     x = torch.stack([eval_transform(model.data_config)(Image.open(p).convert("RGB")) for p in images.paths[:4]])
     with torch.no_grad():
         want = model.score_images(x)
+        # inference computes the subspaces the head reads, no more; their scores are the full pass's
+        assert model.stages_scored == subspaces - 1 and model.features(x).shape[1] == subspaces
+        assert torch.allclose(want, model.scores(model.network(x)), atol=1e-5)
         export_run(run, tmp_path / "m.drl")
         assert torch.allclose(load_export(tmp_path / "m.drl").score_images(x), want, atol=1e-5)
     assert export_run(run, tmp_path / "m.pt", fmt="torchscript").check_max_abs_diff <= 1e-3

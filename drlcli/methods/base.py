@@ -49,8 +49,9 @@ class StageNetwork(Protocol):
         """Append a freshly initialised stage (seeded, on the PTM's device) and return it."""
         ...
 
-    def forward(self, images: Tensor) -> Tensor:
-        """Every subspace's feature: (B, 3, H, W) -> (B, S, d)."""
+    def forward(self, images: Tensor, stages: int | None = None) -> Tensor:
+        """Every subspace's feature: (B, 3, H, W) -> (B, S, d); with ``stages`` k, only the subspaces
+        of the PTM (when the method has one) and of the first k stages, the others not computed."""
         ...
 
     def forward_train(self, images: Tensor) -> tuple[Tensor | None, Tensor]:

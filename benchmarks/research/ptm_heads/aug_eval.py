@@ -106,6 +106,7 @@ def main():
     ap.add_argument("--qshrink", type=float, default=0.3)
     ap.add_argument("--qblend", type=float, default=0.8)
     ap.add_argument("--qfreeze", type=int, default=0)
+    ap.add_argument("--qprior", type=float, default=0.0, help="add qprior * 2 log n_c to the QDA scores (class prior)")
     ap.add_argument("--max-train", type=int, default=0, help="fit on at most this many images per class (0: all)")
     ap.add_argument("--lamstep", type=float, default=1.0, help="λ grid step in decades")
     a = ap.parse_args()
@@ -140,7 +141,7 @@ def main():
         head = AugRidge(Xtr.shape[1], a.M)
         head.step = a.lamstep
         qws = [float(w) for w in a.qda.split(",") if w]
-        qda = (FrozenQDA if a.qfreeze else Gaussian)(kind="qda", norm="l2", shrink=a.qshrink, blend=a.qblend) if qws else None
+        qda = (FrozenQDA if a.qfreeze else Gaussian)(kind="qda", norm="l2", shrink=a.qshrink, blend=a.qblend, prior=a.qprior) if qws else None
         names = [(k, w) for k in evalsets for w in [None] + qws]
         rec = {n: {"accs": [], "groups": []} for n in names}
         for t, s in enumerate(range(0, len(pos), 10)):
@@ -161,10 +162,10 @@ def main():
                     rec[(k, w)]["groups"].append([100.0 * ok[g == j].mean() for j in range(t + 1)])
         res = {(k if w is None else f"{k}+q{w:g}"): metrics(r["groups"], r["accs"]) for (k, w), r in rec.items()}
         msg = " ".join(f"{k}:{r['Abar']:.2f}/{r['AT']:.2f}/F{r['forgetting']:.2f}" for k, r in res.items())
-        print(f"{a.data} {a.split} {seed} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''} max_train={a.max_train} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
+        print(f"{a.data} {a.split} {seed} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''}{f'/prior{a.qprior:g}' if a.qprior else ''} max_train={a.max_train} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
               f"lams={[f'{l:.0e}' for l in head.lams]}", flush=True)
         with open(HERE / "results" / f"{a.data}_{a.split}_aug.jsonl", "a") as f:
-            f.write(json.dumps({"seed": seed, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
+            f.write(json.dumps({"seed": seed, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "qprior": a.qprior, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
                                 "results": res, "lams": head.lams}) + "\n")
 
 

@@ -118,8 +118,9 @@ class Gaussian:
     Stats: class sums/counts (C x d), shared within-class scatter (d x d) [LDA], per-class scatter (C x d x d) [QDA].
     """
 
-    def __init__(self, kind="lda", norm="none", shrink=0.1, blend=0.0, logdet=False, corr=False):
+    def __init__(self, kind="lda", norm="none", shrink=0.1, blend=0.0, logdet=False, corr=False, prior=0.0):
         self.kind, self.norm, self.shrink, self.blend, self.logdet, self.corr = kind, norm, shrink, blend, logdet, corr
+        self.prior = prior  # qda: add prior * 2 log n_c (the class prior of the Gaussian posterior, scaled like -maha)
         self.sums, self.n, self.scat = {}, {}, {}
         self._cache = None
 
@@ -179,6 +180,8 @@ class Gaussian:
             out[:, c] = -((D @ P[c]) * D).sum(1)
             if self.logdet:
                 out[:, c] -= ld[c]
+            if self.prior:
+                out[:, c] += self.prior * 2 * np.log(self.n[c])
         return out
 
     def storage(self, d, C):
