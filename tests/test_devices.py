@@ -98,6 +98,53 @@ def test_scoring_state_is_built_once_per_device(stage_folders, tmp_path, monkeyp
     assert model.scores(features).shape == (5, 4) and len(builds) == 2
 
 
+def test_the_analytic_head_scores_features_from_any_device(learned_run):
+    """drl's default head lives on the model's device; evaluate scores the CPU features embed_images
+    gives. The features go to the head (on a GPU host: CPU features against a CUDA head failed).
+    A second device is simulated with ``meta``: there the head's tensors hold no data."""
+    from drlcli import load_run
+
+    model = load_run(learned_run, device="cpu").model
+    assert model.head is not None  # drl's default scoring: the ridge + class-covariance head
+    features = torch.randn(5, model.num_subspaces, model.network.width, generator=torch.Generator().manual_seed(0))
+    on_cpu = model.scores(features)
+    model.head.to("meta")
+    elsewhere = model.scores(features)
+    assert elsewhere.device.type == "meta" and elsewhere.shape == on_cpu.shape == (5, len(model.class_names))
+
+
+def test_fitting_a_stage_reads_nothing_from_the_head_on_its_device(learned_run):
+    """A stage's statistics are summed on the CPU from R as stage 1 stored it: the loaded head (on a
+    GPU host, on CUDA) is never mixed with the CPU statistics. Same fit with the head on ``meta``."""
+    from drlcli import load_run
+    from drlcli.ranpac import fit_stage
+
+    loaded = load_run(learned_run, device="cpu")
+    model = loaded.model
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(12, model.num_subspaces, model.network.width, generator=g)
+    labels = torch.arange(3).repeat_interleave(4)
+
+    def fit():
+        return fit_stage(
+            loaded,
+            features,
+            labels,
+            image_labels=labels.tolist(),
+            indices=None,
+            num_classes=3,
+            config=loaded.config,
+            stage_index=3,
+        )
+
+    expected = fit()
+    model.head.to("meta")
+    got = fit()
+    assert got.tensors.keys() == expected.tensors.keys()
+    assert all(torch.equal(got.tensors[k], expected.tensors[k]) for k in expected.tensors)
+    assert all(torch.equal(got.statistics[k], expected.statistics[k]) for k in expected.statistics)
+
+
 class _Interrupt(Exception):
     pass
 
