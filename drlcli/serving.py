@@ -431,14 +431,17 @@ def _load_pt2(path: Path, device: str) -> GraphModel:
     _check_spec(path, spec, "pt2")
     if backbone.tensors_sha256(_pt2_payload(program)) != spec["payload_sha256"]:
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
-    if torch.device(device).type != "cpu":
-        program = _pt2_step(
-            path,
-            f"not movable to {device}",
-            lambda: torch.export.passes.move_to_device_pass(program, torch.device(device)),
-        )
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        # the program's metadata asserts then name the GPU the inputs will be on: some torch releases
+        # compare devices exactly, and "cuda" is not "cuda:0" there
+        target = torch.device("cuda", torch.cuda.current_device())
+    if target.type != "cpu":
+        from torch.export import passes  # a submodule `import torch` leaves unimported
+
+        program = _pt2_step(path, f"not movable to {target}", lambda: passes.move_to_device_pass(program, target))
     module = _pt2_step(path, "not a runnable drl pt2 export", program.module)
-    return GraphModel("pt2", spec, module, torch.device(device))
+    return GraphModel("pt2", spec, module, target)
 
 
 def _read_pt2(path: Path, extra: dict[str, Any]) -> Any:

@@ -290,6 +290,27 @@ def test_fresh_graph_is_checked_on_every_device_type(method_runs, tmp_path, monk
     assert seen == ["cpu", "cuda"]
 
 
+def test_pt2_moves_to_an_indexed_gpu(exported, monkeypatch):
+    """A .pt2 loaded for "cuda" is moved to the current GPU by index: its metadata asserts then name
+    the inputs' device exactly (some torch releases compare devices exactly: "cuda" != "cuda:0").
+    The move is faked, as a torch.export.passes that nobody has imported yet (``import torch`` leaves
+    it out: drl imports it itself). CUDA is not needed."""
+    import sys
+    import types
+
+    _, path = exported("drl", "pt2")
+    moved = []
+    passes = types.ModuleType("torch.export.passes")
+    passes.move_to_device_pass = lambda program, where: moved.append(where) or program
+    monkeypatch.delattr(torch.export, "passes", raising=False)
+    monkeypatch.setitem(sys.modules, "torch.export.passes", passes)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert load_model(path, device="cuda", trust_code=True).device == torch.device("cuda", 1)
+    assert load_model(path, device="cuda:0", trust_code=True).device == torch.device("cuda", 0)
+    assert load_model(path, device="cpu", trust_code=True).device == torch.device("cpu")
+    assert moved == [torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 @pytest.mark.parametrize("fmt", CODE)
