@@ -145,6 +145,22 @@ def test_fitting_a_stage_reads_nothing_from_the_head_on_its_device(learned_run):
     assert all(torch.equal(got.statistics[k], expected.statistics[k]) for k in expected.statistics)
 
 
+def test_fp32_on_cuda_is_ieee_fp32():
+    """torch runs CUDA's fp32 convolutions in TF32 by default (the ViT's patch embedding is one), which
+    moves the ridge head's scores by about 1e-3 from the CPU's: drl's fp32 switches TF32 off for its
+    passes and puts the switches back; on the CPU nothing is touched."""
+    from drlcli.precision import _tf32_switches, autocast
+
+    switches = _tf32_switches()
+    before = [getattr(owner, name) for owner, name, _ in switches]
+    with autocast(torch.device("cpu"), "fp32"):
+        assert [getattr(owner, name) for owner, name, _ in switches] == before
+    with autocast(torch.device("cuda", 1), "fp32"):
+        assert [getattr(owner, name) for owner, name, _ in switches] == [value for _, _, value in switches]
+        assert not torch.is_autocast_enabled("cuda")
+    assert [getattr(owner, name) for owner, name, _ in switches] == before
+
+
 class _Interrupt(Exception):
     pass
 
@@ -156,6 +172,7 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
     predict; a CUDA checkpoint is refused on CPU; the run's scores on CUDA match CPU's."""
     from drlcli import RunConfig, evaluate, init_run, load_run
     from drlcli.errors import RunStateError
+    from drlcli.precision import autocast
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     run, opts = tmp_path / "r", {"epochs": 2, "batch_size": 12}
@@ -180,9 +197,10 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
     assert result.num_stages == 2 and result.num_classes == 6
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        on_gpu = load_run(run, device="cuda").model.score_images(images.cuda()).cpu()
+        with autocast(torch.device("cuda"), "fp32"):  # as drl runs fp32 on CUDA: IEEE, no TF32 convolution
+            on_gpu = load_run(run, device="cuda").model.score_images(images.cuda()).cpu()
         on_cpu = load_run(run, device="cpu").model.score_images(images)
-    assert (on_gpu - on_cpu).abs().max() <= 1e-3
+    assert (on_gpu - on_cpu).abs().max() <= 1e-3  # float summation order only
     predicted = runner.invoke(
         app, ["predict", str(stage_folders[0][1]), "--run", str(run), "--device", "cuda", "--json"]
     )

@@ -12,6 +12,7 @@ from drlcli.data import eval_transform, load_rgb, scan_class_folders
 from drlcli.errors import DependencyError, IntegrityError, RunStateError, UsageError
 from drlcli.export import resolve_format
 from drlcli.model import embed_images
+from drlcli.precision import autocast
 
 HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 
@@ -325,7 +326,8 @@ def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders, f
     model = load_model(path, device="cuda", trust_code=True)
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        got = model.score_images(images.cuda()).float().cpu()
+        with autocast(torch.device("cuda"), "fp32"):  # as drl predicts in fp32 on CUDA: no TF32 convolution
+            got = model.score_images(images.cuda()).float().cpu()
         expected = load_run(method_runs["drl"], device="cpu").model.score_images(images)
     assert (got - expected).abs().max() <= 1e-3
     folder = str(stage_folders[0][1])
@@ -346,7 +348,8 @@ def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt):
     on_gpu = load_model(path, device="cuda", trust_code=True)
     with torch.no_grad():
         expected, known_expected = on_cpu.classify(images)
-        got, known = on_gpu.classify(images.to(on_gpu.device))
+        with autocast(torch.device("cuda"), "fp32"):  # as drl predicts in fp32 on CUDA: no TF32 convolution
+            got, known = on_gpu.classify(images.to(on_gpu.device))
     assert (got.float().cpu() - expected).abs().max() <= 1e-3
     assert (known.float().cpu() - known_expected).abs().max() <= 1e-3
 
