@@ -145,6 +145,62 @@ def test_fitting_a_stage_reads_nothing_from_the_head_on_its_device(learned_run):
     assert all(torch.equal(got.statistics[k], expected.statistics[k]) for k in expected.statistics)
 
 
+def test_benchmark_timing_synchronizes_the_runs_gpu(stage_folders, monkeypatch):
+    """With --device cuda:1 the timing waits on cuda:1, not on the current GPU (cuda:0). CUDA is faked:
+    the batch stays on the CPU and synchronize records its device."""
+    from types import SimpleNamespace
+
+    from drlcli.benchmark import runner
+
+    data_config = {
+        "input_size": [3, 32, 32],
+        "interpolation": "bicubic",
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "crop_pct": 0.875,
+    }
+    gpu, synced, calls = torch.device("cuda", 1), [], []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self if a and a[0] == gpu else real_to(self, *a, **k))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    model = SimpleNamespace(data_config=data_config, device=gpu, score_images=lambda x: calls.append(x.shape))
+    seconds = runner._timing(SimpleNamespace(model=model), stage_folders[0][1], 4)
+    assert seconds >= 0 and len(calls) == 6 and synced == [gpu] * 6
+
+
+def test_cost_measures_cuda_peak_memory_after_a_warm_up(monkeypatch):
+    """benchmarks/cost.py: one warm-up call (cuBLAS workspaces, lazily built kernels), then the peak of
+    a second call, on the benchmark's own GPU. CUDA's memory functions are faked and record."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
+    spec = importlib.util.spec_from_file_location("cost_under_test", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    events, gpu = [], torch.device("cuda", 1)
+
+    def record(name, value=0):
+        def call(device=None):
+            events.append((name, device))
+            return value
+
+        return call
+
+    monkeypatch.setattr(
+        cost, "cases_for", lambda arch, args, device, which=None: {which: lambda: events.append(("call", device))}
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", record("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", record("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", record("allocated", 100))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", record("peak", 350))
+    out = cost.measure_memory_case("vit", "drl_T10", SimpleNamespace(device="cuda:1", bf16=False))
+    assert out == {"peak_bytes": 250, "saved_activation_bytes": 0}
+    assert [name for name, _ in events] == ["call", "sync", "reset", "allocated", "call", "sync", "peak"]
+    assert all(device == gpu for _, device in events)
+
+
 def test_fp32_on_cuda_is_ieee_fp32():
     """torch runs CUDA's fp32 convolutions in TF32 by default (the ViT's patch embedding is one), which
     moves the ridge head's scores by about 1e-3 from the CPU's: drl's fp32 switches TF32 off for its
