@@ -338,11 +338,13 @@ def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders, f
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["drl", "ease", "simplecil", "ranpac"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt):
-    """Each export loaded for CUDA (ONNX: onnxruntime's CUDA provider when it has one) gives the CPU's
-    scores and unknown answers."""
-    _, path = exported("drl", fmt)
+def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt, method):
+    """Each export of each method loaded for CUDA (ONNX: onnxruntime's CUDA provider when it has one)
+    gives the CPU's scores and unknown answers (ease's graph runs timm's own attention, drl's the IPA
+    body, ranpac's and drl's the ridge head)."""
+    _, path = exported(method, fmt)
     images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     on_cpu = load_model(path, device="cpu", trust_code=True)
     on_gpu = load_model(path, device="cuda", trust_code=True)
