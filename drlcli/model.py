@@ -87,8 +87,9 @@ class IncrementalModel:
         # third decimal, below bf16's resolution, and the (B, C) scoring is cheap next to the ViT
         features = features.float()
         with torch.autocast(features.device.type, enabled=False):
-            if self.head is not None:
-                return self.head(features)
+            if self.head is not None:  # the head lives on the model's device: features go to it (a no-op
+                # for a batch from the network; one copy for evaluate's CPU features), not the head to them
+                return self.head(features.to(_head_device(self.head)))
             bank, weights = self.scoring_state(features.device, torch.float32)
             if self.score_cfg.rule == "concat":
                 return concat_scores(features, bank)
@@ -155,6 +156,11 @@ def empty_prototypes(width: int, offset: int = 1) -> Tensor:
 
 def _device_of(network: StageNetwork) -> torch.device:
     return next(network.ptm.parameters()).device
+
+
+def _head_device(head: nn.Module) -> torch.device:
+    """Where an analytic head's tensors (buffers, no parameters) are."""
+    return next(head.buffers()).device
 
 
 @torch.inference_mode()

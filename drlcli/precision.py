@@ -1,6 +1,8 @@
 """Mixed precision: the dtype the network's forward runs in (``--precision``).
 
-``fp32`` runs plain, bit-identical to a call without the option. ``bf16`` and ``fp16`` run the
+``fp32`` runs plain, bit-identical to a call without the option, and on CUDA in IEEE fp32
+(``ieee_fp32``: torch enables TF32 for cuDNN convolutions by default, and the ViT's patch embedding
+is one; TF32 moves the ridge head's scores by about 1e-3 from the CPU's). ``bf16`` and ``fp16`` run the
 forward (and, in training, the loss) under ``torch.autocast``; the scoring stays fp32 whatever
 autocast does (``IncrementalModel.scores``: cosines of near-equal prototypes differ below bf16's
 resolution). fp16's narrow range needs a loss scale in training (``torch.amp.GradScaler``); bf16
@@ -11,6 +13,7 @@ CPU's half precision.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
 import torch
@@ -30,10 +33,37 @@ def check_precision(precision: str, device: torch.device) -> None:
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:
-    """The context the network's forward runs in: nothing for fp32, ``torch.autocast`` otherwise."""
+    """The context the network's forward runs in: ``torch.autocast`` for bf16 and fp16; for fp32 no
+    autocast, and on CUDA IEEE fp32 (``ieee_fp32``)."""
     if precision == "fp32":
-        return contextlib.nullcontext()
+        return ieee_fp32() if torch.device(device).type == "cuda" else contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def _tf32_switches() -> list[tuple[object, str, object]]:
+    """(object, attribute, IEEE value) of the switches that let CUDA's fp32 convolutions and matmuls
+    run in TF32: torch's ``fp32_precision`` API where it has it (reading the legacy ``allow_tf32``
+    there raises once a caller has used the new one), else ``allow_tf32``."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        return [(conv, "fp32_precision", "ieee"), (torch.backends.cuda.matmul, "fp32_precision", "ieee")]
+    return [(torch.backends.cudnn, "allow_tf32", False), (torch.backends.cuda.matmul, "allow_tf32", False)]
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """CUDA's fp32 as IEEE fp32 for the block: no TF32 in cuDNN convolutions (on by default in torch)
+    or cuBLAS matmuls; the switches are put back as they were. Costs the patch embedding's one
+    convolution per forward (torch's matmuls are IEEE fp32 by default already)."""
+    switches = _tf32_switches()
+    before = [getattr(owner, name) for owner, name, _ in switches]
+    try:
+        for owner, name, value in switches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for (owner, name, _), value in zip(switches, before):
+            setattr(owner, name, value)
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:

@@ -429,8 +429,9 @@ def fit_stage(
         width = features.shape[-1] * cfg.subspaces
         proj_dim = cfg.resolved_proj_dim(features.shape[-1])
         projection = random_projection(width, proj_dim, seed=config.train.seed).to(STAT_DTYPE)
-    else:
-        projection = head.projection.to(STAT_DTYPE)
+    else:  # R as stage 1 stored it (the head was built from it), on the CPU where the statistics are
+        # summed: the head itself lives on the model's device, possibly a GPU
+        projection = loaded.stage_tensors[0][f"{PREFIX}projection"].to(STAT_DTYPE)
     val_all = validation_mask(
         torch.tensor(image_labels), fraction=cfg.val_fraction, seed=config.train.seed + stage_index
     )

@@ -98,6 +98,125 @@ def test_scoring_state_is_built_once_per_device(stage_folders, tmp_path, monkeyp
     assert model.scores(features).shape == (5, 4) and len(builds) == 2
 
 
+def test_the_analytic_head_scores_features_from_any_device(learned_run):
+    """drl's default head lives on the model's device; evaluate scores the CPU features embed_images
+    gives. The features go to the head (on a GPU host: CPU features against a CUDA head failed).
+    A second device is simulated with ``meta``: there the head's tensors hold no data."""
+    from drlcli import load_run
+
+    model = load_run(learned_run, device="cpu").model
+    assert model.head is not None  # drl's default scoring: the ridge + class-covariance head
+    features = torch.randn(5, model.num_subspaces, model.network.width, generator=torch.Generator().manual_seed(0))
+    on_cpu = model.scores(features)
+    model.head.to("meta")
+    elsewhere = model.scores(features)
+    assert elsewhere.device.type == "meta" and elsewhere.shape == on_cpu.shape == (5, len(model.class_names))
+
+
+def test_fitting_a_stage_reads_nothing_from_the_head_on_its_device(learned_run):
+    """A stage's statistics are summed on the CPU from R as stage 1 stored it: the loaded head (on a
+    GPU host, on CUDA) is never mixed with the CPU statistics. Same fit with the head on ``meta``."""
+    from drlcli import load_run
+    from drlcli.ranpac import fit_stage
+
+    loaded = load_run(learned_run, device="cpu")
+    model = loaded.model
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(12, model.num_subspaces, model.network.width, generator=g)
+    labels = torch.arange(3).repeat_interleave(4)
+
+    def fit():
+        return fit_stage(
+            loaded,
+            features,
+            labels,
+            image_labels=labels.tolist(),
+            indices=None,
+            num_classes=3,
+            config=loaded.config,
+            stage_index=3,
+        )
+
+    expected = fit()
+    model.head.to("meta")
+    got = fit()
+    assert got.tensors.keys() == expected.tensors.keys()
+    assert all(torch.equal(got.tensors[k], expected.tensors[k]) for k in expected.tensors)
+    assert all(torch.equal(got.statistics[k], expected.statistics[k]) for k in expected.statistics)
+
+
+def test_benchmark_timing_synchronizes_the_runs_gpu(stage_folders, monkeypatch):
+    """With --device cuda:1 the timing waits on cuda:1, not on the current GPU (cuda:0). CUDA is faked:
+    the batch stays on the CPU and synchronize records its device."""
+    from types import SimpleNamespace
+
+    from drlcli.benchmark import runner
+
+    data_config = {
+        "input_size": [3, 32, 32],
+        "interpolation": "bicubic",
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "crop_pct": 0.875,
+    }
+    gpu, synced, calls = torch.device("cuda", 1), [], []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self if a and a[0] == gpu else real_to(self, *a, **k))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    model = SimpleNamespace(data_config=data_config, device=gpu, score_images=lambda x: calls.append(x.shape))
+    seconds = runner._timing(SimpleNamespace(model=model), stage_folders[0][1], 4)
+    assert seconds >= 0 and len(calls) == 6 and synced == [gpu] * 6
+
+
+def test_cost_measures_cuda_peak_memory_after_a_warm_up(monkeypatch):
+    """benchmarks/cost.py: one warm-up call (cuBLAS workspaces, lazily built kernels), then the peak of
+    a second call, on the benchmark's own GPU. CUDA's memory functions are faked and record."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
+    spec = importlib.util.spec_from_file_location("cost_under_test", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    events, gpu = [], torch.device("cuda", 1)
+
+    def record(name, value=0):
+        def call(device=None):
+            events.append((name, device))
+            return value
+
+        return call
+
+    monkeypatch.setattr(
+        cost, "cases_for", lambda arch, args, device, which=None: {which: lambda: events.append(("call", device))}
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", record("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", record("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", record("allocated", 100))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", record("peak", 350))
+    out = cost.measure_memory_case("vit", "drl_T10", SimpleNamespace(device="cuda:1", bf16=False))
+    assert out == {"peak_bytes": 250, "saved_activation_bytes": 0}
+    assert [name for name, _ in events] == ["call", "sync", "reset", "allocated", "call", "sync", "peak"]
+    assert all(device == gpu for _, device in events)
+
+
+def test_fp32_on_cuda_is_ieee_fp32():
+    """torch runs CUDA's fp32 convolutions in TF32 by default (the ViT's patch embedding is one), which
+    moves the ridge head's scores by about 1e-3 from the CPU's: drl's fp32 switches TF32 off for its
+    passes and puts the switches back; on the CPU nothing is touched."""
+    from drlcli.precision import _tf32_switches, autocast
+
+    switches = _tf32_switches()
+    before = [getattr(owner, name) for owner, name, _ in switches]
+    with autocast(torch.device("cpu"), "fp32"):
+        assert [getattr(owner, name) for owner, name, _ in switches] == before
+    with autocast(torch.device("cuda", 1), "fp32"):
+        assert [getattr(owner, name) for owner, name, _ in switches] == [value for _, _, value in switches]
+        assert not torch.is_autocast_enabled("cuda")
+    assert [getattr(owner, name) for owner, name, _ in switches] == before
+
+
 class _Interrupt(Exception):
     pass
 
@@ -109,6 +228,7 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
     predict; a CUDA checkpoint is refused on CPU; the run's scores on CUDA match CPU's."""
     from drlcli import RunConfig, evaluate, init_run, load_run
     from drlcli.errors import RunStateError
+    from drlcli.precision import autocast
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     run, opts = tmp_path / "r", {"epochs": 2, "batch_size": 12}
@@ -133,9 +253,10 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
     assert result.num_stages == 2 and result.num_classes == 6
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        on_gpu = load_run(run, device="cuda").model.score_images(images.cuda()).cpu()
+        with autocast(torch.device("cuda"), "fp32"):  # as drl runs fp32 on CUDA: IEEE, no TF32 convolution
+            on_gpu = load_run(run, device="cuda").model.score_images(images.cuda()).cpu()
         on_cpu = load_run(run, device="cpu").model.score_images(images)
-    assert (on_gpu - on_cpu).abs().max() <= 1e-3
+    assert (on_gpu - on_cpu).abs().max() <= 1e-3  # float summation order only
     predicted = runner.invoke(
         app, ["predict", str(stage_folders[0][1]), "--run", str(run), "--device", "cuda", "--json"]
     )

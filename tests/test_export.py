@@ -12,6 +12,7 @@ from drlcli.data import eval_transform, load_rgb, scan_class_folders
 from drlcli.errors import DependencyError, IntegrityError, RunStateError, UsageError
 from drlcli.export import resolve_format
 from drlcli.model import embed_images
+from drlcli.precision import autocast
 
 HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 
@@ -290,6 +291,27 @@ def test_fresh_graph_is_checked_on_every_device_type(method_runs, tmp_path, monk
     assert seen == ["cpu", "cuda"]
 
 
+def test_pt2_moves_to_an_indexed_gpu(exported, monkeypatch):
+    """A .pt2 loaded for "cuda" is moved to the current GPU by index: its metadata asserts then name
+    the inputs' device exactly (some torch releases compare devices exactly: "cuda" != "cuda:0").
+    The move is faked, as a torch.export.passes that nobody has imported yet (``import torch`` leaves
+    it out: drl imports it itself). CUDA is not needed."""
+    import sys
+    import types
+
+    _, path = exported("drl", "pt2")
+    moved = []
+    passes = types.ModuleType("torch.export.passes")
+    passes.move_to_device_pass = lambda program, where: moved.append(where) or program
+    monkeypatch.delattr(torch.export, "passes", raising=False)
+    monkeypatch.setitem(sys.modules, "torch.export.passes", passes)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert load_model(path, device="cuda", trust_code=True).device == torch.device("cuda", 1)
+    assert load_model(path, device="cuda:0", trust_code=True).device == torch.device("cuda", 0)
+    assert load_model(path, device="cpu", trust_code=True).device == torch.device("cpu")
+    assert moved == [torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 @pytest.mark.parametrize("fmt", CODE)
@@ -304,7 +326,8 @@ def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders, f
     model = load_model(path, device="cuda", trust_code=True)
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        got = model.score_images(images.cuda()).float().cpu()
+        with autocast(torch.device("cuda"), "fp32"):  # as drl predicts in fp32 on CUDA: no TF32 convolution
+            got = model.score_images(images.cuda()).float().cpu()
         expected = load_run(method_runs["drl"], device="cpu").model.score_images(images)
     assert (got - expected).abs().max() <= 1e-3
     folder = str(stage_folders[0][1])
@@ -315,17 +338,20 @@ def test_torchscript_export_runs_on_cuda(exported, method_runs, stage_folders, f
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["drl", "ease", "simplecil", "ranpac"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt):
-    """Each export loaded for CUDA (ONNX: onnxruntime's CUDA provider when it has one) gives the CPU's
-    scores and unknown answers."""
-    _, path = exported("drl", fmt)
+def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt, method):
+    """Each export of each method loaded for CUDA (ONNX: onnxruntime's CUDA provider when it has one)
+    gives the CPU's scores and unknown answers (ease's graph runs timm's own attention, drl's the IPA
+    body, ranpac's and drl's the ridge head)."""
+    _, path = exported(method, fmt)
     images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     on_cpu = load_model(path, device="cpu", trust_code=True)
     on_gpu = load_model(path, device="cuda", trust_code=True)
     with torch.no_grad():
         expected, known_expected = on_cpu.classify(images)
-        got, known = on_gpu.classify(images.to(on_gpu.device))
+        with autocast(torch.device("cuda"), "fp32"):  # as drl predicts in fp32 on CUDA: no TF32 convolution
+            got, known = on_gpu.classify(images.to(on_gpu.device))
     assert (got.float().cpu() - expected).abs().max() <= 1e-3
     assert (known.float().cpu() - known_expected).abs().max() <= 1e-3
 

@@ -281,3 +281,27 @@ def test_bf16_autocast_runs_the_fast_path_and_stays_close(tiny_ptm, images):
             low = net(images)
     cos = torch.nn.functional.cosine_similarity(low.float(), exact, dim=-1)
     assert low.shape == exact.shape and cos.min() > 0.99
+
+
+def test_under_bf16_autocast_the_in_place_streams_stay_fp32(tiny_ptm, images, monkeypatch):
+    """The decision for the in-place body under autocast (issue 18): its buffers, and so the out=
+    matmuls writing into them and the gate's mixing, are in the streams' dtype, fp32 (autocast does
+    not apply to out= calls; the PTM's own matmuls and the adapters' hidden run in bf16). The
+    functional body (training, export) lets autocast choose; both stay close to fp32."""
+    from drlcli import ipa
+    from drlcli.serving import exportable
+
+    net = _network(tiny_ptm, stages=2, randomize=True)
+    made, real = [], ipa._buffer
+    monkeypatch.setattr(
+        ipa, "_buffer", lambda space, name, like, shape: made.append(like.dtype) or real(space, name, like, shape)
+    )
+    with torch.inference_mode():
+        exact = net(images)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            in_place = net(images)
+            assert made and set(made) == {torch.float32}
+            with exportable(net):
+                functional = net(images)
+    for low in (in_place, functional):
+        assert torch.nn.functional.cosine_similarity(low.float(), exact, dim=-1).min() > 0.99

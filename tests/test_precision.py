@@ -271,3 +271,65 @@ def test_half_precision_on_cuda(stage_folders, tmp_path, precision):
     assert abs(half - full) <= 100 / 12 + 1e-6
     predicted = drl("predict", test, "--run", run, "--device", "cuda", "--precision", precision, "--json")
     assert predicted.exit_code == 0 and len(predicted.stdout.splitlines()) == 12
+
+
+# --------------------------------------------------------------- bf16 against fp32 on real data
+
+REAL_CLASSES, REAL_TRAIN, REAL_TEST = 20, 30, 15  # 2 stages of 10 Caltech-101 classes
+REAL_TOLERANCE = 3.0  # top-1 points (of 293 test images: 8 images); on CPU bf16 and fp32 both gave 95.22
+
+
+def caltech_stages(data, root, *, classes=REAL_CLASSES, train=REAL_TRAIN, test=REAL_TEST, stages=2):
+    """Two stages of Caltech-101's first ``classes`` class names (sorted), at most ``train``/``test``
+    images each from its train.txt/test.txt lists, as class folders of symlinks under ``root``."""
+    source = data / "caltech101"
+    lists = {}
+    for split in ("train", "test"):
+        for line in (source / f"{split}.txt").read_text().split():
+            name = line.split("/")[0]
+            if (source / "101_ObjectCategories" / line).is_file():
+                lists.setdefault((split, name), []).append(line)
+    names = sorted({name for _, name in lists})[:classes]
+    per_stage = classes // stages
+    folders = []
+    for k in range(stages):
+        pair = []
+        for split, cap in (("train", train), ("test", test)):
+            folder = root / f"stage{k + 1}" / split
+            for name in names[k * per_stage : (k + 1) * per_stage]:
+                (folder / name).mkdir(parents=True)
+                for line in lists[(split, name)][:cap]:
+                    (folder / line).symlink_to(source / "101_ObjectCategories" / line)
+            pair.append(folder)
+        folders.append(tuple(pair))
+    return folders
+
+
+def real_top1(data, root, *, device, precision, epochs=3):
+    """A_last of a DeiT-Tiny (ImageNet weights) drl run learned and evaluated in ``precision``."""
+    run = root / f"run-{precision}"
+    init_run(
+        run,
+        ptm="deit_tiny_patch16_224",
+        ptm_weights=data / "deit_tiny_patch16_224" / "deit_tiny_patch16_224.safetensors",
+    )
+    for train, test in caltech_stages(data, root / f"data-{precision}"):
+        opts = {"epochs": epochs, "batch_size": 32}
+        learn_stage(run, data_dir=train, eval_data_dir=test, train_overrides=opts, device=device, precision=precision)
+    return evaluate(run, all_seen=True, device=device, precision=precision).report
+
+
+@pytest.mark.gpu
+@pytest.mark.realdata
+def test_bf16_accuracy_is_fp32_accuracy_on_a_real_run(shared_data, tmp_path):
+    """DeiT-Tiny with its ImageNet weights on Caltech-101 (2 stages of 10 classes, 30 train and 15
+    test images per class at most: 293, 3 epochs), learned and evaluated on CUDA: bf16 autocast
+    reaches fp32's top-1 within REAL_TOLERANCE points, and so does evaluating the fp32 run in bf16.
+    (The same test on CPU's bf16 autocast: 95.22 for all three.)"""
+    reports = {p: real_top1(shared_data, tmp_path, device="cuda", precision=p) for p in ("fp32", "bf16")}
+    num_test = sum(1 for _ in (tmp_path / "data-fp32").glob("stage*/test/*/*"))  # 293: some classes have fewer
+    assert reports["fp32"].num_images == reports["bf16"].num_images == num_test > 250
+    assert reports["fp32"].top1 > 50  # a real run: pretrained features, far above chance (5%)
+    assert abs(reports["bf16"].top1 - reports["fp32"].top1) <= REAL_TOLERANCE
+    rounded = evaluate(tmp_path / "run-fp32", all_seen=True, device="cuda", precision="bf16").report
+    assert abs(rounded.top1 - reports["fp32"].top1) <= REAL_TOLERANCE
