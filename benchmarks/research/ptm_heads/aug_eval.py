@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import torch
-from ptmheads import HERE, Gaussian, Ridge, class_order, load_feats, metrics, val_split
+from ptmheads import HERE, Gaussian, Ridge, class_order, l2n, load_feats, metrics, val_split
 
 COLS = {"c7": slice(0, 192), "c11": slice(192, 384)}
 
@@ -106,6 +106,7 @@ def main():
     ap.add_argument("--qshrink", type=float, default=0.3)
     ap.add_argument("--qblend", type=float, default=0.8)
     ap.add_argument("--qfreeze", type=int, default=0)
+    ap.add_argument("--rnorm", type=int, default=0, help="1: the ridge's input f_0 L2-normalised (times sqrt d)")
     ap.add_argument("--qprior", type=float, default=0.0, help="add qprior * 2 log n_c to the QDA scores (class prior)")
     ap.add_argument("--max-train", type=int, default=0, help="fit on at most this many images per class (0: all)")
     ap.add_argument("--lamstep", type=float, default=1.0, help="λ grid step in decades")
@@ -140,6 +141,9 @@ def main():
         yf = pos[ytr[fit]]
         head = AugRidge(Xtr.shape[1], a.M)
         head.step = a.lamstep
+        if a.rnorm:
+            phi0 = head._phi
+            head._phi = lambda X, phi0=phi0: phi0(l2n(X) * np.sqrt(X.shape[1]))
         qws = [float(w) for w in a.qda.split(",") if w]
         qda = (FrozenQDA if a.qfreeze else Gaussian)(kind="qda", norm="l2", shrink=a.qshrink, blend=a.qblend, prior=a.qprior) if qws else None
         names = [(k, w) for k in evalsets for w in [None] + qws]
@@ -162,10 +166,10 @@ def main():
                     rec[(k, w)]["groups"].append([100.0 * ok[g == j].mean() for j in range(t + 1)])
         res = {(k if w is None else f"{k}+q{w:g}"): metrics(r["groups"], r["accs"]) for (k, w), r in rec.items()}
         msg = " ".join(f"{k}:{r['Abar']:.2f}/{r['AT']:.2f}/F{r['forgetting']:.2f}" for k, r in res.items())
-        print(f"{a.data} {a.split} {seed} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''}{f'/prior{a.qprior:g}' if a.qprior else ''} max_train={a.max_train} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
+        print(f"{a.data} {a.split} {seed} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''}{f'/prior{a.qprior:g}' if a.qprior else ''} max_train={a.max_train}{' rnorm' if a.rnorm else ''} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
               f"lams={[f'{l:.0e}' for l in head.lams]}", flush=True)
         with open(HERE / "results" / f"{a.data}_{a.split}_aug.jsonl", "a") as f:
-            f.write(json.dumps({"seed": seed, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "qprior": a.qprior, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
+            f.write(json.dumps({"seed": seed, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "qprior": a.qprior, "rnorm": a.rnorm, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
                                 "results": res, "lams": head.lams}) + "\n")
 
 
