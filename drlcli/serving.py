@@ -78,16 +78,16 @@ class ScoringGraph(nn.Module):
     def __init__(self, model: IncrementalModel):
         super().__init__()
         self.network = model.network
-        bank = model.prototype_bank().detach().clone()  # (C, S, d), synthesised rows included
-        self.register_buffer("bank", bank)
-        self.concat = model.score_cfg.rule == "concat"
-        cfg = model.score_cfg
-        weights = score_weights(model.class_stage, bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=model.offset)
-        self.register_buffer("weights", weights)  # (C, S)
         self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
         self.stages = model.stages_scored  # the head's subspaces only: the others are not computed
+        bank = model.prototype_bank().detach()  # (C, S, d), synthesised rows included
+        cfg = model.score_cfg
+        weights = score_weights(model.class_stage, bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=model.offset)
         if self.head is not None:  # it reads the bank only for the open-set score, in subspace 0
-            self.bank, self.weights = self.bank[:, :1].clone(), self.weights[:, :1].clone()
+            bank, weights = bank[:, :1], weights[:, :1]
+        self.register_buffer("bank", bank.clone())
+        self.register_buffer("weights", weights.clone())  # (C, S)
+        self.concat = model.score_cfg.rule == "concat"
         calibrated = model.unknown_bias is not None
         bias = open_set_bias(model.unknown_bias) if calibrated else torch.zeros(len(model.class_names))
         self.register_buffer("open_bias", bias.detach().clone().float())  # (C,)
