@@ -35,10 +35,13 @@ from .methods import StageNetwork
 from .model import class_means, embed_images
 from .precision import autocast, grad_scaler
 
+PROGRESS_EVERY = 10  # training steps between progress reports (the first and last step always report)
+
 
 @dataclass(frozen=True)
 class TrainProgress:
-    """One optimisation step's progress, for progress bars and logs."""
+    """One optimisation step's progress, for progress bars and logs: steps 1, every
+    ``PROGRESS_EVERY``-th and the epoch's last report."""
 
     epoch: int
     epochs: int
@@ -272,18 +275,22 @@ def _run_epoch(
         torch.manual_seed(seed)
         random.seed(seed)
     lr = float(loop.optimizer.param_groups[0]["lr"])
-    total, count, steps = 0.0, 0, 0
+    # The loss is summed on the device and read once per epoch: reading it (.item()) waits for the
+    # GPU, so a read every step would stall the queue of kernels. Progress reads it every few steps.
+    total_on_device = torch.zeros((), dtype=torch.float64, device=device)
+    count, steps, last = 0, 0, len(loop.loader)
     for step, (batch, targets) in enumerate(start_workers(loop.loader), 1):
         batch, targets = batch.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(device, loop.precision):
             loss = loop.step_module(batch, targets)
         loop.optimizer.zero_grad(set_to_none=True)
         _backward_and_step(loop, loss)
-        total += loss.item() * len(targets)
+        total_on_device += loss.detach().double() * len(targets)
         count += len(targets)
         steps += 1
-        if progress is not None:
-            progress(TrainProgress(epoch, cfg.epochs, step, len(loop.loader), loss.item(), lr))
+        if progress is not None and (step == 1 or step % PROGRESS_EVERY == 0 or step == last):
+            progress(TrainProgress(epoch, cfg.epochs, step, last, loss.item(), lr))
+    total = float(total_on_device)
     with warnings.catch_warnings():
         if loop.scaler is not None:  # fp16's loss scale skipped every step of the epoch (overflow): no misorder
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"), UserWarning)

@@ -3,10 +3,11 @@ import random
 import pytest
 import torch
 
+import drlcli.train as train_module
 from drlcli.config import IPAConfig, TrainConfig
 from drlcli.data import ImageDataset, eval_transform, scan_class_folders
 from drlcli.ipa import IPANetwork
-from drlcli.train import CosineClassifier, initial_class_means, train_stage
+from drlcli.train import PROGRESS_EVERY, CosineClassifier, initial_class_means, train_stage
 
 CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
 
@@ -28,6 +29,28 @@ def test_training_changes_only_the_new_stage(tiny_ptm, make_folder):
     assert any(not torch.equal(v, net.stages[-1].state_dict()[k]) for k, v in new_before.items())
     assert len(result.epoch_losses) == 2 and result.steps == 4
     assert not any(p.requires_grad for p in net.stages[-1].parameters())  # frozen once trained
+
+
+def test_progress_reads_the_loss_every_few_steps_and_the_epoch_loss_is_exact(tiny_ptm, make_folder, monkeypatch):
+    """Progress reads the loss (a GPU sync) at the first, every PROGRESS_EVERY-th and the last
+    step only; the epoch's loss, summed on the device, is still the mean over every image."""
+    net = IPANetwork(tiny_ptm, IPAConfig())
+    net.new_stage(seed=0)
+    images = scan_class_folders(make_folder("d", [0, 1], n=12))  # 24 images, batch 2: 12 steps
+    steps = []
+    loss_of_step = train_module.stage_loss
+
+    def recording(logits, targets, *args):
+        loss = loss_of_step(logits, targets, *args)
+        steps.append((loss.item(), len(targets)))
+        return loss
+
+    monkeypatch.setattr(train_module, "stage_loss", recording)
+    reports = []
+    result = train_stage(net, images, TrainConfig(epochs=1, batch_size=2), CFG, progress=reports.append)
+    assert [r.step for r in reports] == [1, PROGRESS_EVERY, 12] and {r.steps for r in reports} == {12}
+    assert [r.loss for r in reports] == [steps[0][0], steps[PROGRESS_EVERY - 1][0], steps[-1][0]]
+    assert result.epoch_losses == [pytest.approx(sum(v * n for v, n in steps) / 24, rel=1e-12)]
 
 
 def test_single_class_stage_trains_with_das(tiny_ptm, make_folder):

@@ -22,6 +22,14 @@ def ml_cols(tokens):
     return np.concatenate([np.arange(384 * int(t[1:]), 384 * int(t[1:]) + 192) for t in tokens])
 
 
+GRID = {"c11": (0, 192), "g11": (192, 960), "c7": (960, 1152), "g7": (1152, 1920)}
+
+
+def grid_cols(tokens):
+    """extract_grid.py's columns: c11 (f_0), g11 (block-11 patch tokens on a 2 x 2 grid), c7, g7."""
+    return np.concatenate([np.arange(*GRID[t]) for t in tokens])
+
+
 class AugRidge(Ridge):
     """ptmheads.Ridge (RanPAC-style, λ by the held-out split, local search) whose ``add`` takes several
     views of the same images; every view goes to its source image's side of the split."""
@@ -100,6 +108,7 @@ def main():
     ap.add_argument("--wv", type=float, default=1.0)
     ap.add_argument("--cols", default="c11")
     ap.add_argument("--M", type=int, default=3000)
+    ap.add_argument("--grid", type=int, default=0, help="1: read extract_grid.py's cache (columns c11, g11, c7, g7)")
     ap.add_argument("--f0", type=int, default=0, help="1: read extract.py's f_0-only cache (full Sketch test); --cols c11")
     ap.add_argument("--qda", default="", help="comma list of weights w: also score z(ridge) + w z(FeCAM-style QDA)")
     ap.add_argument("--qcols", default="", help="QDA feature columns (default: --cols)")
@@ -113,9 +122,9 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(int(__import__("os").environ.get("THREADS", "2")))
     cols = a.cols.split(",")
-    feats = load_feats(a.data if a.f0 else f"{a.data}_ml")
+    feats = load_feats(a.data if a.f0 else f"{a.data}_grid" if a.grid else f"{a.data}_ml")
     Xtr_ml, ytr, _ = feats["parts"]["train"]
-    pick = (lambda tokens: np.arange(192)) if a.f0 else ml_cols
+    pick = (lambda tokens: np.arange(192)) if a.f0 else grid_cols if a.grid else ml_cols
     Xtr = Xtr_ml[:, pick(cols)]
     qc = pick(a.qcols.split(",")) if a.qcols else pick(cols)
     Xq = Xtr_ml[:, qc]
@@ -166,10 +175,10 @@ def main():
                     rec[(k, w)]["groups"].append([100.0 * ok[g == j].mean() for j in range(t + 1)])
         res = {(k if w is None else f"{k}+q{w:g}"): metrics(r["groups"], r["accs"]) for (k, w), r in rec.items()}
         msg = " ".join(f"{k}:{r['Abar']:.2f}/{r['AT']:.2f}/F{r['forgetting']:.2f}" for k, r in res.items())
-        print(f"{a.data} {a.split} {seed} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''}{f'/prior{a.qprior:g}' if a.qprior else ''} max_train={a.max_train}{' rnorm' if a.rnorm else ''} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
+        print(f"{a.data} {a.split} {seed}{' grid' if a.grid else ''} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''}{f'/prior{a.qprior:g}' if a.qprior else ''} max_train={a.max_train}{' rnorm' if a.rnorm else ''} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
               f"lams={[f'{l:.0e}' for l in head.lams]}", flush=True)
         with open(HERE / "results" / f"{a.data}_{a.split}_aug.jsonl", "a") as f:
-            f.write(json.dumps({"seed": seed, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "qprior": a.qprior, "rnorm": a.rnorm, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
+            f.write(json.dumps({"seed": seed, "grid": a.grid, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "qprior": a.qprior, "rnorm": a.rnorm, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
                                 "results": res, "lams": head.lams}) + "\n")
 
 
