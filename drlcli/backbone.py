@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import DrlError, PTMError, UsageError
+from .seeding import seeded
 
 # The only keyword arguments that reach ``timm.create_model``: the ViT's shape, as ``init --ptm-arg``
 # records it (``synthetic.TINY_PTM_KWARGS``). Anything else (``checkpoint_path``, ``pretrained_cfg``,
@@ -63,8 +64,7 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
             _require_hub(name)
             model = timm.create_model(name, pretrained=True, num_classes=0, **kwargs)
         else:
-            with torch.random.fork_rng(devices=[]):  # CPU init: no CUDA context, no multi-GPU warning
-                torch.manual_seed(source.seed)
+            with seeded(source.seed):  # CPU init: no CUDA context, no GPU generator touched
                 model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
     except PTMError:
         raise

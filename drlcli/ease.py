@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from . import backbone
 from .config import EaseConfig
+from .seeding import seeded
 
 
 class EaseAdapters(nn.Module):
@@ -63,8 +64,7 @@ class EaseNetwork(nn.Module):
         return len(self.stages)
 
     def new_stage(self, *, seed: int) -> EaseAdapters:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):  # on the CPU, then moved
             stage = EaseAdapters(width=self.width, depth=self.depth, adapter_dim=self.cfg.adapter_dim)
         stage.to(next(self.ptm.parameters()).device)
         self.stages.append(stage)

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from . import backbone
 from .config import IPAConfig
+from .seeding import seeded
 
 # Stage parameters stacked over blocks 1..L-1 (leading dim L-1), then the transfer FFN.
 BLOCK_PARAMS = ("down", "down_bias", "up", "up_bias", "gate_down", "gate_down_bias", "gate_up", "gate_up_bias")
@@ -107,8 +108,7 @@ class IPANetwork(nn.Module):
 
     def new_stage(self, *, seed: int) -> StageAdapters:
         """Append a freshly initialised stage (seeded, on the PTM's device) and return it."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):  # on the CPU, then moved
             stage = StageAdapters(
                 width=self.width,
                 depth=self.depth,

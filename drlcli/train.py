@@ -34,6 +34,7 @@ from .losses import ce_loss, das_loss, kd_loss
 from .methods import StageNetwork
 from .model import class_means, embed_images
 from .precision import autocast, grad_scaler
+from .seeding import reseed, seeded
 
 PROGRESS_EVERY = 10  # training steps between progress reports (the first and last step always report)
 
@@ -139,8 +140,8 @@ def train_stage(
     start = time.perf_counter()
     epoch_losses: list[float] = []
     steps, first_epoch, earlier_seconds = 0, 1, 0.0
-    with torch.random.fork_rng(devices=[]), _fork_python_random():
-        torch.manual_seed(cfg.seed)  # the transforms' randomness: the flip's
+    # the transforms' randomness (the flip's; EASE's dropout draws on the training device)
+    with seeded(cfg.seed, device), _fork_python_random():
         random.seed(cfg.seed)  # and timm's random resized crop's
         if resume is not None:
             _restore(resume, stage, classifier, loop, generator, device)
@@ -195,8 +196,7 @@ def _classifier(
 ) -> CosineClassifier:
     """The stage's cosine classifier, seeded; ``head_init`` prototypes starts it at the class means
     (not when resuming: the checkpoint holds its weights)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
+    with seeded(cfg.seed):
         classifier = CosineClassifier(network.width, len(images.class_names), scale_init=cfg.scale_init).to(device)
     if cfg.head_init == "prototypes" and from_prototypes:
         means = initial_class_means(
@@ -272,7 +272,7 @@ def _run_epoch(
     world = distributed.world_size()
     if world > 1:  # each process reseeds its augmentations every epoch
         seed = cfg.seed * 1_000_003 + epoch * 1009 + distributed.rank()
-        torch.manual_seed(seed)
+        reseed(seed, device)
         random.seed(seed)
     lr = float(loop.optimizer.param_groups[0]["lr"])
     # The loss is summed on the device and read once per epoch: reading it (.item()) waits for the
@@ -476,5 +476,5 @@ def _seed_worker(worker_id: int) -> None:
 
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: different augmentations per process
     if rank:
-        torch.manual_seed(torch.initial_seed() + 7919 * rank)
+        reseed(torch.initial_seed() + 7919 * rank)
     random.seed(torch.initial_seed() % 2**32)
