@@ -308,22 +308,13 @@ def _run_tensors(
         tensors[openset.BIAS] = torch.cat([b.flatten() for b in biases])
     if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
         try:
-            state = head.from_stages([stage.tensors for stage in stages]).state_dict()
-            _check_head_width(state, width)
+            module = head.from_stages([stage.tensors for stage in stages])
+            module.check_width(width)
+            state = module.state_dict()
         except (RuntimeError, KeyError, ValueError) as exc:  # a crafted or damaged head tensor
             raise _stage_error(run, stages[-1].index, exc) from exc
         tensors.update({restore.HEAD + k: v for k, v in state.items()})
     return tensors
-
-
-def _check_head_width(state: dict[str, torch.Tensor], width: int) -> None:
-    """The analytic head reads one or two subspaces of the network's width: ValueError otherwise."""
-    rows = state["projection"].shape[0] if state["projection"].dim() == 2 else -1
-    if rows not in (width, 2 * width):
-        raise ValueError(f"the head's projection has {rows} input rows, not {width} or {2 * width}")
-    mean = state.get("cov_mean")
-    if mean is not None and mean.shape[-1] != width:
-        raise ValueError(f"the class covariances have width {mean.shape[-1]}, not the network's {width}")
 
 
 def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], RunConfig]:
@@ -463,6 +454,7 @@ def predict_sets(
             indices=distributed.shard(len(item.images)),
             progress=report_step,
             stages=model.stages_scored,
+            layout=model.layout_scored,
         )
         scores = model.scores(feats)
         predictions.append(scores.topk(min(TOP_K, scores.shape[1]), dim=1).indices.cpu())
@@ -953,6 +945,8 @@ def _prototypes(stage: _StageContext) -> _Fitted:
     tick = time.perf_counter()
     images, model, head = stage.images, stage.model, analytic_head(stage.config)
     shard = distributed.shard(len(images))
+    # the head's input may end with the PTM's layout rows: g as stage 1 stored it, or as configured
+    layout = 0 if head is None else model.layout_scored if model.head is not None else stage.config.ranpac.layout_grid
     feats, labels = embed_images(
         model.network,
         images,
@@ -962,9 +956,11 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         precision=stage.precision,
         indices=shard,
         progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
+        layout=layout,
     )
+    subspaces = feats[:, : model.network.num_subspaces]
     old_bias = model.unknown_bias
-    model.add_classes(list(images.class_names), stage.index, class_means(feats, labels, len(images.class_names)))
+    model.add_classes(list(images.class_names), stage.index, class_means(subspaces, labels, len(images.class_names)))
     calibration = _calibrate(stage, feats, labels, shard)
     new_bias = torch.full((len(images.class_names),), calibration.threshold)
     if old_bias is not None or stage.index == 1:  # a run from before open-set scoring stays without it

@@ -277,6 +277,21 @@ def class_token_attention(block: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
     return probs, v
 
 
+def ptm_layout(model: nn.Module, x: Tensor, grid: int) -> Tensor:
+    """The image's layout in the PTM: the last block for every token (input ``x``, the block before's
+    output), the final norm, and the patch tokens averaged over a ``grid`` x ``grid`` partition of
+    the image, (B, grid², d), cells in row-major order. A cell's mean says what is where, which the
+    class token alone does not (Caltech-101's Faces and Faces_easy: the same faces, two framings)."""
+    y, _ = block_with_attention(model.blocks[-1], x)
+    patches = model.norm(y)[:, model.num_prefix_tokens :]  # (B, P, d)
+    b, p, d = patches.shape
+    side = math.isqrt(p)
+    if side * side != p or side < grid:
+        raise ValueError(f"the PTM's {p} patch tokens are not a square grid of at least {grid} x {grid}")
+    cells = F.adaptive_avg_pool2d(patches.transpose(1, 2).reshape(b, d, side, side), grid)  # (B, d, g, g)
+    return cells.flatten(2).transpose(1, 2)
+
+
 def ptm_class_feature(model: nn.Module, x: Tensor, cls_probs: Tensor, values: Tensor) -> Tensor:
     """Last PTM block for the class token only, then the final norm: f_0. (B, d)"""
     block = model.blocks[-1]

@@ -46,6 +46,9 @@ class EaseConfig:
     dropout: float = 0.1  # on the bottleneck, training only (as in the public EASE code)
 
 
+MAX_LAYOUT_GRID = 8  # ranpac.layout_grid's bound (and that of a g a run or an export stores)
+
+
 @dataclass(frozen=True)
 class RanpacConfig:
     """The RanPAC baseline's analytic head (``ranpac.py``): random projection + ReLU + ridge."""
@@ -59,6 +62,10 @@ class RanpacConfig:
     covariance_weight: float = 0.0
     covariance_shrink: float = 0.3  # a: S <- (1 - a) S + a (tr S / d) I
     covariance_blend: float = 0.8  # b: S_c <- (1 - b) S_c + b S_pooled
+    # the PTM's layout in the head's input (drl's default, not RanPAC's): g > 0 appends the last
+    # block's patch tokens averaged over a g x g grid of the image (backbone.ptm_layout), fixed at stage 1
+    layout_grid: int = 0
+    layout_scale: float = 1.0  # the layout's weight against f_0 in the input (folded into R's rows)
 
     def resolved_proj_dim(self, width: int) -> int:
         return self.proj_dim if self.proj_dim is not None else min(3000, 16 * width)
@@ -301,6 +308,8 @@ _RANGES = {
     ("ranpac", "covariance_weight"): Range(0, 100),
     ("ranpac", "covariance_shrink"): Range(0, 1),
     ("ranpac", "covariance_blend"): Range(0, 1),
+    ("ranpac", "layout_grid"): Range(0, MAX_LAYOUT_GRID),
+    ("ranpac", "layout_scale"): Range(0, 100, low_open=True),
     ("open_set", "rejection"): Range(0, 0.5, low_open=True),
     ("open_set", "holdout"): Range(0, 0.5, low_open=True),
 }

@@ -123,19 +123,20 @@ class IPANetwork(nn.Module):
         self.stages.append(stage)
         return stage
 
-    def forward(self, images: Tensor, stages: int | None = None) -> Tensor:
+    def forward(self, images: Tensor, stages: int | None = None, layout: int = 0) -> Tensor:
         """Every subspace in one pass: (B, 1+S, d) = [f_0, f_1, ..., f_S]; with ``stages`` k only the
         leading ones, (B, 1+k, d): later stages' streams are not computed (a head that reads f_0
         alone costs one bare PTM pass). A subspace never depends on later stages, so these equal
-        the leading columns of the full output."""
-        return self._run(images, train_last=False, keep=stages)
+        the leading columns of the full output. With ``layout`` g > 0, the PTM's layout rows
+        (``backbone.ptm_layout``, g² of them) follow the subspaces: (B, 1+k+g², d)."""
+        return self._run(images, train_last=False, keep=stages, layout=layout)
 
     def forward_train(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """(f_0, f_S) for training the newest stage; only f_S's stream carries gradients."""
         feats = self._run(images, train_last=True)
         return feats[:, 0], feats[:, -1]
 
-    def _run(self, images: Tensor, *, train_last: bool, keep: int | None = None) -> Tensor:
+    def _run(self, images: Tensor, *, train_last: bool, keep: int | None = None, layout: int = 0) -> Tensor:
         frozen = list(self.stages[:-1] if train_last else self.stages)
         if keep is not None:
             frozen = frozen[:keep]
@@ -164,7 +165,11 @@ class IPANetwork(nn.Module):
                 feats.extend(self._transfer(old, _streams(streams, len(frozen)), cls_probs).unbind(0))
         if new is not None:
             feats.append(self._transfer(new_params, _streams(new, 1), cls_probs)[0])
-        return torch.stack(feats, dim=1)
+        out = torch.stack(feats, dim=1)
+        if layout:
+            with torch.no_grad():
+                out = torch.cat([out, backbone.ptm_layout(self.ptm, x0, layout)], dim=1)
+        return out
 
     def _frozen_stack(self, stages: list[StageAdapters]) -> dict[str, Tensor]:
         """``_stack(stages)``, cached while those parameters are unchanged (no copy per forward)."""

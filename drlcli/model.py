@@ -104,9 +104,16 @@ class IncrementalModel:
             return None
         return self.head.stages_read(self.network.width)
 
+    @property
+    def layout_scored(self) -> int:
+        """g of the PTM layout rows an analytic head reads after the subspaces (``backbone.ptm_layout``;
+        the default ``drl`` head's); 0: none."""
+        return 0 if self.head is None else self.head.layout_grid
+
     def features(self, images: Tensor) -> Tensor:
-        """The subspace features scoring reads, (B, S', d), of a preprocessed batch: one network pass."""
-        return self.network(images, self.stages_scored)
+        """The features scoring reads, (B, S', d), of a preprocessed batch: one network pass. The
+        subspaces first, then the head's layout rows if it reads any."""
+        return self.network(images, self.stages_scored, self.layout_scored)
 
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
@@ -175,10 +182,12 @@ def embed_images(
     indices: list[int] | None = None,
     progress: Any = None,
     stages: int | None = None,
+    layout: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Subspace features (N, S, d), fp32 on the CPU, of every image (eval transform) and their local
     labels (N,); only the images at ``indices`` when given (a process's shard), only the subspaces
-    of the first ``stages`` stages when given. The forward runs in ``precision`` (``precision.autocast``)."""
+    of the first ``stages`` stages when given, followed by the PTM's layout rows with ``layout`` g > 0
+    (N, S + g², d). The forward runs in ``precision`` (``precision.autocast``)."""
     device = _device_of(network)
     dataset = ImageDataset(images, eval_transform(data_config))
     loader = make_loader(
@@ -191,10 +200,10 @@ def embed_images(
     feats, labels = [], []
     if len(loader.dataset) == 0:  # an empty shard
         width = network.num_subspaces if stages is None else network.num_subspaces - network.num_stages + stages
-        return torch.zeros(0, width, network.width), torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, width + layout**2, network.width), torch.zeros(0, dtype=torch.long)
     for step, (batch, target) in enumerate(start_workers(loader), 1):
         with autocast(device, precision):
-            out = network(batch.to(device, non_blocking=True), stages)  # (B, S, d)
+            out = network(batch.to(device, non_blocking=True), stages, layout)  # (B, S, d)
         feats.append(out.float().cpu())
         labels.append(target)
         if progress is not None:

@@ -39,6 +39,15 @@ within-class scatter with its image and class counts (statistics file); the newe
 weights hold the pooled S and (w, a, b). The precisions are computed when the head is built, so
 every class's P_c uses the newest S (``docs/benchmarks.md``: freezing them at their own stage lost
 the gain on Caltech-101).
+
+The PTM's layout (``ranpac.layout_grid`` g > 0; drl's default g 2, not RanPAC's): the ridge's input
+is h = [f_0, l_1, ..., l_g²], l_k the mean of the PTM's final patch tokens over cell k of a g x g
+grid of the image (``backbone.ptm_layout``, from the same PTM pass: its last block runs for every
+token instead of the class token alone). The class token is trained to ignore where things are;
+the cells keep it, which separates classes such as Caltech-101's Faces and Faces_easy (the same
+faces, framed wide or tight). ``ranpac.layout_scale`` s weighs the cells against f_0; it is folded
+into R (the cells' rows times s), so scoring costs nothing for it. g is stored in stage 1's weights
+beside R. The class covariances stay on f_0.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import distributed
-from .config import RanpacConfig, RunConfig
+from .config import MAX_LAYOUT_GRID, RanpacConfig, RunConfig
 from .errors import IntegrityError
 from .methods.ranpac import TENSOR_PREFIX as PREFIX  # tensor names in a stage's weights file
 
@@ -63,15 +72,38 @@ if TYPE_CHECKING:
 STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, stored as float32
 
 
-def random_projection(width: int, proj_dim: int, *, seed: int) -> Tensor:
-    """R (d, M), N(0, 1) entries (RanPAC's W_rand), from its own generator."""
-    return torch.randn(width, proj_dim, generator=torch.Generator().manual_seed(seed))
+LAYOUT = f"{PREFIX}layout"  # () int64 in stage 1's weights: g, the PTM layout grid of the head's input
 
 
-def head_input(features: Tensor, input_dim: int) -> Tensor:
-    """The head's input h: the leading subspaces of (B, S, d) features, concatenated, (B, input_dim);
-    one subspace (f_0, RanPAC's) or more (``ranpac.subspaces``: [f_0, f_1] adds stage 1's)."""
-    return features[:, : input_dim // features.shape[-1]].flatten(1)
+def random_projection(width: int, proj_dim: int, *, seed: int, layout_rows: int = 0, layout_scale: float = 1.0) -> Tensor:
+    """R (width, M), N(0, 1) entries (RanPAC's W_rand), from its own generator; its last
+    ``layout_rows`` rows (those the PTM layout meets) times ``layout_scale``: ReLU([f_0, s·l] R)
+    with l the layout is ReLU([f_0, l] R'), so the scale lives in R and costs nothing to score."""
+    projection = torch.randn(width, proj_dim, generator=torch.Generator().manual_seed(seed))
+    if layout_rows:
+        projection[width - layout_rows :] *= layout_scale
+    return projection
+
+
+def head_input(features: Tensor, input_dim: int, layout_cells: int = 0) -> Tensor:
+    """The head's input h, (B, input_dim): the leading subspaces of (B, S, d) features (f_0, RanPAC's;
+    ``ranpac.subspaces`` 2: [f_0, f_1]) and, with ``layout_cells`` > 0, the last that many rows
+    (the PTM's layout, ``backbone.ptm_layout``), concatenated."""
+    subspaces = input_dim // features.shape[-1] - layout_cells
+    rows = features[:, :subspaces]
+    if layout_cells:
+        rows = torch.cat([rows, features[:, features.shape[1] - layout_cells :]], dim=1)
+    return rows.flatten(1)
+
+
+def check_layout(value: Tensor | None) -> int:
+    """g from a stored layout tensor (None: 0, no layout); ``ValueError`` for anything but a small
+    non-negative integer."""
+    if value is None:
+        return 0
+    if value.numel() != 1 or value.dtype != torch.int64 or not 0 <= int(value) <= MAX_LAYOUT_GRID:
+        raise ValueError(f"{LAYOUT} must be one int64 in [0, {MAX_LAYOUT_GRID}], got {value.dtype} {value.tolist()}")
+    return int(value)
 
 
 def expand(features: Tensor, projection: Tensor) -> Tensor:
@@ -316,8 +348,11 @@ class RanpacHead(nn.Module):
         cov_mean: Tensor | None = None,
         cov_precision: Tensor | None = None,
         cov_weight: Tensor | None = None,
+        layout: int = 0,
     ):
         super().__init__()
+        self.layout_grid = layout  # g: the input ends with the PTM's g² layout rows (0: none)
+        self.register_buffer("layout", torch.tensor(layout) if layout else None)
         self.register_buffer("projection", projection.float().contiguous())  # (d, M)
         self.register_buffer("weight", weight.float().contiguous())  # (M, C)
         parts = (cov_mean, cov_precision, cov_weight)
@@ -342,7 +377,8 @@ class RanpacHead(nn.Module):
     def forward(self, features: Tensor) -> Tensor:
         # the head lives on the model's device and scores in fp32 (``IncrementalModel.scores``): no
         # per-batch copy, and no `.to(features)` that a traced graph would record with its device
-        phi = F.relu(head_input(features, self.projection.shape[0]) @ self.projection)  # (B, M)
+        cells = self.layout_grid**2
+        phi = F.relu(head_input(features, self.projection.shape[0], cells) @ self.projection)  # (B, M)
         scores = phi @ self.weight
         if self.cov_mean is None:
             return scores
@@ -350,28 +386,49 @@ class RanpacHead(nn.Module):
         distance = (torch.einsum("bcd,cde->bce", diff, self.cov_precision) * diff).sum(-1)  # (B, C)
         return standardise(scores) - self.cov_weight * standardise(distance)
 
+    def check_width(self, width: int) -> None:
+        """ValueError unless the head reads one or two subspaces of the network's ``width`` (and its
+        layout rows) and its class covariances have that width."""
+        cells = self.layout_grid**2
+        rows = self.projection.shape[0] if self.projection.dim() == 2 else -1
+        allowed = [width * (subspaces + cells) for subspaces in (1, 2)]
+        if rows not in allowed:
+            raise ValueError(f"the head's projection has {rows} input rows, not {' or '.join(map(str, allowed))}")
+        if self.cov_mean is not None and self.cov_mean.shape[-1] != width:
+            raise ValueError(f"the class covariances have width {self.cov_mean.shape[-1]}, not the network's {width}")
+
     def stages_read(self, width: int) -> int:
         """How many stage subspaces after f_0 the head reads (0: f_0 alone, RanPAC's)."""
-        return self.projection.shape[0] // width - 1
+        return self.projection.shape[0] // width - self.layout_grid**2 - 1
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> RanpacHead:
         return cls(
-            state["projection"], state["weight"], state.get("cov_mean"), state.get("cov_precision"), state.get("cov_weight")
+            state["projection"],
+            state["weight"],
+            state.get("cov_mean"),
+            state.get("cov_precision"),
+            state.get("cov_weight"),
+            layout=check_layout(state.get("layout")),
         )
 
     @classmethod
     def from_stages(cls, stage_tensors: list[dict[str, Tensor]]) -> RanpacHead:
         """R from stage 1's weights, W (and, with class covariances, S and w, a, b) from the newest
         stage's, μ_c and S_c from each class's own stage."""
-        return cls.assemble(stage_tensors[0][f"{PREFIX}projection"], stage_tensors[-1], stage_tensors)
+        first = stage_tensors[0]
+        layout = check_layout(first.get(LAYOUT))
+        return cls.assemble(first[f"{PREFIX}projection"], stage_tensors[-1], stage_tensors, layout=layout)
 
     @classmethod
-    def assemble(cls, projection: Tensor, newest: dict[str, Tensor], stages: list[dict[str, Tensor]]) -> RanpacHead:
-        """The head from R, the newest stage's tensors and every stage's (for μ_c and S_c)."""
+    def assemble(
+        cls, projection: Tensor, newest: dict[str, Tensor], stages: list[dict[str, Tensor]], *, layout: int = 0
+    ) -> RanpacHead:
+        """The head from R, the newest stage's tensors and every stage's (for μ_c and S_c); ``layout``
+        g as stage 1 stored it."""
         weight = newest[f"{PREFIX}weight"]
         if COV_PARAMS not in newest:
-            return cls(projection, weight)
+            return cls(projection, weight, layout=layout)
         if any(COV_MEAN not in t or COV_COVARIANCE not in t for t in stages) or COV_SHARED not in newest:
             raise ValueError("a stage lacks the class-covariance tensors its newest stage uses")
         params = newest[COV_PARAMS]
@@ -390,6 +447,7 @@ class RanpacHead(nn.Module):
             torch.cat([t[COV_MEAN] for t in stages]),
             precisions(covariances, shared, shrink=shrink, blend=blend),
             torch.tensor(cov_weight),
+            layout=layout,
         )
 
 
@@ -426,17 +484,22 @@ def fit_stage(
     cfg = config.ranpac
     head = loaded.model.head
     if head is None:
-        width = features.shape[-1] * cfg.subspaces
+        layout = cfg.layout_grid
+        layout_rows = features.shape[-1] * layout**2
+        width = features.shape[-1] * cfg.subspaces + layout_rows
         proj_dim = cfg.resolved_proj_dim(features.shape[-1])
-        projection = random_projection(width, proj_dim, seed=config.train.seed).to(STAT_DTYPE)
-    else:  # R as stage 1 stored it (the head was built from it), on the CPU where the statistics are
-        # summed: the head itself lives on the model's device, possibly a GPU
+        projection = random_projection(
+            width, proj_dim, seed=config.train.seed, layout_rows=layout_rows, layout_scale=cfg.layout_scale
+        ).to(STAT_DTYPE)
+    else:  # R and g as stage 1 stored them (the head was built from them), R on the CPU where the
+        # statistics are summed: the head itself lives on the model's device, possibly a GPU
+        layout = head.layout_grid
         projection = loaded.stage_tensors[0][f"{PREFIX}projection"].to(STAT_DTYPE)
     val_all = validation_mask(
         torch.tensor(image_labels), fraction=cfg.val_fraction, seed=config.train.seed + stage_index
     )
     val = val_all if indices is None else val_all[torch.tensor(indices, dtype=torch.long)]
-    phi = expand(head_input(features, projection.shape[0]).cpu(), projection)
+    phi = expand(head_input(features, projection.shape[0], layout**2).cpu(), projection)
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
     run, manifest = loaded.run, loaded.manifest
     previous_files = [run.stage_statistics(i, manifest) for i in run.stage_indices(manifest)]
@@ -447,6 +510,8 @@ def fit_stage(
     tensors = {f"{PREFIX}weight": weight.float()}
     if head is None:
         tensors[f"{PREFIX}projection"] = projection.float()
+        if layout:
+            tensors[LAYOUT] = torch.tensor(layout)
     statistics = stage.to_tensors()
     if cfg.covariance_weight > 0:
         if head is not None and head.cov_mean is None:
@@ -470,7 +535,7 @@ def fit_stage(
         )
     # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits them there)
     earlier = loaded.stage_tensors if COV_PARAMS in tensors else []
-    new_head = RanpacHead.assemble(projection, tensors, [*earlier, tensors])
+    new_head = RanpacHead.assemble(projection, tensors, [*earlier, tensors], layout=layout)
     meta = {
         "lambda": lam,
         "validation_errors": dict(zip([f"{x:g}" for x in lambdas], errors)),

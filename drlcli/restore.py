@@ -72,6 +72,7 @@ def restore_model(
     if analytic is not None and class_names:
         try:
             head = analytic.from_state(with_prefix(tensors, HEAD))
+            head.check_width(network.width)
         except (RuntimeError, KeyError, ValueError) as exc:
             raise fit_error(None, exc) from exc
         head = head.to(next(ptm.parameters()).device)

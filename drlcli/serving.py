@@ -80,6 +80,7 @@ class ScoringGraph(nn.Module):
         self.network = model.network
         self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
         self.stages = model.stages_scored  # the head's subspaces only: the others are not computed
+        self.layout = model.layout_scored  # and its PTM layout rows, if any
         bank = model.prototype_bank().detach()  # (C, S, d), synthesised rows included
         cfg = model.score_cfg
         weights = score_weights(model.class_stage, bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=model.offset)
@@ -93,7 +94,7 @@ class ScoringGraph(nn.Module):
         self.register_buffer("open_bias", bias.detach().clone().float())  # (C,)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        features = self.network(images, self.stages)  # (B, S, d)
+        features = self.network(images, self.stages, self.layout)  # (B, S [+ g²], d)
         known = known_scores(features[:, 0], self.bank[:, 0], self.open_bias)  # subspace 0 is never synthesised
         if self.head is not None:
             return self.head(features), known

@@ -106,7 +106,8 @@ def test_the_analytic_head_scores_features_from_any_device(learned_run):
 
     model = load_run(learned_run, device="cpu").model
     assert model.head is not None  # drl's default scoring: the ridge + class-covariance head
-    features = torch.randn(5, model.num_subspaces, model.network.width, generator=torch.Generator().manual_seed(0))
+    rows = model.num_subspaces + model.layout_scored**2  # the subspaces, then the PTM's layout rows
+    features = torch.randn(5, rows, model.network.width, generator=torch.Generator().manual_seed(0))
     on_cpu = model.scores(features)
     model.head.to("meta")
     elsewhere = model.scores(features)
@@ -122,7 +123,7 @@ def test_fitting_a_stage_reads_nothing_from_the_head_on_its_device(learned_run):
     loaded = load_run(learned_run, device="cpu")
     model = loaded.model
     g = torch.Generator().manual_seed(0)
-    features = torch.randn(12, model.num_subspaces, model.network.width, generator=g)
+    features = torch.randn(12, model.num_subspaces + model.layout_scored**2, model.network.width, generator=g)
     labels = torch.arange(3).repeat_interleave(4)
 
     def fit():
@@ -271,7 +272,7 @@ def test_prototype_scoring_is_fp32_under_bf16_autocast(run_dir, stage_folders):
     model = load_run(run_dir, device="cpu").model
     images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        features = model.network(images)
+        features = model.features(images)
         expected = model.scores(features)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = model.scores(features.bfloat16())

@@ -27,7 +27,14 @@ def learned(run_dir, stage_folders):
 
 
 def _predict(model, folder):
-    feats, _ = embed_images(model.network, scan_class_folders(folder), model.data_config, batch_size=16)
+    feats, _ = embed_images(
+        model.network,
+        scan_class_folders(folder),
+        model.data_config,
+        batch_size=16,
+        stages=model.stages_scored,
+        layout=model.layout_scored,
+    )
     return model.scores(feats)
 
 

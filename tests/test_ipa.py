@@ -199,6 +199,24 @@ def test_leading_subspaces_only_equal_the_full_output(tiny_ptm, images, monkeypa
     assert torch.equal(net(images, 0), full[:, :1]) and not calls
 
 
+@torch.no_grad()
+def test_layout_rows_are_the_ptms_patch_tokens_averaged_over_a_grid(tiny_ptm, images):
+    """forward(images, k, layout=g): the subspaces as without it, then g² rows, the PTM's final
+    patch tokens (timm's own forward) averaged over a g x g grid of the image, row-major."""
+    net = _network(tiny_ptm, stages=2, randomize=True)
+    full = net(images)
+    tokens = tiny_ptm.forward_features(images)[:, tiny_ptm.num_prefix_tokens :]  # (B, 16, d): 4 x 4 patches
+    b, _, d = tokens.shape
+    quarters = tokens.reshape(b, 2, 2, 2, 2, d).mean((2, 4)).reshape(b, 4, d)  # (row, col) halves
+    got = net(images, 1, layout=2)
+    assert got.shape == (b, 2 + 4, d)
+    assert torch.allclose(got[:, :2], full[:, :2], atol=1e-6)
+    assert torch.allclose(got[:, 2:], quarters, atol=1e-5)
+    assert torch.allclose(net(images, 0, layout=1)[:, 1], tokens.mean(1), atol=1e-5)
+    with pytest.raises(ValueError, match="not a square grid of at least 5 x 5"):
+        net(images, 0, layout=5)
+
+
 def test_forward_train_matches_inference_and_only_the_new_stage_gets_gradients(tiny_ptm, images):
     net = _network(tiny_ptm, stages=3, randomize=True)
     for st in net.stages[:-1]:

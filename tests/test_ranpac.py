@@ -19,11 +19,13 @@ from drlcli.errors import UsageError
 from drlcli.model import embed_images
 from drlcli.predict import expand_sources, predict
 from drlcli.ranpac import (
+    LAYOUT,
     RanpacHead,
     Statistics,
     choose_lambda,
     expand,
     pack,
+    random_projection,
     solve,
     unpack,
     validation_errors,
@@ -197,7 +199,7 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
     loaded = load_run(run, device="cpu")
     model = loaded.model
     assert isinstance(model.head, RanpacHead)
-    assert model.head.projection.shape == (subspaces * model.network.width, 64)
+    assert model.head.projection.shape == ((subspaces + 4) * model.network.width, 64)  # + drl's 2 x 2 layout
     assert model.head.weight.shape == (64, 6)
     assert "lambda" in loaded.stage_metas[-1]["ridge"] and result.eval.top1 > 50
     images = scan_class_folders(stage_folders[1][1])
@@ -205,8 +207,8 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
     with torch.no_grad():
         want = model.score_images(x)
         # inference computes the subspaces the head reads, no more; their scores are the full pass's
-        assert model.stages_scored == subspaces - 1 and model.features(x).shape[1] == subspaces
-        assert torch.allclose(want, model.scores(model.network(x)), atol=1e-5)
+        assert model.stages_scored == subspaces - 1 and model.features(x).shape[1] == subspaces + 4
+        assert torch.allclose(want, model.scores(model.network(x, layout=2)), atol=1e-5)
         export_run(run, tmp_path / "m.drl")
         assert torch.allclose(load_export(tmp_path / "m.drl").score_images(x), want, atol=1e-5)
     assert export_run(run, tmp_path / "m.pt", fmt="torchscript").check_max_abs_diff <= 1e-3
@@ -337,6 +339,7 @@ def test_precisions_of_real_widths_under_several_threads(threads):
 
 def test_drl_defaults_to_class_covariances_and_ranpac_stays_ranpac():
     assert RunConfig.for_method("drl").ranpac.covariance_weight == 4.0
+    assert (RunConfig.for_method("drl").ranpac.layout_grid, RunConfig.for_method("drl").ranpac.layout_scale) == (2, 0.5)
     assert RunConfig.for_method("drl").score.head == "ridge"
     assert RunConfig.for_method("ranpac").ranpac.covariance_weight == 0.0  # the baseline as published
     assert RunConfig.for_method("drl", preset="paper").score.head == "prototypes"
@@ -364,3 +367,77 @@ def test_crafted_class_covariances_are_refused(covariance_run, stage_folders, tm
     result = CliRunner().invoke(app, ["predict", image, "--run", str(run), "--json"])
     assert result.exit_code == 5, result.stdout
     assert "stage 2 of run" in result.stderr and "restore it from a backup" in result.stderr
+
+
+LAYOUT_CFG = {"ranpac": {"proj_dim": 64, "covariance_weight": 2.0, "layout_grid": 2, "layout_scale": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory, stage_folders):
+    """ranpac with class covariances and the PTM's 2 x 2 layout in the ridge input (drl's default head)."""
+    run = tmp_path_factory.mktemp("layout") / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("ranpac", LAYOUT_CFG))
+    for train, _ in stage_folders[:2]:
+        learn_stage(run, data_dir=train, device="cpu")
+    return run
+
+
+def test_layout_head_equals_the_batch_ridge_on_f0_and_the_layout(layout_run, stage_folders, tmp_path):
+    """The ridge reads [f_0, the four grid cells of the PTM's patch tokens], the cells' rows of R
+    scaled by layout_scale; stage 1 stores g; inference computes f_0 and the layout, nothing more;
+    the stored W equals the ridge on both stages' images at once; exports score like the run."""
+    loaded = load_run(layout_run, device="cpu")
+    model, head = loaded.model, loaded.model.head
+    width = model.network.width
+    assert int(loaded.stage_tensors[0][LAYOUT]) == 2 and LAYOUT not in loaded.stage_tensors[1]
+    assert (head.layout_grid, model.layout_scored, model.stages_scored) == (2, 2, 0)
+    plain = random_projection(5 * width, 64, seed=0)
+    assert torch.equal(head.projection[:width], plain[:width])
+    assert torch.allclose(head.projection[width:], 0.5 * plain[width:])
+    feats, labels = [], []
+    for k, (train, _) in enumerate(stage_folders[:2]):
+        f, y = embed_images(model.network, scan_class_folders(train), model.data_config, batch_size=64, stages=0, layout=2)
+        assert f.shape[1:] == (5, width)
+        feats.append(f.flatten(1))
+        labels.append(y + 3 * k)
+    phi = expand(torch.cat(feats), head.projection.double())
+    y = F.one_hot(torch.cat(labels), 6).double()
+    lam = loaded.stage_metas[-1]["ridge"]["lambda"]
+    direct = torch.linalg.solve(phi.T @ phi + lam * torch.eye(64, dtype=torch.float64), phi.T @ y)
+    assert torch.allclose(head.weight.double(), direct, rtol=1e-3, atol=1e-4 * float(direct.abs().max()))
+    images = scan_class_folders(stage_folders[1][1])
+    x = torch.stack([eval_transform(model.data_config)(Image.open(p).convert("RGB")) for p in images.paths[:6]])
+    with torch.no_grad():
+        assert model.features(x).shape[1] == 5
+        want = model.score_images(x)
+        export_run(layout_run, tmp_path / "m.drl")
+        assert torch.allclose(load_export(tmp_path / "m.drl").score_images(x), want, atol=1e-5)
+    for name, fmt in (("m.pt", "torchscript"), ("m.pt2", "pt2")):
+        assert export_run(layout_run, tmp_path / name, fmt=fmt).check_max_abs_diff <= 1e-3
+
+
+def test_layout_grid_is_checked():
+    assert RunConfig.for_method("ranpac").ranpac.layout_grid == 0  # the baseline as published
+    with pytest.raises(UsageError, match="layout_grid"):
+        RunConfig.for_method("drl", {"ranpac": {"layout_grid": 9}})
+    with pytest.raises(UsageError, match="layout_scale"):
+        RunConfig.for_method("drl", {"ranpac": {"layout_scale": 0}})
+
+
+@pytest.mark.parametrize(
+    "craft",
+    [
+        lambda t: t.update({LAYOUT: torch.tensor(3)}),  # R's rows no longer fit f_0 and 9 cells
+        lambda t: t.update({LAYOUT: torch.tensor(2.0)}),
+        lambda t: t.update({LAYOUT: torch.tensor([2, 2])}),
+        lambda t: t.update({LAYOUT: torch.tensor(-1)}),
+        lambda t: t.pop(LAYOUT),  # R has 5 subspaces' rows: no f_0 (+ f_1) reading fits them
+    ],
+)
+def test_crafted_layout_is_refused(layout_run, stage_folders, tmp_path, craft):
+    run = shutil.copytree(layout_run, tmp_path / "run")
+    rewrite_stage_weights(run, 1, craft)
+    image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
+    result = CliRunner().invoke(app, ["predict", image, "--run", str(run), "--json"])
+    assert result.exit_code == 5, result.stdout
+    assert "of run" in result.stderr and "restore it from a backup" in result.stderr

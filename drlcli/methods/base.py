@@ -49,9 +49,11 @@ class StageNetwork(Protocol):
         """Append a freshly initialised stage (seeded, on the PTM's device) and return it."""
         ...
 
-    def forward(self, images: Tensor, stages: int | None = None) -> Tensor:
+    def forward(self, images: Tensor, stages: int | None = None, layout: int = 0) -> Tensor:
         """Every subspace's feature: (B, 3, H, W) -> (B, S, d); with ``stages`` k, only the subspaces
-        of the PTM (when the method has one) and of the first k stages, the others not computed."""
+        of the PTM (when the method has one) and of the first k stages, the others not computed;
+        with ``layout`` g > 0, g² rows of the PTM's layout after them (``backbone.ptm_layout``;
+        methods with a PTM subspace only)."""
         ...
 
     def forward_train(self, images: Tensor) -> tuple[Tensor | None, Tensor]:
@@ -71,7 +73,8 @@ class HeadFit(Protocol):
 
 class AnalyticHead(Protocol):
     """A head fitted from statistics instead of scored against prototypes (``ranpac.py``):
-    ``head(features (B, S, d)) -> scores (B, C)``."""
+    ``head(features (B, S, d)) -> scores (B, C)``. The head module also says what it reads
+    (``stages_read(width)``, ``layout_grid``) and checks it against the network (``check_width``)."""
 
     def fit_stage(
         self,

@@ -2,8 +2,9 @@
 subspace plus one per stage, each stage trained with DAS + distillation (``train.py``).
 
 Scoring, chosen on validation splits (``docs/benchmarks.md``, issue 15): a new run is scored by the
-analytic ridge head on the PTM subspace (``score.head: ridge``, ``ranpac.py``), which beat the
-paper's reweighted cosine to the prototype bank on Caltech-101 and Caltech-101-Sketch. The paper's
+analytic ridge head on the PTM subspace and the PTM's 2 x 2 layout, with class covariances
+(``score.head: ridge``, ``ranpac.py``), which beat the paper's reweighted cosine to the prototype
+bank on Caltech-101 and Caltech-101-Sketch. The paper's
 recipe is the ``paper`` preset (``drl init --preset paper``)."""
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ METHOD = Method(
     trains=True,
     offset=1,
     tensor_prefix="ipa.",
-    defaults={"score": {"head": "ridge"}, "ranpac": {"covariance_weight": 4.0}},
+    defaults={
+        "score": {"head": "ridge"},
+        "ranpac": {"covariance_weight": 4.0, "layout_grid": 2, "layout_scale": 0.5},
+    },
     presets={"paper": {"score": {"head": "prototypes"}}},  # the paper's §III-D scoring, SPEC §2.3
 )

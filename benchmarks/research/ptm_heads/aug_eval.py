@@ -109,6 +109,7 @@ def main():
     ap.add_argument("--cols", default="c11")
     ap.add_argument("--M", type=int, default=3000)
     ap.add_argument("--grid", type=int, default=0, help="1: read extract_grid.py's cache (columns c11, g11, c7, g7)")
+    ap.add_argument("--gscale", type=float, default=1.0, help="with --grid: the g11/g7 columns of the ridge input times this")
     ap.add_argument("--f0", type=int, default=0, help="1: read extract.py's f_0-only cache (full Sketch test); --cols c11")
     ap.add_argument("--qda", default="", help="comma list of weights w: also score z(ridge) + w z(FeCAM-style QDA)")
     ap.add_argument("--qcols", default="", help="QDA feature columns (default: --cols)")
@@ -123,6 +124,10 @@ def main():
     torch.set_num_threads(int(__import__("os").environ.get("THREADS", "2")))
     cols = a.cols.split(",")
     feats = load_feats(a.data if a.f0 else f"{a.data}_grid" if a.grid else f"{a.data}_ml")
+    if a.grid and a.gscale != 1.0:  # every part's grid columns, so fit and evaluation see the same input
+        for x, _, _ in feats["parts"].values():
+            for lo, hi in (GRID["g11"], GRID["g7"]):
+                x[:, lo:hi] *= a.gscale
     Xtr_ml, ytr, _ = feats["parts"]["train"]
     pick = (lambda tokens: np.arange(192)) if a.f0 else grid_cols if a.grid else ml_cols
     Xtr = Xtr_ml[:, pick(cols)]
@@ -175,10 +180,10 @@ def main():
                     rec[(k, w)]["groups"].append([100.0 * ok[g == j].mean() for j in range(t + 1)])
         res = {(k if w is None else f"{k}+q{w:g}"): metrics(r["groups"], r["accs"]) for (k, w), r in rec.items()}
         msg = " ".join(f"{k}:{r['Abar']:.2f}/{r['AT']:.2f}/F{r['forgetting']:.2f}" for k, r in res.items())
-        print(f"{a.data} {a.split} {seed}{' grid' if a.grid else ''} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''}{f'/prior{a.qprior:g}' if a.qprior else ''} max_train={a.max_train}{' rnorm' if a.rnorm else ''} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
+        print(f"{a.data} {a.split} {seed}{f' grid gscale={a.gscale:g}' if a.grid else ''} cols={a.cols} q={a.qcols or a.cols}/{a.qshrink:g}/{a.qblend:g}{'/frozen' if a.qfreeze else ''}{f'/prior{a.qprior:g}' if a.qprior else ''} max_train={a.max_train}{' rnorm' if a.rnorm else ''} views={a.views or '-'} wv={a.wv:g} M={a.M} st={a.lamstep:g} {msg} "
               f"lams={[f'{l:.0e}' for l in head.lams]}", flush=True)
         with open(HERE / "results" / f"{a.data}_{a.split}_aug.jsonl", "a") as f:
-            f.write(json.dumps({"seed": seed, "grid": a.grid, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "qprior": a.qprior, "rnorm": a.rnorm, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
+            f.write(json.dumps({"seed": seed, "grid": a.grid, "gscale": a.gscale, "cols": a.cols, "qcols": a.qcols, "qshrink": a.qshrink, "qblend": a.qblend, "qfreeze": a.qfreeze, "qprior": a.qprior, "rnorm": a.rnorm, "max_train": a.max_train, "views": a.views, "wv": a.wv, "M": a.M, "lamstep": a.lamstep,
                                 "results": res, "lams": head.lams}) + "\n")
 
 
