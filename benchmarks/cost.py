@@ -82,19 +82,20 @@ def classifier_model(method: str, network: torch.nn.Module) -> IncrementalModel:
 
 
 def with_default_head(model: IncrementalModel) -> IncrementalModel:
-    """``model`` scored as the default ``drl`` scores: ridge on ReLU(f_0 R) (M from the config) plus
-    class covariances, random tensors of the real shapes."""
+    """``model`` scored as the default ``drl`` scores: ridge on ReLU([f_0, PTM layout] R) (M and the
+    layout grid from the config) plus class covariances, random tensors of the real shapes."""
     cfg = RunConfig.for_method("drl").ranpac
     g = torch.Generator().manual_seed(1)
     d, num_classes = model.network.width, len(model.class_names)
     proj_dim = cfg.resolved_proj_dim(d)
     a = torch.randn(num_classes, d, d, generator=g) / d**0.5
     model.head = RanpacHead(
-        torch.randn(d, proj_dim, generator=g),
+        torch.randn(d * (1 + cfg.layout_grid**2), proj_dim, generator=g),
         torch.randn(proj_dim, num_classes, generator=g),
         torch.randn(num_classes, d, generator=g),
         a @ a.transpose(1, 2) + torch.eye(d),
         torch.tensor(cfg.covariance_weight),
+        layout=cfg.layout_grid,
     ).to(next(model.network.parameters()).device)
     return model
 

@@ -13,7 +13,7 @@ for line in open(HERE / "results" / f"{data}_{split}_aug.jsonl"):
     r = json.loads(line)
     cfg = (r["cols"], r.get("qcols") or r["cols"], r.get("qshrink", 0.3), r.get("qblend", 0.8), r.get("qfreeze", 0),
            r["views"], r["wv"], r["M"], r.get("lamstep", 1), r.get("qprior", 0), r.get("rnorm", 0), r.get("max_train", 0),
-           f"grid{r['gscale']:g}" if r.get("grid") else "")
+           f"grid{r.get('gscale', 1.0):g}" if r.get("grid") else "")
     for k, m in r["results"].items():
         rows[(cfg, k)][r["seed"]] = m
 for (cfg, k), per in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1])):
