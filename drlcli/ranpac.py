@@ -542,6 +542,7 @@ def fit_stage(
         "num_fit": total.num_fit,
         "num_val": total.num_val,
         "proj_dim": projection.shape[1],
+        "layout_grid": layout,
         "seconds": round(time.perf_counter() - start, 3),
     }
     return StageFit(new_head, tensors, statistics, meta, weight.numel())

@@ -390,6 +390,7 @@ def test_layout_head_equals_the_batch_ridge_on_f0_and_the_layout(layout_run, sta
     model, head = loaded.model, loaded.model.head
     width = model.network.width
     assert int(loaded.stage_tensors[0][LAYOUT]) == 2 and LAYOUT not in loaded.stage_tensors[1]
+    assert [meta["ridge"]["layout_grid"] for meta in loaded.stage_metas] == [2, 2]
     assert (head.layout_grid, model.layout_scored, model.stages_scored) == (2, 2, 0)
     plain = random_projection(5 * width, 64, seed=0)
     assert torch.equal(head.projection[:width], plain[:width])
