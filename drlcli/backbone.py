@@ -282,7 +282,7 @@ def ptm_layout(model: nn.Module, x: Tensor, grid: int) -> Tensor:
     output), the final norm, and the patch tokens averaged over a ``grid`` x ``grid`` partition of
     the image, (B, grid², d), cells in row-major order. A cell's mean says what is where, which the
     class token alone does not (Caltech-101's Faces and Faces_easy: the same faces, two framings)."""
-    y, _ = block_with_attention(model.blocks[-1], x)
+    y = model.blocks[-1](x)  # timm's own block (fused attention): no (B, H, N, N) probabilities kept
     patches = model.norm(y)[:, model.num_prefix_tokens :]  # (B, P, d)
     b, p, d = patches.shape
     side = math.isqrt(p)
