@@ -291,9 +291,10 @@ def _run_tensors(
         bad = non_finite(stage.tensors)
         if bad:
             raise _stage_error(run, stage.index, ValueError(f"tensor {bad} holds NaN or infinite values"))
-        bias = stage.tensors.get(openset.BIAS)
-        if bias is not None and tuple(bias.shape) != expected[:1]:
-            raise _stage_error(run, stage.index, ValueError(f"{openset.BIAS} has shape {tuple(bias.shape)}, expected {expected[:1]}"))
+        for name in (openset.BIAS, *openset.RMD_ROWS):  # one row per class; the rest by openset's checks
+            rows_of = stage.tensors.get(name)
+            if rows_of is not None and (rows_of.dim() == 0 or rows_of.shape[0] != expected[0]):
+                raise _stage_error(run, stage.index, ValueError(f"{name} has shape {tuple(rows_of.shape)}, expected {expected[0]} rows"))
         padded = torch.zeros(expected[0], num_subspaces, width)  # subspaces added later: synthesised
         padded[:, :subspaces] = prototypes
         rows.append(padded)
@@ -303,9 +304,7 @@ def _run_tensors(
             tensors.update({restore.stage_prefix(position) + k: v for k, v in state.items()})
     tensors[restore.PROTOTYPES] = torch.cat(rows) if rows else empty_prototypes(width, method.offset)
     tensors[restore.CLASS_STAGE] = torch.tensor(class_stage, dtype=torch.long)
-    biases = [stage.tensors.get(openset.BIAS) for stage in stages]
-    if stages and all(b is not None for b in biases):  # runs from before open-set scoring have none
-        tensors[openset.BIAS] = torch.cat([b.flatten() for b in biases])
+    tensors.update(_open_set_tensors(run, stages))
     if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
         try:
             module = head.from_stages([stage.tensors for stage in stages])
@@ -314,6 +313,25 @@ def _run_tensors(
         except (RuntimeError, KeyError, ValueError) as exc:  # a crafted or damaged head tensor
             raise _stage_error(run, stages[-1].index, exc) from exc
         tensors.update({restore.HEAD + k: v for k, v in state.items()})
+    return tensors
+
+
+def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch.Tensor]:
+    """The run's open-set tensors from its stages' (``openset.py``): the biases when every stage has
+    them (runs from before open-set scoring have none), the rmd statistics when every stage has them
+    (the rows concatenated, the scatters and their counts summed)."""
+    tensors: dict[str, torch.Tensor] = {}
+    if not stages or any(openset.BIAS not in stage.tensors for stage in stages):
+        return tensors
+    tensors[openset.BIAS] = torch.cat([stage.tensors[openset.BIAS].flatten() for stage in stages])
+    if all(name in stage.tensors for stage in stages for name in openset.RMD_TENSORS):
+        for name in openset.RMD_ROWS:  # row counts checked by the caller, the rest by openset.check_rmd
+            tensors[name] = torch.cat([stage.tensors[name] for stage in stages])
+        for name in (openset.RMD_SCATTER, openset.RMD_SCATTER_COUNTS):
+            try:
+                tensors[name] = torch.stack([stage.tensors[name].double() for stage in stages]).sum(0).float()
+            except RuntimeError as exc:  # stages of different shapes: damage
+                raise _stage_error(run, stages[-1].index, ValueError(f"{name}: {exc}")) from exc
     return tensors
 
 
@@ -461,7 +479,7 @@ def predict_sets(
         targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
         margin = model.known(feats)
         known.append(margin.cpu() if margin is not None else torch.zeros(0))
-    calibrated = model.unknown_bias is not None
+    calibrated = model.open_set_answer is not None
     parts = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets), torch.cat(known)))
     ranked, target = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return ranked, target, torch.cat([p[2] for p in parts]) if calibrated else None
@@ -575,7 +593,8 @@ def evaluate(
                 "--unknown-data needs a run whose every stage calibrated the unknown answer (learned with "
                 "drlcli 0.2 or later); learn the stages again in a new run"
             )
-        open_set = open_set_report(known[~is_unknown], ranked[~is_unknown, 0] == targets[~is_unknown], known[is_unknown])
+        correct = ranked[~is_unknown, 0] == targets[~is_unknown]
+        open_set = open_set_report(known[~is_unknown], correct, known[is_unknown], rule=model.open_set_answer)
         ranked, targets = ranked[~is_unknown], targets[~is_unknown]
     predictions = ranked[:, 0]
     report = accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
@@ -764,8 +783,9 @@ class _Trained:
 @dataclass(frozen=True)
 class _Fitted:
     fit: HeadFit | None  # the analytic head's, if the method has one
-    calibration: Calibration  # the stage's open-set threshold
+    calibration: Calibration  # the stage's open-set thresholds
     bias: torch.Tensor  # (n,) the open-set biases of the stage's classes
+    rmd: tuple[openset.Moments, torch.Tensor] | None  # the rmd rule's moments and (n,) biases of them
     seconds: float  # the feature pass for the prototypes, and the head's fit
 
 
@@ -959,12 +979,19 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         layout=layout,
     )
     subspaces = feats[:, : model.network.num_subspaces]
-    old_bias = model.unknown_bias
+    old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
+    if old_rmd is None and stage.index == 1:
+        old_rmd = (openset.Moments.empty(model.network.width), torch.zeros(0))
     model.add_classes(list(images.class_names), stage.index, class_means(subspaces, labels, len(images.class_names)))
-    calibration = _calibrate(stage, feats, labels, shard)
-    new_bias = torch.full((len(images.class_names),), calibration.threshold)
+    calibration, moments = _calibrate(stage, feats, labels, shard, None if old_rmd is None else old_rmd[0])
+    n = len(images.class_names)
+    new_bias = torch.full((n,), calibration.threshold)
+    rmd = None  # a run from before the rmd statistics stays with the cosine rule
+    if old_rmd is not None and moments is not None and calibration.rmd_threshold is not None:
+        rmd = (moments, torch.full((n,), calibration.rmd_threshold))
     if old_bias is not None or stage.index == 1:  # a run from before open-set scoring stays without it
-        model.calibrated(new_bias if old_bias is None else torch.cat([old_bias, new_bias]))
+        joined = None if rmd is None else (old_rmd[0].joined(rmd[0]), torch.cat([old_rmd[1], rmd[1]]))
+        model.calibrated(new_bias if old_bias is None else torch.cat([old_bias, new_bias]), joined)
     log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
     fit = None
     if head is not None:
@@ -980,21 +1007,28 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         )
         model.head = fit.head.to(model.device)
         log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])
-    return _Fitted(fit, calibration, new_bias, time.perf_counter() - tick)
+    return _Fitted(fit, calibration, new_bias, rmd, time.perf_counter() - tick)
 
 
-def _calibrate(stage: _StageContext, feats: torch.Tensor, labels: torch.Tensor, shard: list[int] | None) -> Calibration:
-    """The stage's open-set threshold (``openset.calibrate``) from every process's subspace-0
-    features, put back in the stage's image order so that it does not depend on the sharding."""
+def _calibrate(
+    stage: _StageContext,
+    feats: torch.Tensor,
+    labels: torch.Tensor,
+    shard: list[int] | None,
+    earlier: openset.Moments | None,
+) -> tuple[Calibration, openset.Moments]:
+    """The stage's open-set thresholds (``openset.calibrate``; the rmd rule's against ``earlier``,
+    the moments of the classes before it) and its classes' moments, from every process's subspace-0
+    features, put back in the stage's image order so that they do not depend on the sharding."""
     index = torch.tensor(shard if shard is not None else range(len(labels)), dtype=torch.long)
     parts = distributed.all_gather_objects((index, feats[:, 0].cpu(), labels.cpu()))
     index = torch.cat([p[0] for p in parts])
     order = index.argsort()
     features = torch.cat([p[1] for p in parts])[order]
     targets = torch.cat([p[2] for p in parts])[order]
-    return calibrate(
-        features, targets, len(stage.images.class_names), stage.config.open_set, seed=stage.config.train.seed + stage.index
-    )
+    n = len(stage.images.class_names)
+    cal = calibrate(features, targets, n, stage.config.open_set, seed=stage.config.train.seed + stage.index, earlier=earlier)
+    return cal, openset.Moments.of(features, targets, n)
 
 
 def _evaluate(stage: _StageContext) -> _Evaluated:
@@ -1026,6 +1060,9 @@ def _record(stage: _StageContext, trained: _Trained, fitted: _Fitted, evaluated:
         "prototypes": stage.model.real_prototypes[-len(stage.images.class_names) :],
         openset.BIAS: fitted.bias,
     }
+    if fitted.rmd is not None:
+        tensors.update(fitted.rmd[0].tensors())
+        tensors[openset.RMD_BIAS] = fitted.rmd[1]
     if stage.method.trains:
         new = stage.model.network.stages[-1].state_dict()
         tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
@@ -1285,9 +1322,9 @@ def verify(run_dir: Path | str) -> VerifyResult:
 # ---------------------------------------------------------------------------------- info
 
 
-def _threshold(meta: dict[str, Any]) -> float | None:
+def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
     entry = meta.get("open_set")
-    value = entry.get("threshold") if isinstance(entry, dict) else None
+    value = entry.get(key) if isinstance(entry, dict) else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -1324,6 +1361,7 @@ def info(run_dir: Path | str) -> dict[str, Any]:
                 "accuracy": evaluation["top1"] if evaluation else None,
                 "train_seconds": (meta["metrics"].get("train") or {}).get("seconds"),
                 "unknown_threshold": _threshold(meta),  # the open-set calibration (openset.py); null before it
+                "unknown_rmd_threshold": _threshold(meta, "rmd_threshold"),  # the rmd score's; null before it
             }
         )
     return {

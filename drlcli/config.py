@@ -111,6 +111,7 @@ class OpenSetConfig:
 
     rejection: float = 0.05  # target rate of the stage's known images called unknown (on held-out images)
     holdout: float = 0.2  # share of each class's images held out of the prototypes to calibrate (>= 1 image)
+    score: str = "rmd"  # rmd: relative Mahalanobis on f_0 / |f_0| | cosine: to the subspace-0 prototypes
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ _CHOICES = {
     ("train", "head_init"): ("random", "prototypes"),
     ("score", "rule"): ("reweight", "concat"),
     ("score", "head"): ("prototypes", "ridge"),
+    ("open_set", "score"): ("rmd", "cosine"),  # openset.RULES
 }
 
 

@@ -5,7 +5,8 @@ What a class holds in a run, and what forgetting takes out (``PER_CLASS``):
 
 - its prototype row: ``prototypes`` (n, S, d) in its stage's weights file, and the row of every
   other tensor of that file with one row per class of the stage (``CLASS_ROWS``: its open-set
-  threshold, and with class covariances its mean and covariance);
+  thresholds, its mean and image count for the rmd rule, and with class covariances its mean and
+  covariance);
 - with the ridge head (``ranpac``; ``drl`` with ``score.head: ridge``): its column of W (M, C) in
   the weights file of its stage and of every later stage. W = (G + λI)⁻¹ Q is column-wise
   independent, so W without column c is exactly the head fitted without c's targets (at the λ the
@@ -16,7 +17,8 @@ What a class holds in a run, and what forgetting takes out (``PER_CLASS``):
 What stays, because it cannot be taken apart: the statistics' Gram matrices G (and image counts)
 sum the second moments of the class's images with all other images of its stage, and so do the
 pooled within-class covariance of the class-covariance head (its stage's ``cov_scatter`` and every
-later stage's ``cov_shared``); a trained stage
+later stage's ``cov_shared``) and the rmd rule's within-class scatter (its stage's
+``unknown_scatter``, with its images in ``unknown_scatter_counts``); a trained stage
 network (drl's adapters, ease's) was trained on its images; stage.json keeps the stage's historical
 class list, image counts and metrics. The forget log says which classes are out.
 
@@ -56,13 +58,13 @@ from . import rundir
 from .data import ImageSet, class_key
 from .errors import DataError, IntegrityError, RunStateError, UsageError
 from .methods.ranpac import TENSOR_PREFIX as RIDGE_PREFIX
-from .openset import BIAS
+from .openset import BIAS, RMD_ROWS
 from .rundir import STAGE_WEIGHTS, STATISTICS, RunDir, StageRecord
 
 LOG_KIND = "drl-forget-log"
 MAX_REASON = 1000  # characters
 # tensors of a stage's weights file with one row per class of the stage (first dim: its class count)
-CLASS_ROWS = ("prototypes", BIAS, f"{RIDGE_PREFIX}cov_mean", f"{RIDGE_PREFIX}cov_covariance")
+CLASS_ROWS = ("prototypes", BIAS, *RMD_ROWS, f"{RIDGE_PREFIX}cov_mean", f"{RIDGE_PREFIX}cov_covariance")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, LabelledImages, eval_transform, make_loader, start_workers
 from .methods import StageNetwork
-from .openset import known_scores, open_set_bias
+from .openset import CosineKnown, Moments, RmdKnown, open_set_bias
 from .precision import autocast
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
@@ -36,8 +36,10 @@ class IncrementalModel:
     offset: int = 1  # 1 when subspace 0 is the PTM's (drl, simplecil); 0 for ease
     head: nn.Module | None = None  # scores features instead of the prototype bank (ranpac)
     unknown_bias: Tensor | None = None  # (C,) open-set biases (openset.py); None: never "unknown"
+    unknown_rmd: tuple[Moments, Tensor] | None = None  # the rmd rule's moments and (C,) biases, if stored
+    open_set_rule: str = "rmd"  # the run's open_set.score; cosine when the rmd statistics are missing
     _bank: Tensor | None = field(default=None, repr=False)
-    _scoring: dict[Any, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _scoring: dict[Any, Any] = field(default_factory=dict, repr=False)  # per device: scoring state, known module
 
     @property
     def num_subspaces(self) -> int:
@@ -63,7 +65,7 @@ class IncrementalModel:
             pad = old.new_zeros(old.shape[0], prototypes.shape[1] - old.shape[1], old.shape[2])
             old = torch.cat([old, pad], dim=1)
         self.real_prototypes = torch.cat([old, prototypes.to(old)])
-        self.unknown_bias = None  # until the stage's classes are calibrated (``calibrated``)
+        self.unknown_bias = self.unknown_rmd = None  # until the stage's classes are calibrated (``calibrated``)
         self._bank = None
         self._scoring.clear()
 
@@ -119,34 +121,45 @@ class IncrementalModel:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
         return self.scores(self.features(images))
 
+    @property
+    def open_set_answer(self) -> str | None:
+        """The rule the "unknown" answer uses (``openset.RULES``); None when uncalibrated."""
+        if self.unknown_bias is None:
+            return None
+        return "rmd" if self.open_set_rule == "rmd" and self.unknown_rmd is not None else "cosine"
+
+    def known_module(self) -> nn.Module | None:
+        """known(x) of ``openset.py`` as a module of constants on the CPU, f_0 (B, d) -> (B,)."""
+        rule = self.open_set_answer
+        if rule is None:
+            return None
+        if rule == "rmd":
+            assert self.unknown_rmd is not None
+            moments, bias = self.unknown_rmd
+            return RmdKnown(moments, open_set_bias(bias))
+        assert self.unknown_bias is not None
+        return CosineKnown(self.real_prototypes[:, 0].cpu(), open_set_bias(self.unknown_bias.cpu()))
+
     def known(self, features: Tensor) -> Tensor | None:
         """known(x) (B,) of ``openset.py`` for subspace features (B, S, d); None when uncalibrated."""
         if self.unknown_bias is None:
             return None
+        key = ("open_set", torch.device(features.device))
+        module = self._scoring.get(key)
+        if module is None:  # built once per device
+            module = self._scoring[key] = self.known_module().to(features.device)
         with torch.autocast(features.device.type, enabled=False):
-            prototypes, bias = self.open_set_state(features.device)
-            return known_scores(features[:, 0], prototypes, bias)
-
-    def open_set_state(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Subspace-0 prototypes (C, d) and biases (C,) on ``device`` in fp32, built once per device."""
-        key = ("open_set", torch.device(device))
-        state = self._scoring.get(key)
-        if state is None:
-            assert self.unknown_bias is not None
-            state = self._scoring[key] = (
-                self.real_prototypes[:, 0].to(device, torch.float32),
-                open_set_bias(self.unknown_bias).to(device, torch.float32),
-            )
-        return state
+            return module(features[:, 0])
 
     def classify(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
         """Class scores (B, C) and known(x) (B,) (None when uncalibrated) from one network pass."""
         features = self.features(images)
         return self.scores(features), self.known(features)
 
-    def calibrated(self, bias: Tensor) -> None:
-        """Set the open-set biases of every class (C,)."""
+    def calibrated(self, bias: Tensor, rmd: tuple[Moments, Tensor] | None = None) -> None:
+        """Set the open-set biases of every class (C,), and the rmd rule's moments and biases (C,)."""
         self.unknown_bias = bias.float()
+        self.unknown_rmd = None if rmd is None else (rmd[0], rmd[1].float())
         self._scoring.clear()
 
     @property

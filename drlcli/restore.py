@@ -8,6 +8,9 @@ names (the ``.drl`` file's own; a run's names are mapped to them in ``api.load_r
     prototypes          (C, S, d) real prototypes of every class, zero where synthesised
     class_stage         (C,) the 1-based stage each class was learned in
     unknown_bias        (C,) the open-set biases (``openset.py``), when every stage calibrated them
+    unknown_mean, unknown_count, unknown_rmd_bias (C, d), (C,), (C,); unknown_scatter (d, d),
+    unknown_scatter_counts (2,): the rmd rule's statistics (``openset.RMD_TENSORS``), when every
+                        stage stored them
 
 Each format checks its own files (checksums, shapes, finiteness) before calling ``restore_model``;
 weights that still do not fit the network are reported through the caller's ``fit_error``, so a
@@ -24,7 +27,7 @@ from torch import Tensor, nn
 from .config import RunConfig
 from .methods import analytic_head, method_of
 from .model import IncrementalModel
-from .openset import BIAS, check_bias
+from .openset import BIAS, RMD_BIAS, RMD_TENSORS, Moments, check_bias, check_rmd
 
 STAGE = "stage.{}."
 HEAD = "head."
@@ -85,12 +88,18 @@ def restore_model(
         data_config=data_config,
         offset=method.offset,
         head=head,
+        open_set_rule=config.open_set.score,
     )
     if BIAS in tensors:
         problem = check_bias(tensors[BIAS], len(class_names))
+        rmd = None
+        if problem is None and all(name in tensors for name in RMD_TENSORS):
+            rmd_tensors = {name: tensors[name] for name in RMD_TENSORS}
+            problem = check_rmd(rmd_tensors, len(class_names), network.width)
+            rmd = (Moments.from_tensors(rmd_tensors), tensors[RMD_BIAS])
         if problem is not None:
             raise fit_error(None, ValueError(problem))
-        model.calibrated(tensors[BIAS])
+        model.calibrated(tensors[BIAS], rmd)
     return model
 
 
@@ -105,4 +114,8 @@ def model_tensors(model: IncrementalModel) -> dict[str, Tensor]:
     tensors[CLASS_STAGE] = model.class_stage
     if model.unknown_bias is not None:
         tensors[BIAS] = model.unknown_bias
+    if model.unknown_rmd is not None:
+        moments, bias = model.unknown_rmd
+        tensors.update(moments.tensors())
+        tensors[RMD_BIAS] = bias
     return tensors

@@ -55,7 +55,7 @@ from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
 from .modelfile import format_of
-from .openset import known_scores, open_set_bias
+from .openset import CosineKnown
 from .precision import autocast
 from .prototypes import concat_scores, score_weights, weighted_scores
 
@@ -89,13 +89,13 @@ class ScoringGraph(nn.Module):
         self.register_buffer("bank", bank.clone())
         self.register_buffer("weights", weights.clone())  # (C, S)
         self.concat = model.score_cfg.rule == "concat"
-        calibrated = model.unknown_bias is not None
-        bias = open_set_bias(model.unknown_bias) if calibrated else torch.zeros(len(model.class_names))
-        self.register_buffer("open_bias", bias.detach().clone().float())  # (C,)
+        known = model.known_module()  # uncalibrated: a cosine against a zero bias, flagged in the spec
+        self.known = known if known is not None else CosineKnown(bank[:, 0], torch.zeros(len(model.class_names)))
+        self.known.to(bank.device)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         features = self.network(images, self.stages, self.layout)  # (B, S [+ g²], d)
-        known = known_scores(features[:, 0], self.bank[:, 0], self.open_bias)  # subspace 0 is never synthesised
+        known = self.known(features[:, 0])  # subspace 0 is never synthesised
         if self.head is not None:
             return self.head(features), known
         if self.concat:
@@ -177,7 +177,8 @@ def graph_spec(model: IncrementalModel, ptm_record: dict[str, Any], config: RunC
         },
         "output": {"name": "scores", "shape": ["batch", len(model.class_names)], "dtype": "float32"},
         "open_set": {
-            "calibrated": model.unknown_bias is not None,
+            "calibrated": model.open_set_answer is not None,
+            "score": model.open_set_answer,  # openset.RULES; null when uncalibrated
             "output": {"name": "known", "shape": ["batch"], "dtype": "float32"},
             "rule": "unknown when known < 0 (no learned class claims the image)",
         },

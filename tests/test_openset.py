@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,21 @@ from typer.testing import CliRunner
 
 from drlcli.cli import app
 from drlcli.config import OpenSetConfig
-from drlcli.openset import BIAS, auroc, calibrate, holdout_mask, known_scores, open_set_report
+from drlcli.openset import (
+    BIAS,
+    RMD_BIAS,
+    RMD_MEAN,
+    RMD_SCATTER,
+    RMD_TENSORS,
+    Moments,
+    RmdKnown,
+    auroc,
+    calibrate,
+    holdout_mask,
+    known_scores,
+    open_set_report,
+    shrunk,
+)
 
 runner = CliRunner()
 
@@ -53,6 +68,75 @@ def test_calibrated_threshold_rejects_the_target_share_of_held_out_images():
     assert bool((known_scores(far, prototypes, torch.full((4,), cal.threshold)) < 0).all())
 
 
+def _clusters(seed, classes=4, per_class=60, width=12):
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.randn(classes, width, generator=generator) * 2
+    labels = torch.arange(classes).repeat_interleave(per_class)
+    return centres[labels] + torch.randn(len(labels), width, generator=generator), labels
+
+
+def test_rmd_scores_are_the_relative_mahalanobis_distance_of_the_normalised_features():
+    features, labels = _clusters(0)
+    moments = Moments.of(features, labels, 4)
+    x = torch.nn.functional.normalize(features.double(), dim=-1)
+    # the Gaussians from the statistics are those of the images: class means, pooled and total covariance
+    means = torch.stack([x[labels == c].mean(0) for c in range(4)])
+    within = sum((x[labels == c] - means[c]).T @ (x[labels == c] - means[c]) for c in range(4)) / (len(x) - 4)
+    mu0, p_within, p_full, variance = moments.gaussians()
+    assert torch.allclose(mu0, x.mean(0)) and torch.allclose(moments.means, means)
+    assert torch.allclose(p_within, torch.linalg.inv(shrunk(within)), rtol=1e-6)
+    assert torch.allclose(p_full, torch.linalg.inv(shrunk(torch.cov(x.T))), rtol=1e-6)
+    probe, _ = _clusters(1, per_class=5)
+    z = torch.nn.functional.normalize(probe.double(), dim=-1)
+    own = torch.stack([((z - means[c]) @ p_within * (z - means[c])).sum(1) for c in range(4)], 1)
+    background = ((z - mu0) @ p_full * (z - mu0)).sum(1, keepdim=True)
+    bias = torch.full((4,), 0.7)
+    scorer = RmdKnown(moments, bias)
+    assert torch.allclose(scorer.scores(probe), background - own)
+    assert variance == pytest.approx(float(torch.trace(torch.cov(x.T))) / 12)
+    assert torch.allclose(scorer(probe), ((background - own - 0.7).max(1).values * variance).float())
+
+
+def test_rmd_moments_add_up_stage_by_stage():
+    features, labels = _clusters(2)
+    first, second = labels < 2, labels >= 2
+    joined = Moments.of(features[first], labels[first], 2).joined(Moments.of(features[second], labels[second] - 2, 2))
+    whole = Moments.of(features, labels, 4)
+    for a, b in zip(joined.gaussians(), whole.gaussians()):
+        assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b))
+    assert torch.equal(joined.scatter_counts, torch.tensor([240.0, 4.0], dtype=torch.float64))
+
+
+def test_rmd_calibration_rejects_the_target_share_and_calls_far_images_unknown():
+    features, labels = _clusters(3, per_class=100)
+    earlier = Moments.of(features[labels < 2], labels[labels < 2], 2)
+    stage = labels >= 2
+    cal = calibrate(features[stage], labels[stage] - 2, 2, OpenSetConfig(rejection=0.1, holdout=0.5), seed=0, earlier=earlier)
+    assert cal.rmd_threshold is not None and cal.rmd_rejected <= 0.1
+    model = RmdKnown(Moments.of(features, labels, 4), torch.full((4,), cal.rmd_threshold))
+    assert float((model(features[stage]) < 0).double().mean()) <= 0.15  # near the target on the stage's images
+    far = -features.mean(0, keepdim=True) * 3 + torch.randn(50, 12, generator=torch.Generator().manual_seed(9))
+    assert float((model(far) < 0).double().mean()) > 0.9
+    assert calibrate(features, labels, 4, OpenSetConfig(), seed=0).rmd_threshold is None  # no earlier moments
+
+
+def test_rmd_calibrates_classes_of_one_or_two_images():
+    features, labels = _clusters(5, classes=3, per_class=2)
+    for n in (1, 2):  # one image: held out and kept (its mean); two: one kept, no spread within classes
+        keep = torch.cat([torch.arange(3) * 2 + k for k in range(n)])
+        cal = calibrate(features[keep], labels[keep], 3, OpenSetConfig(), seed=0, earlier=Moments.empty(12))
+        assert cal.rmd_threshold is not None and math.isfinite(cal.rmd_threshold)
+        known = RmdKnown(Moments.of(features[keep], labels[keep], 3), torch.full((3,), cal.rmd_threshold))
+        assert bool(torch.isfinite(known(features)).all())
+
+
+def test_a_scatter_that_is_no_covariance_is_refused():
+    features, labels = _clusters(4)
+    moments = Moments.of(features, labels, 4)
+    with pytest.raises(ValueError, match="unknown_scatter does not give a covariance"):
+        Moments(moments.means, moments.counts, -torch.eye(12, dtype=torch.float64) * 5, moments.scatter_counts).gaussians()
+
+
 def test_auroc_matches_pairwise_counting_with_ties():
     generator = torch.Generator().manual_seed(1)
     known = torch.randint(0, 5, (40,), generator=generator).float()
@@ -87,6 +171,7 @@ def test_info_shows_each_stage_threshold(learned):
     for stage in out["stages"]:
         meta = json.loads((learned / "stages" / f"{stage['stage']:03d}" / "stage.json").read_text())
         assert stage["unknown_threshold"] == meta["open_set"]["threshold"]
+        assert stage["unknown_rmd_threshold"] == meta["open_set"]["rmd_threshold"] is not None
 
 
 def test_predict_marks_unknown_images_and_keeps_the_top_k(learned, stage_folders):
@@ -165,3 +250,62 @@ def test_open_set_options_out_of_range_are_refused(section):
     with pytest.raises(UsageError, match=r"open_set\.(rejection|holdout) must be a"):
         RunConfig.for_method("drl", {"open_set": section})
     assert RunConfig.for_method("drl", {"open_set": {"rejection": 0.01}}).open_set.rejection == 0.01
+
+
+# --------------------------------------------------------------------------- the rmd rule, CLI
+
+
+def test_each_stage_stores_the_rmd_statistics_and_eval_answers_by_them(learned, stage_folders):
+    for index in (1, 2):
+        weights = st_load((learned / "stages" / f"{index:03d}" / "weights.safetensors").read_bytes())
+        assert set(RMD_TENSORS) <= set(weights) and weights[RMD_MEAN].shape[0] == 3
+        cal = json.loads((learned / "stages" / f"{index:03d}" / "stage.json").read_text())["open_set"]
+        assert torch.equal(weights[RMD_BIAS], torch.full((3,), cal["rmd_threshold"]))
+        assert weights["unknown_scatter_counts"].tolist() == [36.0, 3.0]  # every image of the stage
+    args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
+    assert _json(runner.invoke(app, [*args, "--run", str(learned)]))["open_set"]["rule"] == "rmd"
+
+
+def test_a_run_without_rmd_statistics_answers_by_the_cosine(learned, stage_folders, tmp_path):
+    run = Path(shutil.copytree(learned, tmp_path / "old"))
+    rewrite_stage_weights(run, 1, lambda t: [t.pop(name) for name in RMD_TENSORS])
+    args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
+    out = _json(runner.invoke(app, [*args, "--run", str(run)]))["open_set"]
+    assert out["rule"] == "cosine"
+    image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
+    line = json.loads(runner.invoke(app, ["predict", image, "--run", str(run), "--json"]).stdout)
+    assert isinstance(line["unknown"], bool)
+
+
+def test_the_cosine_rule_stays_reachable_by_config(stage_folders, tmp_path):
+    from conftest import TINY_PTM, TINY_PTM_KWARGS
+
+    from drlcli import init_run, learn_stage, load_run
+    from drlcli.config import RunConfig
+
+    run = tmp_path / "cos"
+    config = RunConfig.for_method("drl", {"open_set": {"score": "cosine"}})
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    learn_stage(run, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    model = load_run(run).model
+    assert model.open_set_answer == "cosine" and model.unknown_rmd is not None  # stored all the same
+    images = torch.randn(4, 3, 32, 32)
+    feats = model.features(images)
+    expected = known_scores(feats[:, 0], model.real_prototypes[:, 0], model.unknown_bias)
+    assert torch.allclose(model.known(feats), expected)
+
+
+def test_crafted_rmd_statistics_are_refused(learned, stage_folders, tmp_path):
+    image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
+    crafted = {
+        "scatter": (lambda t: t.update({RMD_SCATTER: -100 * torch.eye(t[RMD_SCATTER].shape[0])}), RMD_SCATTER),
+        "rows": (lambda t: t.update({RMD_MEAN: t[RMD_MEAN][:2]}), RMD_MEAN),
+        "bias": (lambda t: t.update({RMD_BIAS: torch.full((3,), float("nan"))}), RMD_BIAS),
+        "counts": (lambda t: t.update({"unknown_count": torch.zeros(3)}), "unknown_count"),
+    }
+    for name, (change, named) in crafted.items():
+        run = Path(shutil.copytree(learned, tmp_path / name))
+        rewrite_stage_weights(run, 2, change)
+        result = runner.invoke(app, ["predict", image, "--run", str(run), "--json"])
+        assert result.exit_code == 5, (name, result.stdout)
+        assert named in _error(result), name

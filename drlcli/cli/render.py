@@ -105,7 +105,7 @@ def evaluate(r: dict[str, Any]) -> str:
     if r.get("open_set"):
         o = r["open_set"]
         lines.append(
-            f"unknown images ({o['num_unknown']}) against known ({o['num_known']}): AUROC {o['auroc']:.4f}; "
+            f"unknown images ({o['num_unknown']}) against known ({o['num_known']}), rule {o['rule']}: AUROC {o['auroc']:.4f}; "
             f"at the calibrated threshold {o['unknown_accepted']:.2f}% of unknown images accepted, "
             f"{o['known_rejected']:.2f}% of known images rejected; top-1 counting rejections as errors "
             f"{o['top1_accepted']:.2f}% (closed-set {o['top1_closed']:.2f}%)"

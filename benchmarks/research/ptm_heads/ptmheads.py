@@ -16,7 +16,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 CAP = 10
 DATA_DIRS = {"caltech": Path("/work/shared/data/caltech101"), "sketch": Path("/work/scratch/sketch")}
-DATA_DIRS.update({k + "_ml": v for k, v in list(DATA_DIRS.items())})
+DATA_DIRS.update({k + sfx: v for k, v in list(DATA_DIRS.items()) for sfx in ("_ml", "_grid")})
 
 
 # ------------------------------------------------------------------------------------ data
