@@ -986,11 +986,10 @@ def _prototypes(stage: _StageContext) -> _Fitted:
     calibration, moments = _calibrate(stage, feats, labels, shard, None if old_rmd is None else old_rmd[0])
     n = len(images.class_names)
     new_bias = torch.full((n,), calibration.threshold)
-    rmd = None  # a run from before the rmd statistics stays with the cosine rule
-    if old_rmd is not None and moments is not None and calibration.rmd_threshold is not None:
-        rmd = (moments, torch.full((n,), calibration.rmd_threshold))
+    # a run from before the rmd statistics stays with the cosine rule (calibrate gave no rmd threshold)
+    rmd = None if calibration.rmd_threshold is None else (moments, torch.full((n,), calibration.rmd_threshold))
     if old_bias is not None or stage.index == 1:  # a run from before open-set scoring stays without it
-        joined = None if rmd is None else (old_rmd[0].joined(rmd[0]), torch.cat([old_rmd[1], rmd[1]]))
+        joined = None if rmd is None or old_rmd is None else (old_rmd[0].joined(rmd[0]), torch.cat([old_rmd[1], rmd[1]]))
         model.calibrated(new_bias if old_bias is None else torch.cat([old_bias, new_bias]), joined)
     log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
     fit = None

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import OpenSetConfig
+from .ranpac import shrunk  # the class-covariance head's shrinkage
 
 BIAS = "unknown_bias"  # the per-class tensor name, in a stage's weights and among restore.py's tensors
 # the rmd rule's tensors, under the same names in a stage's weights (its classes, its scatter) and
@@ -57,6 +58,7 @@ RMD_SCATTER = "unknown_scatter"  # (d, d) the summed within-class scatter of x
 RMD_SCATTER_COUNTS = "unknown_scatter_counts"  # (2,) the images and classes that scatter sums over
 RMD_ROWS = (RMD_MEAN, RMD_COUNT, RMD_BIAS)  # one row per class (``forget`` takes a class's out)
 RMD_TENSORS = (*RMD_ROWS, RMD_SCATTER, RMD_SCATTER_COUNTS)
+_MOMENT_NAMES = (RMD_MEAN, RMD_COUNT, RMD_SCATTER, RMD_SCATTER_COUNTS)  # Moments' fields, in order
 RULES = ("rmd", "cosine")
 SHRINK = 0.5  # of both covariances towards their mean variance (0.3 / 0.5 / 0.7 tied on validation)
 
@@ -113,7 +115,7 @@ class Moments:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor]) -> Moments:
-        return cls(*(tensors[name].double() for name in (RMD_MEAN, RMD_COUNT, RMD_SCATTER, RMD_SCATTER_COUNTS)))
+        return cls(*(tensors[name].double() for name in _MOMENT_NAMES))
 
     def joined(self, later: Moments) -> Moments:
         """Self's classes then ``later``'s, the scatters summed."""
@@ -127,7 +129,7 @@ class Moments:
     def tensors(self) -> dict[str, Tensor]:
         """A stage's rmd tensors (its threshold aside), in fp32."""
         values = (self.means, self.counts, self.scatter, self.scatter_counts)
-        return {name: t.float() for name, t in zip((RMD_MEAN, RMD_COUNT, RMD_SCATTER, RMD_SCATTER_COUNTS), values)}
+        return {name: t.float() for name, t in zip(_MOMENT_NAMES, values)}
 
     def gaussians(self) -> tuple[Tensor, Tensor, Tensor, float]:
         """(μ_0 (d,), Σ_w⁻¹ (d, d), Σ_t⁻¹ (d, d), tr Σ_t / d), shrunk; ValueError when a covariance
@@ -146,14 +148,7 @@ class Moments:
         if images - classes < 1:  # one image per class: no within-class spread seen, use the total
             within = full
         variance = float(torch.trace(full)) / full.shape[0]
-        return mu0, _inverse(shrunk(within)), _inverse(shrunk(full)), variance
-
-
-def shrunk(covariance: Tensor, amount: float = SHRINK) -> Tensor:
-    """(1 - a) Σ + a (tr Σ / d) I, with a floor on the variance for a degenerate Σ."""
-    d = covariance.shape[0]
-    variance = max(float(torch.trace(covariance)) / d, 1e-8)
-    return (1 - amount) * covariance + amount * variance * torch.eye(d, dtype=covariance.dtype)
+        return mu0, _inverse(shrunk(within, SHRINK)), _inverse(shrunk(full, SHRINK)), variance
 
 
 def _inverse(covariance: Tensor) -> Tensor:

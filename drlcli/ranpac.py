@@ -185,6 +185,13 @@ def pooled_covariance(statistics: list[dict[str, Tensor]]) -> Tensor:
     return scatter / max(float(counts[0] - counts[1]), 1.0)
 
 
+def shrunk(covariance: Tensor, amount: float) -> Tensor:
+    """(1 − a) Σ + a (tr Σ / d) I, plus 1e-8 I so that Σ of equal images still inverts (d, d)."""
+    d = covariance.shape[-1]
+    eye = torch.eye(d, dtype=covariance.dtype)
+    return (1 - amount) * covariance + (amount * torch.trace(covariance) / d + 1e-8) * eye
+
+
 def precisions(covariances: Tensor, shared: Tensor, *, shrink: float, blend: float) -> Tensor:
     """P_c = shrink_a((1 − b) S_c + b S)⁻¹ for (C, d, d) class covariances, float32 (C, d, d).
 
@@ -192,13 +199,10 @@ def precisions(covariances: Tensor, shared: Tensor, *, shrink: float, blend: flo
     used (on CPU with several threads MKL's batched getrf fails or hangs, pytorch#141358). A
     matrix that is not positive definite (only a crafted or damaged file gives one) is a
     ValueError."""
-    d = covariances.shape[-1]
-    eye = torch.eye(d, dtype=STAT_DTYPE)
     shared = blend * shared.to(STAT_DTYPE)
     out = torch.empty(covariances.shape, dtype=torch.float32)
     for c in range(covariances.shape[0]):
-        cov = (1 - blend) * covariances[c].to(STAT_DTYPE) + shared
-        cov = (1 - shrink) * cov + (shrink * torch.trace(cov) / d + 1e-8) * eye  # 1e-8: all images equal
+        cov = shrunk((1 - blend) * covariances[c].to(STAT_DTYPE) + shared, shrink)
         factor, info = torch.linalg.cholesky_ex(cov)
         if int(info) != 0:
             raise ValueError(f"class {c}'s blended covariance is not positive definite")

@@ -27,8 +27,8 @@ from drlcli.openset import (
     holdout_mask,
     known_scores,
     open_set_report,
-    shrunk,
 )
+from drlcli.ranpac import shrunk
 
 runner = CliRunner()
 
@@ -84,8 +84,8 @@ def test_rmd_scores_are_the_relative_mahalanobis_distance_of_the_normalised_feat
     within = sum((x[labels == c] - means[c]).T @ (x[labels == c] - means[c]) for c in range(4)) / (len(x) - 4)
     mu0, p_within, p_full, variance = moments.gaussians()
     assert torch.allclose(mu0, x.mean(0)) and torch.allclose(moments.means, means)
-    assert torch.allclose(p_within, torch.linalg.inv(shrunk(within)), rtol=1e-6)
-    assert torch.allclose(p_full, torch.linalg.inv(shrunk(torch.cov(x.T))), rtol=1e-6)
+    assert torch.allclose(p_within, torch.linalg.inv(shrunk(within, 0.5)), rtol=1e-6)
+    assert torch.allclose(p_full, torch.linalg.inv(shrunk(torch.cov(x.T), 0.5)), rtol=1e-6)
     probe, _ = _clusters(1, per_class=5)
     z = torch.nn.functional.normalize(probe.double(), dim=-1)
     own = torch.stack([((z - means[c]) @ p_within * (z - means[c])).sum(1) for c in range(4)], 1)

@@ -10,7 +10,7 @@ held-out images' best score over the stage's classes. The model answers with one
 of its classes' stage thresholds (``openset.open_set_bias``). Test: B0 Inc10, the first 9 stages
 (90 classes) known, the 11 classes of stages 10-11 unknown.
 
-    python rmd_product.py caltech|sketch [--val] [--seeds 1993,1994,1995] [--shrink 0.5]
+    python rmd_product.py caltech|sketch [--val] [--seeds 1993,1994,1995] [--shrink 0.5] [--decision mean|newest|median]
 """
 import argparse
 import sys
@@ -62,7 +62,11 @@ class Stats:
         return l2n(E) @ l2n(mu).T
 
 
-def run(name, val, seed, a, rate=0.05):
+# the one threshold the model answers with, from its classes' stage thresholds (the product: mean)
+DECISIONS = {"mean": np.mean, "newest": lambda t: t[-1], "median": np.median}
+
+
+def run(name, val, seed, a, rate=0.05, decision="mean"):
     Xtr, ytr, Xe, ye = ordered_split(name, test=not val, seed=seed)
     Xtr, Xe = l2n(Xtr[:, :192]), l2n(Xe[:, :192])  # f_0 (extract.py's and extract_grid.py's first columns)
     st = Stats(Xtr.shape[1])
@@ -84,7 +88,7 @@ def run(name, val, seed, a, rate=0.05):
     known = ye < K
     out = {}
     for rule, sc in (("maxcos", st.cos(Xe)), ("rmd", st.rmd(Xe, a))):
-        k = sc.max(1) - np.mean(thr[rule])
+        k = sc.max(1) - DECISIONS[decision](thr[rule])
         pred = sc.argmax(1)  # the rule's own best class (accuracy below is the ridge-free top-1 of it)
         acc = k >= 0
         out[rule] = {
@@ -103,10 +107,11 @@ def main():
     ap.add_argument("--seeds", default="1993,1994,1995")
     ap.add_argument("--shrink", type=float, default=0.5)
     ap.add_argument("--rate", type=float, default=0.05)
+    ap.add_argument("--decision", choices=list(DECISIONS), default="mean")
     a = ap.parse_args()
     rows = {}
     for seed in (int(s) for s in a.seeds.split(",")):
-        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate).items():
+        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate, a.decision).items():
             rows.setdefault(rule, []).append(m)
             print(f"{a.name} {'val' if a.val else 'test'} {seed} {rule:6s} " + " ".join(f"{k}={v:.4f}" for k, v in m.items()), flush=True)
     for rule, ms in rows.items():
