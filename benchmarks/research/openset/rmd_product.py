@@ -62,15 +62,34 @@ class Stats:
         return l2n(E) @ l2n(mu).T
 
 
+def quantile(scores, y, rate, balanced):
+    """The lower ``rate`` quantile of ``scores``; ``balanced`` weighs each image by 1 / its class's count."""
+    if not balanced:
+        return float(np.quantile(scores, rate, method="lower"))
+    _, inv, cnt = np.unique(y, return_inverse=True, return_counts=True)
+    w = 1.0 / cnt[inv]
+    order = np.argsort(scores, kind="stable")
+    cum = np.cumsum(w[order])
+    return float(scores[order][np.searchsorted(cum, rate * cum[-1])])
+
+
+def own_mean(st, X, y, a):
+    """Mean over images of their own class's relative Mahalanobis score: a class-level statistic
+    (a trace against the images' scatter plus their class means), computed here from the features."""
+    sc = st.rmd(X, a)
+    return float(sc[np.arange(len(y)), y].mean())
+
+
 # the one threshold the model answers with, from its classes' stage thresholds (the product: mean)
-DECISIONS = {"mean": np.mean, "newest": lambda t: t[-1], "median": np.median}
+DECISIONS = {"mean": np.mean, "newest": lambda t: t[-1], "median": np.median, "oracle": np.mean, "shift": np.mean, "seen": np.mean}
 
 
-def run(name, val, seed, a, rate=0.05, decision="mean"):
+def run(name, val, seed, a, rate=0.05, decision="mean", balanced=False):
     Xtr, ytr, Xe, ye = ordered_split(name, test=not val, seed=seed)
     Xtr, Xe = l2n(Xtr[:, :192]), l2n(Xe[:, :192])  # f_0 (extract.py's and extract_grid.py's first columns)
     st = Stats(Xtr.shape[1])
     thr = {"maxcos": [], "rmd": []}
+    held, commit_mean, rest = [], [], Stats(Xtr.shape[1])
     for s in range(K // INC):
         cls = np.arange(s * INC, (s + 1) * INC)
         m = np.isin(ytr, cls)
@@ -81,10 +100,18 @@ def run(name, val, seed, a, rate=0.05, decision="mean"):
             idx = np.where(y == c)[0]
             hold[rng.permutation(idx)[: min(max(1, round(0.2 * len(idx))), len(idx) - 1)]] = True
         cal = st.add(X[~hold], y[~hold], cls)
-        local = np.arange(s * INC, (s + 1) * INC)
+        local = None if decision == "seen" else np.arange(s * INC, (s + 1) * INC)
         for rule, sc in (("maxcos", cal.cos(X[hold], local)), ("rmd", cal.rmd(X[hold], a, local))):
-            thr[rule] += [float(np.quantile(sc.max(1), rate, method="lower"))] * INC
+            thr[rule] += [quantile(sc.max(1), y[hold], rate, balanced)] * INC
         st = st.add(X, y, cls)
+        held.append((X[hold], y[hold]))
+        rest = rest.add(X[~hold], y[~hold], cls)
+        commit_mean.append(own_mean(st, X[hold], y[hold], a))
+    if decision == "oracle":  # every held-out image re-scored against the final statistics without them
+        Xh, yh = np.concatenate([h[0] for h in held]), np.concatenate([h[1] for h in held])
+        thr["rmd"] = [quantile(rest.rmd(Xh, a).max(1), yh, rate, balanced)]
+    elif decision == "shift":  # each stage threshold moved by its held-out images' mean own-class score
+        thr["rmd"] = [t + own_mean(st, *held[i // INC], a) - commit_mean[i // INC] for i, t in enumerate(thr["rmd"])]
     known = ye < K
     out = {}
     for rule, sc in (("maxcos", st.cos(Xe)), ("rmd", st.rmd(Xe, a))):
@@ -108,10 +135,11 @@ def main():
     ap.add_argument("--shrink", type=float, default=0.5)
     ap.add_argument("--rate", type=float, default=0.05)
     ap.add_argument("--decision", choices=list(DECISIONS), default="mean")
+    ap.add_argument("--balanced", action="store_true", help="class-balanced quantile (each class weighs the same)")
     a = ap.parse_args()
     rows = {}
     for seed in (int(s) for s in a.seeds.split(",")):
-        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate, a.decision).items():
+        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate, a.decision, a.balanced).items():
             rows.setdefault(rule, []).append(m)
             print(f"{a.name} {'val' if a.val else 'test'} {seed} {rule:6s} " + " ".join(f"{k}={v:.4f}" for k, v in m.items()), flush=True)
     for rule, ms in rows.items():
