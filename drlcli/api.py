@@ -325,11 +325,12 @@ def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch
         return tensors
     tensors[openset.BIAS] = torch.cat([stage.tensors[openset.BIAS].flatten() for stage in stages])
     if all(name in stage.tensors for stage in stages for name in openset.RMD_TENSORS):
-        for name in openset.RMD_ROWS:  # row counts checked by the caller, the rest by openset.check_rmd
-            tensors[name] = torch.cat([stage.tensors[name] for stage in stages])
-        for name in (openset.RMD_SCATTER, openset.RMD_SCATTER_COUNTS):
+        for name in openset.RMD_TENSORS:  # row counts checked by the caller, the rest by openset.check_rmd
             try:
-                tensors[name] = torch.stack([stage.tensors[name].double() for stage in stages]).sum(0).float()
+                if name in openset.RMD_ROWS:
+                    tensors[name] = torch.cat([stage.tensors[name] for stage in stages])
+                else:  # the scatters and their counts
+                    tensors[name] = torch.stack([stage.tensors[name].double() for stage in stages]).sum(0).float()
             except RuntimeError as exc:  # stages of different shapes: damage
                 raise _stage_error(run, stages[-1].index, ValueError(f"{name}: {exc}")) from exc
     return tensors
@@ -473,8 +474,9 @@ def predict_sets(
             progress=report_step,
             stages=model.stages_scored,
             layout=model.layout_scored,
+            probes=model.probes_read,
         )
-        scores = model.scores(feats)
+        scores = model.scores(model.scoring_rows(feats))
         predictions.append(scores.topk(min(TOP_K, scores.shape[1]), dim=1).indices.cpu())
         targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
         margin = model.known(feats)
@@ -967,6 +969,11 @@ def _prototypes(stage: _StageContext) -> _Fitted:
     shard = distributed.shard(len(images))
     # the head's input may end with the PTM's layout rows: g as stage 1 stored it, or as configured
     layout = 0 if head is None else model.layout_scored if model.head is not None else stage.config.ranpac.layout_grid
+    old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
+    if old_rmd is None and stage.index == 1:
+        old_rmd = (openset.Moments.empty(model.rmd_width), torch.zeros(0))
+    # the probe block's class token, while the run's rmd statistics are calibrated with it
+    probes = (model.open_set_probe,) if old_rmd is not None and model.open_set_probe is not None else ()
     feats, labels = embed_images(
         model.network,
         images,
@@ -977,13 +984,13 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         indices=shard,
         progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
         layout=layout,
+        probes=probes,
     )
+    rmd_feats = openset.rmd_input(feats[:, 0], feats[:, -1] if probes else None, model.probe_weight)
+    feats = feats[:, : feats.shape[1] - len(probes)]  # the head's rows
     subspaces = feats[:, : model.network.num_subspaces]
-    old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
-    if old_rmd is None and stage.index == 1:
-        old_rmd = (openset.Moments.empty(model.network.width), torch.zeros(0))
     model.add_classes(list(images.class_names), stage.index, class_means(subspaces, labels, len(images.class_names)))
-    calibration, moments = _calibrate(stage, feats, labels, shard, None if old_rmd is None else old_rmd[0])
+    calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
     n = len(images.class_names)
     new_bias = torch.full((n,), calibration.threshold)
     # a run from before the rmd statistics stays with the cosine rule (calibrate gave no rmd threshold)
@@ -1012,22 +1019,26 @@ def _prototypes(stage: _StageContext) -> _Fitted:
 def _calibrate(
     stage: _StageContext,
     feats: torch.Tensor,
+    rmd_feats: torch.Tensor,
     labels: torch.Tensor,
     shard: list[int] | None,
     earlier: openset.Moments | None,
 ) -> tuple[Calibration, openset.Moments]:
     """The stage's open-set thresholds (``openset.calibrate``; the rmd rule's against ``earlier``,
     the moments of the classes before it) and its classes' moments, from every process's subspace-0
-    features, put back in the stage's image order so that they do not depend on the sharding."""
+    features and rmd inputs (``openset.rmd_input``), put back in the stage's image order so that
+    they do not depend on the sharding."""
     index = torch.tensor(shard if shard is not None else range(len(labels)), dtype=torch.long)
-    parts = distributed.all_gather_objects((index, feats[:, 0].cpu(), labels.cpu()))
+    parts = distributed.all_gather_objects((index, feats[:, 0].cpu(), rmd_feats.cpu(), labels.cpu()))
     index = torch.cat([p[0] for p in parts])
     order = index.argsort()
     features = torch.cat([p[1] for p in parts])[order]
-    targets = torch.cat([p[2] for p in parts])[order]
+    rmd_features = torch.cat([p[2] for p in parts])[order]
+    targets = torch.cat([p[3] for p in parts])[order]
     n = len(stage.images.class_names)
-    cal = calibrate(features, targets, n, stage.config.open_set, seed=stage.config.train.seed + stage.index, earlier=earlier)
-    return cal, openset.Moments.of(features, targets, n)
+    seed = stage.config.train.seed + stage.index
+    cal = calibrate(features, targets, n, stage.config.open_set, seed=seed, earlier=earlier, rmd_features=rmd_features)
+    return cal, openset.Moments.of(rmd_features, targets, n)
 
 
 def _evaluate(stage: _StageContext) -> _Evaluated:

@@ -292,6 +292,12 @@ def ptm_layout(model: nn.Module, x: Tensor, grid: int) -> Tensor:
     return cells.flatten(2).transpose(1, 2)
 
 
+def ptm_probe(model: nn.Module, x: Tensor) -> Tensor:
+    """The class token of a block's output ``x`` (B, N, d) through the PTM's final norm, (B, d): what
+    an earlier block knows of the image, in f_0's normalisation (the open-set score reads it)."""
+    return model.fc_norm(model.norm(x[:, 0]))
+
+
 def ptm_class_feature(model: nn.Module, x: Tensor, cls_probs: Tensor, values: Tensor) -> Tensor:
     """Last PTM block for the class token only, then the final norm: f_0. (B, d)"""
     block = model.blocks[-1]

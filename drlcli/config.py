@@ -112,6 +112,10 @@ class OpenSetConfig:
     rejection: float = 0.05  # target rate of the stage's known images called unknown (on held-out images)
     holdout: float = 0.2  # share of each class's images held out of the prototypes to calibrate (>= 1 image)
     score: str = "rmd"  # rmd: relative Mahalanobis on f_0 / |f_0| | cosine: to the subspace-0 prototypes
+    # rmd: the class token of the PTM block at this fraction of its depth (block round(f (depth - 1)),
+    # 7 of DeiT's 12) joins f_0, weighted by probe_weight; null: f_0 alone. Not for ease (no PTM subspace)
+    probe_depth: float | None = 0.64
+    probe_weight: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,8 @@ _RANGES = {
     ("ranpac", "layout_scale"): Range(0, 100, low_open=True),
     ("open_set", "rejection"): Range(0, 0.5, low_open=True),
     ("open_set", "holdout"): Range(0, 0.5, low_open=True),
+    ("open_set", "probe_depth"): Range(0, 1, high_open=True),
+    ("open_set", "probe_weight"): Range(0, 100, low_open=True),
 }
 
 

@@ -70,11 +70,11 @@ class EaseNetwork(nn.Module):
         self.stages.append(stage)
         return stage
 
-    def forward(self, images: Tensor, stages: int | None = None, layout: int = 0) -> Tensor:
+    def forward(self, images: Tensor, stages: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()) -> Tensor:
         """Every stage's subspace, (B, S, d); S full ViT passes (only the first ``stages`` when given).
         EASE has no PTM subspace, so no PTM layout (``layout`` must be 0)."""
-        if layout:
-            raise ValueError("EASE's network has no PTM subspace to give a layout of")
+        if layout or probes:
+            raise ValueError("EASE's network has no PTM subspace to give a layout or probe block of")
         run = list(self.stages)[:stages]
         if not run:
             return images.new_zeros(images.shape[0], 0, self.width)

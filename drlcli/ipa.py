@@ -123,20 +123,26 @@ class IPANetwork(nn.Module):
         self.stages.append(stage)
         return stage
 
-    def forward(self, images: Tensor, stages: int | None = None, layout: int = 0) -> Tensor:
+    def forward(
+        self, images: Tensor, stages: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()
+    ) -> Tensor:
         """Every subspace in one pass: (B, 1+S, d) = [f_0, f_1, ..., f_S]; with ``stages`` k only the
         leading ones, (B, 1+k, d): later stages' streams are not computed (a head that reads f_0
         alone costs one bare PTM pass). A subspace never depends on later stages, so these equal
         the leading columns of the full output. With ``layout`` g > 0, the PTM's layout rows
-        (``backbone.ptm_layout``, g² of them) follow the subspaces: (B, 1+k+g², d)."""
-        return self._run(images, train_last=False, keep=stages, layout=layout)
+        (``backbone.ptm_layout``, g² of them) follow the subspaces: (B, 1+k+g², d). With ``probes``
+        (PTM block indices before the last), the class token after each of those blocks, through the
+        final norm, follows last (``backbone.ptm_probe``): the open-set score reads them."""
+        return self._run(images, train_last=False, keep=stages, layout=layout, probes=probes)
 
     def forward_train(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """(f_0, f_S) for training the newest stage; only f_S's stream carries gradients."""
         feats = self._run(images, train_last=True)
         return feats[:, 0], feats[:, -1]
 
-    def _run(self, images: Tensor, *, train_last: bool, keep: int | None = None, layout: int = 0) -> Tensor:
+    def _run(
+        self, images: Tensor, *, train_last: bool, keep: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()
+    ) -> Tensor:
         frozen = list(self.stages[:-1] if train_last else self.stages)
         if keep is not None:
             frozen = frozen[:keep]
@@ -149,9 +155,12 @@ class IPANetwork(nn.Module):
         streams: Tensor | None = x0 if frozen else None  # (B, N, d) while every stream equals f^0
         new: Tensor | None = x0 if trainable is not None else None
         workspace: dict[str, Tensor] = {}  # the frozen streams' buffers, reused block after block
+        probed: dict[int, Tensor] = {}
         for l, block in enumerate(blocks[:-1]):
             with torch.no_grad():
                 x0_next, probs = backbone.block_with_attention(block, x0)
+                if l in probes:
+                    probed[l] = backbone.ptm_probe(self.ptm, x0_next)
                 if streams is not None:
                     streams = self._ipa_block(old, l, streams, probs, x0_next, prev=x0_next, workspace=workspace)
             if new is not None:
@@ -169,6 +178,11 @@ class IPANetwork(nn.Module):
         if layout:
             with torch.no_grad():
                 out = torch.cat([out, backbone.ptm_layout(self.ptm, x0, layout)], dim=1)
+        if probes:
+            missing = sorted(set(probes) - set(probed))
+            if missing:
+                raise ValueError(f"PTM block {missing[0]} is not a block before the last of {len(blocks)}")
+            out = torch.cat([out, torch.stack([probed[b] for b in probes], dim=1)], dim=1)
         return out
 
     def _frozen_stack(self, stages: list[StageAdapters]) -> dict[str, Tensor]:

@@ -18,7 +18,7 @@ from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, LabelledImages, eval_transform, make_loader, start_workers
 from .methods import StageNetwork
-from .openset import CosineKnown, Moments, RmdKnown, open_set_bias
+from .openset import CosineKnown, Moments, RmdKnown, open_set_bias, rmd_input
 from .precision import autocast
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
@@ -38,6 +38,9 @@ class IncrementalModel:
     unknown_bias: Tensor | None = None  # (C,) open-set biases (openset.py); None: never "unknown"
     unknown_rmd: tuple[Moments, Tensor] | None = None  # the rmd rule's moments and (C,) biases, if stored
     open_set_rule: str = "rmd"  # the run's open_set.score; cosine when the rmd statistics are missing
+    # the rmd rule's probe block (``openset.probe_block``) and weight; None when its statistics are f_0's alone
+    open_set_probe: int | None = None
+    probe_weight: float = 1.0
     _bank: Tensor | None = field(default=None, repr=False)
     _scoring: dict[Any, Any] = field(default_factory=dict, repr=False)  # per device: scoring state, known module
 
@@ -84,7 +87,8 @@ class IncrementalModel:
         return state
 
     def scores(self, features: Tensor) -> Tensor:
-        """(B, C) class scores for subspace features (B, S, d)."""
+        """(B, C) class scores for subspace features (B, S, d) (with the head's layout rows, if any;
+        ``scoring_rows`` of what ``features`` gives)."""
         # always fp32, also under bf16 autocast: cosines of near-equal prototypes differ in the
         # third decimal, below bf16's resolution, and the (B, C) scoring is cheap next to the ViT
         features = features.float()
@@ -112,14 +116,34 @@ class IncrementalModel:
         the default ``drl`` head's); 0: none."""
         return 0 if self.head is None else self.head.layout_grid
 
-    def features(self, images: Tensor) -> Tensor:
-        """The features scoring reads, (B, S', d), of a preprocessed batch: one network pass. The
-        subspaces first, then the head's layout rows if it reads any."""
-        return self.network(images, self.stages_scored, self.layout_scored)
+    @property
+    def probes_read(self) -> tuple[int, ...]:
+        """The PTM blocks whose class tokens the "unknown" answer reads (rows after the head's)."""
+        return (self.open_set_probe,) if self.open_set_answer == "rmd" and self.open_set_probe is not None else ()
+
+    @property
+    def rmd_width(self) -> int:
+        """Width of the rmd rule's input (``openset.rmd_input``): d, or 2d with a probe block."""
+        return self.network.width * (1 if self.open_set_probe is None else 2)
+
+    def features(self, images: Tensor, *, open_set: bool = True) -> Tensor:
+        """The features scoring and the "unknown" answer read, (B, S', d), of a preprocessed batch:
+        one network pass. The subspaces first, then the head's layout rows if it reads any, then
+        ``probes_read``'s rows (unless ``open_set`` is False)."""
+        return self.network(images, self.stages_scored, self.layout_scored, self.probes_read if open_set else ())
+
+    def scoring_rows(self, features: Tensor) -> Tensor:
+        """What ``scores`` reads of ``features``' output: all but ``probes_read``'s rows."""
+        return features[:, : features.shape[1] - len(self.probes_read)]
+
+    def open_set_input(self, features: Tensor) -> Tensor:
+        """What ``known_module`` reads from ``features`` (B, S', d): f_0, or the rmd rule's input."""
+        probe = features[:, -1] if self.probes_read else None
+        return rmd_input(features[:, 0], probe, self.probe_weight) if self.open_set_answer == "rmd" else features[:, 0]
 
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
-        return self.scores(self.features(images))
+        return self.scores(self.features(images, open_set=False))
 
     @property
     def open_set_answer(self) -> str | None:
@@ -129,7 +153,7 @@ class IncrementalModel:
         return "rmd" if self.open_set_rule == "rmd" and self.unknown_rmd is not None else "cosine"
 
     def known_module(self) -> nn.Module | None:
-        """known(x) of ``openset.py`` as a module of constants on the CPU, f_0 (B, d) -> (B,)."""
+        """known(x) of ``openset.py`` as a module of constants on the CPU, ``open_set_input`` -> (B,)."""
         rule = self.open_set_answer
         if rule is None:
             return None
@@ -141,7 +165,8 @@ class IncrementalModel:
         return CosineKnown(self.real_prototypes[:, 0].cpu(), open_set_bias(self.unknown_bias.cpu()))
 
     def known(self, features: Tensor) -> Tensor | None:
-        """known(x) (B,) of ``openset.py`` for subspace features (B, S, d); None when uncalibrated."""
+        """known(x) (B,) of ``openset.py`` for features (B, S', d) as ``features`` gives them; None
+        when uncalibrated."""
         if self.unknown_bias is None:
             return None
         key = ("open_set", torch.device(features.device))
@@ -149,15 +174,22 @@ class IncrementalModel:
         if module is None:  # built once per device
             module = self._scoring[key] = self.known_module().to(features.device)
         with torch.autocast(features.device.type, enabled=False):
-            return module(features[:, 0])
+            return module(self.open_set_input(features))
 
     def classify(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
         """Class scores (B, C) and known(x) (B,) (None when uncalibrated) from one network pass."""
         features = self.features(images)
-        return self.scores(features), self.known(features)
+        return self.scores(self.scoring_rows(features)), self.known(features)
 
     def calibrated(self, bias: Tensor, rmd: tuple[Moments, Tensor] | None = None) -> None:
-        """Set the open-set biases of every class (C,), and the rmd rule's moments and biases (C,)."""
+        """Set the open-set biases of every class (C,), and the rmd rule's moments and biases (C,).
+        Moments of f_0 alone (a run learned before the probe block) drop the probe block."""
+        if rmd is not None:
+            width = rmd[0].means.shape[1]
+            if width == self.network.width:
+                self.open_set_probe = None
+            elif width != self.rmd_width:
+                raise ValueError(f"the rmd statistics are {width} wide, expected {self.rmd_width}")
         self.unknown_bias = bias.float()
         self.unknown_rmd = None if rmd is None else (rmd[0], rmd[1].float())
         self._scoring.clear()
@@ -196,11 +228,13 @@ def embed_images(
     progress: Any = None,
     stages: int | None = None,
     layout: int = 0,
+    probes: tuple[int, ...] = (),
 ) -> tuple[Tensor, Tensor]:
     """Subspace features (N, S, d), fp32 on the CPU, of every image (eval transform) and their local
     labels (N,); only the images at ``indices`` when given (a process's shard), only the subspaces
     of the first ``stages`` stages when given, followed by the PTM's layout rows with ``layout`` g > 0
-    (N, S + g², d). The forward runs in ``precision`` (``precision.autocast``)."""
+    (N, S + g², d), then the class tokens of the PTM blocks ``probes``. The forward runs in
+    ``precision`` (``precision.autocast``)."""
     device = _device_of(network)
     dataset = ImageDataset(images, eval_transform(data_config))
     loader = make_loader(
@@ -213,10 +247,10 @@ def embed_images(
     feats, labels = [], []
     if len(loader.dataset) == 0:  # an empty shard
         width = network.num_subspaces if stages is None else network.num_subspaces - network.num_stages + stages
-        return torch.zeros(0, width + layout**2, network.width), torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, width + layout**2 + len(probes), network.width), torch.zeros(0, dtype=torch.long)
     for step, (batch, target) in enumerate(start_workers(loader), 1):
         with autocast(device, precision):
-            out = network(batch.to(device, non_blocking=True), stages, layout)  # (B, S, d)
+            out = network(batch.to(device, non_blocking=True), stages, layout, probes)  # (B, S', d)
         feats.append(out.float().cpu())
         labels.append(target)
         if progress is not None:

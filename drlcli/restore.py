@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .config import RunConfig
 from .methods import analytic_head, method_of
 from .model import IncrementalModel
-from .openset import BIAS, RMD_BIAS, RMD_TENSORS, Moments, check_bias, check_rmd
+from .openset import BIAS, RMD_BIAS, RMD_MEAN, RMD_TENSORS, Moments, check_bias, check_rmd, probe_block
 
 STAGE = "stage.{}."
 HEAD = "head."
@@ -89,13 +89,17 @@ def restore_model(
         offset=method.offset,
         head=head,
         open_set_rule=config.open_set.score,
+        open_set_probe=probe_block(config.open_set.probe_depth, len(ptm.blocks)) if method.offset else None,
+        probe_weight=config.open_set.probe_weight,
     )
     if BIAS in tensors:
         problem = check_bias(tensors[BIAS], len(class_names))
         rmd = None
         if problem is None and all(name in tensors for name in RMD_TENSORS):
             rmd_tensors = {name: tensors[name] for name in RMD_TENSORS}
-            problem = check_rmd(rmd_tensors, len(class_names), network.width)
+            width = rmd_tensors[RMD_MEAN].shape[-1]  # f_0's (runs from before the probe block) or the model's
+            width = width if width in (network.width, model.rmd_width) else model.rmd_width
+            problem = check_rmd(rmd_tensors, len(class_names), width)
             rmd = (Moments.from_tensors(rmd_tensors), tensors[RMD_BIAS])
         if problem is not None:
             raise fit_error(None, ValueError(problem))

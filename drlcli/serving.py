@@ -55,7 +55,7 @@ from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
 from .modelfile import format_of
-from .openset import CosineKnown
+from .openset import CosineKnown, rmd_input
 from .precision import autocast
 from .prototypes import concat_scores, score_weights, weighted_scores
 
@@ -81,6 +81,8 @@ class ScoringGraph(nn.Module):
         self.head = model.head  # an analytic head (ranpac) replaces the prototype scoring
         self.stages = model.stages_scored  # the head's subspaces only: the others are not computed
         self.layout = model.layout_scored  # and its PTM layout rows, if any
+        self.probes = model.probes_read  # and the class tokens the open-set score reads
+        self.probe_weight = model.probe_weight
         bank = model.prototype_bank().detach()  # (C, S, d), synthesised rows included
         cfg = model.score_cfg
         weights = score_weights(model.class_stage, bank.shape[1], rho=cfg.rho, beta=cfg.beta, offset=model.offset)
@@ -94,8 +96,12 @@ class ScoringGraph(nn.Module):
         self.known.to(bank.device)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
-        features = self.network(images, self.stages, self.layout)  # (B, S [+ g²], d)
-        known = self.known(features[:, 0])  # subspace 0 is never synthesised
+        features = self.network(images, self.stages, self.layout, self.probes)  # (B, S [+ g²] [+ 1], d)
+        if self.probes:
+            known = self.known(rmd_input(features[:, 0], features[:, -1], self.probe_weight))
+            features = features[:, : -len(self.probes)]
+        else:  # f_0 (subspace 0 is never synthesised), for either rule
+            known = self.known(features[:, 0])
         if self.head is not None:
             return self.head(features), known
         if self.concat:

@@ -217,6 +217,24 @@ def test_layout_rows_are_the_ptms_patch_tokens_averaged_over_a_grid(tiny_ptm, im
         net(images, 0, layout=5)
 
 
+def test_probe_rows_are_the_ptms_class_token_after_those_blocks(tiny_ptm, images):
+    """forward(images, k, layout, probes): the rows as without probes, then per probe block the class
+    token of that block's output (timm's own blocks) through the final norm."""
+    net = _network(tiny_ptm, stages=2, randomize=True)
+    x = tiny_ptm.norm_pre(tiny_ptm._pos_embed(tiny_ptm.patch_embed(images)))
+    after = []
+    for block in tiny_ptm.blocks:
+        x = block(x)
+        after.append(tiny_ptm.norm(x)[:, 0])
+    got = net(images, 1, layout=2, probes=(0, 2))
+    assert got.shape[1] == 2 + 4 + 2
+    assert torch.allclose(got[:, :6], net(images, 1, layout=2), atol=1e-6)
+    assert torch.allclose(got[:, 6], after[0], atol=1e-5) and torch.allclose(got[:, 7], after[2], atol=1e-5)
+    assert torch.allclose(got[:, 0], after[-1], atol=1e-5)  # f_0: the last block's
+    with pytest.raises(ValueError, match="not a block before the last"):
+        net(images, 0, probes=(len(tiny_ptm.blocks) - 1,))
+
+
 def test_forward_train_matches_inference_and_only_the_new_stage_gets_gradients(tiny_ptm, images):
     net = _network(tiny_ptm, stages=3, randomize=True)
     for st in net.stages[:-1]:

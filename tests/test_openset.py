@@ -23,10 +23,14 @@ from drlcli.openset import (
     Moments,
     RmdKnown,
     auroc,
+    balanced_quantile,
+    balanced_rate,
     calibrate,
     holdout_mask,
     known_scores,
     open_set_report,
+    probe_block,
+    rmd_input,
 )
 from drlcli.ranpac import shrunk
 
@@ -118,6 +122,41 @@ def test_rmd_calibration_rejects_the_target_share_and_calls_far_images_unknown()
     far = -features.mean(0, keepdim=True) * 3 + torch.randn(50, 12, generator=torch.Generator().manual_seed(9))
     assert float((model(far) < 0).double().mean()) > 0.9
     assert calibrate(features, labels, 4, OpenSetConfig(), seed=0).rmd_threshold is None  # no earlier moments
+
+
+def test_balanced_quantile_weighs_every_class_the_same():
+    # class 0: 90 high scores; class 1: 10 low ones. A plain 10 % quantile lands among class 1's
+    # scores and would reject 9 of its 10 images; the balanced one rejects at most 10 % of each class
+    # on average, and the lowest score at which that share reaches 10 %
+    scores = torch.cat([torch.arange(10, 100), torch.arange(0, 10)]).double()
+    labels = torch.cat([torch.zeros(90, dtype=torch.long), torch.ones(10, dtype=torch.long)])
+    plain = float(torch.quantile(scores, 0.1, interpolation="lower"))
+    assert balanced_rate(scores < plain, labels) == pytest.approx(0.45)
+    t = balanced_quantile(scores, labels, 0.1)
+    assert balanced_rate(scores < t, labels) <= 0.1 <= balanced_rate(scores <= t, labels)
+    assert t == 1.0
+    # with equal class counts it is the plain lower quantile
+    even = torch.arange(20).double().flip(0)
+    assert balanced_quantile(even, torch.arange(20) % 2, 0.25) == float(torch.quantile(even, 0.25, interpolation="lower"))
+
+
+def test_rmd_threshold_is_set_on_the_best_score_over_every_class_learned_so_far():
+    # the stage's classes sit beside the earlier ones, so an earlier class outscores some held-out images
+    generator = torch.Generator().manual_seed(4)
+    centres = torch.randn(2, 12, generator=generator) * 2
+    centres = torch.cat([centres, centres + 0.3 * torch.randn(2, 12, generator=generator)])
+    labels = torch.arange(4).repeat_interleave(60)
+    features = centres[labels] + torch.randn(240, 12, generator=generator)
+    earlier = Moments.of(features[labels < 2], labels[labels < 2], 2)
+    stage, local = labels >= 2, labels[labels >= 2] - 2
+    cfg = OpenSetConfig(rejection=0.1, holdout=0.5)
+    cal = calibrate(features[stage], local, 2, cfg, seed=0, earlier=earlier)
+    held = holdout_mask(local, fraction=0.5, seed=0)
+    kept = Moments.of(features[stage][~held], local[~held], 2)
+    best = RmdKnown(earlier.joined(kept), torch.zeros(4)).scores(features[stage][held])
+    assert bool((best[:, :2].max(1).values > best[:, 2:].max(1).values).any())  # the earlier classes compete
+    assert cal.rmd_threshold == balanced_quantile(best.max(1).values, local[held], 0.1)
+    assert cal.rmd_threshold > balanced_quantile(best[:, 2:].max(1).values, local[held], 0.1)
 
 
 def test_rmd_calibrates_classes_of_one_or_two_images():
@@ -295,6 +334,68 @@ def test_the_cosine_rule_stays_reachable_by_config(stage_folders, tmp_path):
     assert torch.allclose(model.known(feats), expected)
 
 
+def test_probe_block_is_the_block_at_the_configured_share_of_the_depth():
+    assert probe_block(0.64, 12) == 7  # DeiT: block 7 of 0..11
+    assert probe_block(0.64, 4) == 2 and probe_block(0.0, 12) == 0
+    assert probe_block(None, 12) is None and probe_block(0.99, 12) is None  # the last block is f_0's
+
+
+def test_the_rmd_score_reads_f0_and_the_probe_blocks_class_token(learned):
+    from drlcli import load_run
+
+    model = load_run(learned).model
+    ptm, d = model.network.ptm, model.network.width
+    assert model.probes_read == (2,) and model.unknown_rmd[0].means.shape == (6, 2 * d)
+    images = torch.randn(5, 3, 32, 32)
+    x = ptm.norm_pre(ptm._pos_embed(ptm.patch_embed(images)))
+    for block in ptm.blocks[:3]:
+        x = block(x)
+    probe, f0 = ptm.norm(x)[:, 0], ptm.forward_features(images)[:, 0]
+    moments, bias = model.unknown_rmd
+    with torch.no_grad():
+        expected = RmdKnown(moments, bias.mean().expand(6))(rmd_input(f0, probe, 2.0))
+        feats = model.features(images)
+        assert torch.allclose(model.known(feats), expected, atol=1e-4)
+        assert torch.equal(model.scores(model.scoring_rows(feats)), model.score_images(images))  # not the probe row
+
+
+def _rewrite_config(run: Path, change) -> None:
+    """Change run.yaml's hyper-parameters with ``change(config)`` and its manifest entry consistently."""
+    import yaml
+
+    from drlcli.rundir import sha256_bytes
+
+    record = yaml.safe_load((run / "run.yaml").read_text())
+    change(record["config"])
+    data = yaml.safe_dump(record, sort_keys=False).encode()
+    (run / "run.yaml").write_bytes(data)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"]["run.yaml"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_run_learned_before_the_probe_block_keeps_f0_alone(stage_folders, tmp_path):
+    from conftest import TINY_PTM, TINY_PTM_KWARGS
+
+    from drlcli import init_run, learn_stage, load_run
+    from drlcli.config import RunConfig
+
+    run = tmp_path / "f0"
+    config = RunConfig.for_method("drl", {"open_set": {"probe_depth": None}})
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    learn_stage(run, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    # what a run learned before this release reads as: the default (a probe block), f_0's statistics
+    _rewrite_config(run, lambda c: c["open_set"].update({"probe_depth": 0.64}))
+    learn_stage(run, data_dir=stage_folders[1][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    model = load_run(run).model
+    d = model.network.width
+    assert model.open_set_probe is None and model.probes_read == () and model.unknown_rmd[0].means.shape == (6, d)
+    weights = st_load((run / "stages" / "002" / "weights.safetensors").read_bytes())
+    assert weights[RMD_MEAN].shape == (3, d)
+    args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
+    assert _json(runner.invoke(app, [*args, "--run", str(run)]))["open_set"]["rule"] == "rmd"
+
+
 def test_crafted_rmd_statistics_are_refused(learned, stage_folders, tmp_path):
     image = str(sorted((stage_folders[0][1] / "class_00").iterdir())[0])
     crafted = {
@@ -302,6 +403,7 @@ def test_crafted_rmd_statistics_are_refused(learned, stage_folders, tmp_path):
         "rows": (lambda t: t.update({RMD_MEAN: t[RMD_MEAN][:2]}), RMD_MEAN),
         "bias": (lambda t: t.update({RMD_BIAS: torch.full((3,), float("nan"))}), RMD_BIAS),
         "counts": (lambda t: t.update({"unknown_count": torch.zeros(3)}), "unknown_count"),
+        "width": (lambda t: t.update({RMD_MEAN: torch.zeros(3, 3 * t[RMD_MEAN].shape[1] // 2)}), RMD_MEAN),
     }
     for name, (change, named) in crafted.items():
         run = Path(shutil.copytree(learned, tmp_path / name))

@@ -65,6 +65,9 @@ SPECS = {
     "f0 + cells 1 (per cell)": [(F0, 1.0, False), (CELLS, 1.0, True)],
     "f0 + b7 0.5": [(F0, 1.0, False), (B7, 0.5, False)],
     "f0 + b7 1": [(F0, 1.0, False), (B7, 1.0, False)],
+    "f0 + b7 1.5": [(F0, 1.0, False), (B7, 1.5, False)],
+    "f0 + b7 2": [(F0, 1.0, False), (B7, 2.0, False)],
+    "b7": [(B7, 1.0, False)],
     "f0 + cells 0.5 + b7 0.5": [(F0, 1.0, False), (CELLS, 0.5, True), (B7, 0.5, False)],
     "f0 + cells 0.5 + b7 cells 0.5": [(F0, 1.0, False), (CELLS, 0.5, True), (B7CELLS, 0.5, True)],
 }

@@ -10,7 +10,17 @@ held-out images' best score over the stage's classes. The model answers with one
 of its classes' stage thresholds (``openset.open_set_bias``). Test: B0 Inc10, the first 9 stages
 (90 classes) known, the 11 classes of stages 10-11 unknown.
 
-    python rmd_product.py caltech|sketch [--val] [--seeds 1993,1994,1995] [--shrink 0.5] [--decision mean|newest|median]
+    python rmd_product.py caltech|sketch [--val] [--seeds 1993,1994,1995] [--shrink 0.5] [--balanced]
+        [--decision mean|newest|median|seen|oracle|shift] [--probe 7 [--weight 2]]   # --probe: NAME_ml
+
+Decisions (the threshold of the model; all but ``oracle`` and ``shift`` are class-level statistics only):
+``mean`` of the stage thresholds, each set on the best score over the stage's classes (the product
+until the calibration round); ``seen``: the same, the best score over every class learned at the
+stage's commit (the product since); ``newest``/``median`` stage threshold; ``oracle``: every stage's
+held-out images re-scored against the final statistics without them (needs their features: not
+shippable, the reference); ``shift``: each stage threshold moved by the change of its held-out
+images' mean own-class score. ``--balanced``: each class weighs the same in the quantile (the
+product since the calibration round, rmd only).
 """
 import argparse
 import sys
@@ -70,7 +80,7 @@ def quantile(scores, y, rate, balanced):
     w = 1.0 / cnt[inv]
     order = np.argsort(scores, kind="stable")
     cum = np.cumsum(w[order])
-    return float(scores[order][np.searchsorted(cum, rate * cum[-1])])
+    return float(scores[order][min(np.searchsorted(cum, rate * cum[-1] * (1 - 1e-9)), len(scores) - 1)])  # as openset.balanced_quantile
 
 
 def own_mean(st, X, y, a):
@@ -84,9 +94,19 @@ def own_mean(st, X, y, a):
 DECISIONS = {"mean": np.mean, "newest": lambda t: t[-1], "median": np.median, "oracle": np.mean, "shift": np.mean, "seen": np.mean}
 
 
-def run(name, val, seed, a, rate=0.05, decision="mean", balanced=False):
+def rmd_features(X, name, probe, weight):
+    """f_0 (extract.py's and extract_grid.py's first columns), or with ``probe`` (NAME_ml features:
+    block b's class token in columns [384 b, 384 b + 192), f_0 = block 11's) the product's
+    ``openset.rmd_input`` [f_0/|f_0|, w t/|t|], normalised as a whole as its moments do."""
+    if probe is None:
+        return l2n(X[:, :192])
+    assert name.endswith("_ml"), "--probe reads extract_ml.py's features"
+    return l2n(np.concatenate([l2n(X[:, 384 * 11:384 * 11 + 192]), weight * l2n(X[:, 384 * probe:384 * probe + 192])], 1))
+
+
+def run(name, val, seed, a, rate=0.05, decision="mean", balanced=False, probe=None, weight=2.0):
     Xtr, ytr, Xe, ye = ordered_split(name, test=not val, seed=seed)
-    Xtr, Xe = l2n(Xtr[:, :192]), l2n(Xe[:, :192])  # f_0 (extract.py's and extract_grid.py's first columns)
+    Xtr, Xe = rmd_features(Xtr, name, probe, weight), rmd_features(Xe, name, probe, weight)
     st = Stats(Xtr.shape[1])
     thr = {"maxcos": [], "rmd": []}
     held, commit_mean, rest = [], [], Stats(Xtr.shape[1])
@@ -136,10 +156,12 @@ def main():
     ap.add_argument("--rate", type=float, default=0.05)
     ap.add_argument("--decision", choices=list(DECISIONS), default="mean")
     ap.add_argument("--balanced", action="store_true", help="class-balanced quantile (each class weighs the same)")
+    ap.add_argument("--probe", type=int, default=None, help="block whose class token joins f_0 (NAME_ml features)")
+    ap.add_argument("--weight", type=float, default=2.0, help="the probe token's weight")
     a = ap.parse_args()
     rows = {}
     for seed in (int(s) for s in a.seeds.split(",")):
-        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate, a.decision, a.balanced).items():
+        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate, a.decision, a.balanced, a.probe, a.weight).items():
             rows.setdefault(rule, []).append(m)
             print(f"{a.name} {'val' if a.val else 'test'} {seed} {rule:6s} " + " ".join(f"{k}={v:.4f}" for k, v in m.items()), flush=True)
     for rule, ms in rows.items():
