@@ -11,7 +11,7 @@ of its classes' stage thresholds (``openset.open_set_bias``). Test: B0 Inc10, th
 (90 classes) known, the 11 classes of stages 10-11 unknown.
 
     python rmd_product.py caltech|sketch [--val] [--seeds 1993,1994,1995] [--shrink 0.5] [--balanced]
-        [--decision mean|newest|median|seen|oracle|shift] [--probe 7 [--weight 2]]   # --probe: NAME_ml
+        [--decision mean|newest|median|seen|oracle|shift] [--probe 7 [--weight 2]] [--folds 5]   # --probe: NAME_ml
 
 Decisions (the threshold of the model; all but ``oracle`` and ``shift`` are class-level statistics only):
 ``mean`` of the stage thresholds, each set on the best score over the stage's classes (the product
@@ -104,7 +104,7 @@ def rmd_features(X, name, probe, weight):
     return l2n(np.concatenate([l2n(X[:, 384 * 11:384 * 11 + 192]), weight * l2n(X[:, 384 * probe:384 * probe + 192])], 1))
 
 
-def run(name, val, seed, a, rate=0.05, decision="mean", balanced=False, probe=None, weight=2.0):
+def run(name, val, seed, a, rate=0.05, decision="mean", balanced=False, probe=None, weight=2.0, folds=1):
     Xtr, ytr, Xe, ye = ordered_split(name, test=not val, seed=seed)
     Xtr, Xe = rmd_features(Xtr, name, probe, weight), rmd_features(Xe, name, probe, weight)
     st = Stats(Xtr.shape[1])
@@ -121,8 +121,23 @@ def run(name, val, seed, a, rate=0.05, decision="mean", balanced=False, probe=No
             hold[rng.permutation(idx)[: min(max(1, round(0.2 * len(idx))), len(idx) - 1)]] = True
         cal = st.add(X[~hold], y[~hold], cls)
         local = None if decision == "seen" else np.arange(s * INC, (s + 1) * INC)
-        for rule, sc in (("maxcos", cal.cos(X[hold], local)), ("rmd", cal.rmd(X[hold], a, local))):
-            thr[rule] += [quantile(sc.max(1), y[hold], rate, balanced)] * INC
+        if folds > 1:  # cross-fitting: every image held out once, by one of ``folds`` folds per class
+            fold = np.zeros(len(y), int)
+            for c in cls:
+                idx = np.where(y == c)[0]
+                fold[rng.permutation(idx)] = np.arange(len(idx)) % folds
+            scored = {"maxcos": [], "rmd": []}
+            for k in range(folds):
+                out = fold == k
+                calk = st.add(X[~out], y[~out], cls)
+                scored["maxcos"].append(calk.cos(X[out], local).max(1))
+                scored["rmd"].append(calk.rmd(X[out], a, local).max(1))
+            order = np.concatenate([np.where(fold == k)[0] for k in range(folds)])
+            for rule in scored:
+                thr[rule] += [quantile(np.concatenate(scored[rule]), y[order], rate, balanced)] * INC
+        else:
+            for rule, sc in (("maxcos", cal.cos(X[hold], local)), ("rmd", cal.rmd(X[hold], a, local))):
+                thr[rule] += [quantile(sc.max(1), y[hold], rate, balanced)] * INC
         st = st.add(X, y, cls)
         held.append((X[hold], y[hold]))
         rest = rest.add(X[~hold], y[~hold], cls)
@@ -158,10 +173,11 @@ def main():
     ap.add_argument("--balanced", action="store_true", help="class-balanced quantile (each class weighs the same)")
     ap.add_argument("--probe", type=int, default=None, help="block whose class token joins f_0 (NAME_ml features)")
     ap.add_argument("--weight", type=float, default=2.0, help="the probe token's weight")
+    ap.add_argument("--folds", type=int, default=1, help="cross-fitting: every image held out once (1: one 20 %% split)")
     a = ap.parse_args()
     rows = {}
     for seed in (int(s) for s in a.seeds.split(",")):
-        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate, a.decision, a.balanced, a.probe, a.weight).items():
+        for rule, m in run(a.name, a.val, seed, a.shrink, a.rate, a.decision, a.balanced, a.probe, a.weight, a.folds).items():
             rows.setdefault(rule, []).append(m)
             print(f"{a.name} {'val' if a.val else 'test'} {seed} {rule:6s} " + " ".join(f"{k}={v:.4f}" for k, v in m.items()), flush=True)
     for rule, ms in rows.items():
