@@ -596,7 +596,10 @@ def evaluate(
                 "drlcli 0.2 or later); learn the stages again in a new run"
             )
         correct = ranked[~is_unknown, 0] == targets[~is_unknown]
-        open_set = open_set_report(known[~is_unknown], correct, known[is_unknown], rule=model.open_set_answer)
+        probe = model.probes_read[0] if model.probes_read else None
+        open_set = open_set_report(
+            known[~is_unknown], correct, known[is_unknown], rule=model.open_set_answer, probe_block=probe
+        )
         ranked, targets = ranked[~is_unknown], targets[~is_unknown]
     predictions = ranked[:, 0]
     report = accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)

@@ -375,13 +375,19 @@ class OpenSetReport:
     num_known: int
     num_unknown: int
     rule: str = "cosine"  # the rule that answered (``RULES``)
+    probe_block: int | None = None  # the PTM block whose class token the rmd rule read beside f_0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def open_set_report(
-    known_known: Tensor, known_correct: Tensor, unknown_known: Tensor, *, rule: str = "cosine"
+    known_known: Tensor,
+    known_correct: Tensor,
+    unknown_known: Tensor,
+    *,
+    rule: str = "cosine",
+    probe_block: int | None = None,
 ) -> OpenSetReport:
     """From known(x) of the known images, whether each was classified correctly, and known(x) of the
     unknown images, under ``rule``."""
@@ -401,6 +407,7 @@ def open_set_report(
         num_known=known_known.numel(),
         num_unknown=unknown_known.numel(),
         rule=rule,
+        probe_block=probe_block,
     )
 
 

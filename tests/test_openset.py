@@ -302,7 +302,8 @@ def test_each_stage_stores_the_rmd_statistics_and_eval_answers_by_them(learned, 
         assert torch.equal(weights[RMD_BIAS], torch.full((3,), cal["rmd_threshold"]))
         assert weights["unknown_scatter_counts"].tolist() == [36.0, 3.0]  # every image of the stage
     args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
-    assert _json(runner.invoke(app, [*args, "--run", str(learned)]))["open_set"]["rule"] == "rmd"
+    out = _json(runner.invoke(app, [*args, "--run", str(learned)]))["open_set"]
+    assert out["rule"] == "rmd" and out["probe_block"] == 2  # block round(0.64 x 3) of the tiny ViT's 4
 
 
 def test_a_run_without_rmd_statistics_answers_by_the_cosine(learned, stage_folders, tmp_path):
@@ -393,7 +394,8 @@ def test_a_run_learned_before_the_probe_block_keeps_f0_alone(stage_folders, tmp_
     weights = st_load((run / "stages" / "002" / "weights.safetensors").read_bytes())
     assert weights[RMD_MEAN].shape == (3, d)
     args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
-    assert _json(runner.invoke(app, [*args, "--run", str(run)]))["open_set"]["rule"] == "rmd"
+    out = _json(runner.invoke(app, [*args, "--run", str(run)]))["open_set"]
+    assert out["rule"] == "rmd" and out["probe_block"] is None
 
 
 def test_crafted_rmd_statistics_are_refused(learned, stage_folders, tmp_path):

@@ -104,8 +104,9 @@ def evaluate(r: dict[str, Any]) -> str:
         )
     if r.get("open_set"):
         o = r["open_set"]
+        rule = o["rule"] if o.get("probe_block") is None else f"{o['rule']} (f_0 and block {o['probe_block']}'s class token)"
         lines.append(
-            f"unknown images ({o['num_unknown']}) against known ({o['num_known']}), rule {o['rule']}: AUROC {o['auroc']:.4f}; "
+            f"unknown images ({o['num_unknown']}) against known ({o['num_known']}), rule {rule}: AUROC {o['auroc']:.4f}; "
             f"at the calibrated threshold {o['unknown_accepted']:.2f}% of unknown images accepted, "
             f"{o['known_rejected']:.2f}% of known images rejected; top-1 counting rejections as errors "
             f"{o['top1_accepted']:.2f}% (closed-set {o['top1_closed']:.2f}%)"
