@@ -126,10 +126,10 @@ class IncrementalModel:
         """Width of the rmd rule's input (``openset.rmd_input``): d, or 2d with a probe block."""
         return self.network.width * (1 if self.open_set_probe is None else 2)
 
-    def features(self, images: Tensor, *, open_set: bool = True) -> Tensor:
-        """The features scoring and the "unknown" answer read, (B, S', d), of a preprocessed batch:
-        one network pass. The subspaces first, then the head's layout rows if it reads any, then
-        ``probes_read``'s rows (unless ``open_set`` is False)."""
+    def features(self, images: Tensor, *, open_set: bool = False) -> Tensor:
+        """The features scoring reads, (B, S', d), of a preprocessed batch: one network pass. The
+        subspaces first, then the head's layout rows if it reads any; with ``open_set``, also
+        ``probes_read``'s rows after them, for ``known`` (``scoring_rows`` drops them for ``scores``)."""
         return self.network(images, self.stages_scored, self.layout_scored, self.probes_read if open_set else ())
 
     def scoring_rows(self, features: Tensor) -> Tensor:
@@ -143,7 +143,7 @@ class IncrementalModel:
 
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
-        return self.scores(self.features(images, open_set=False))
+        return self.scores(self.features(images))
 
     @property
     def open_set_answer(self) -> str | None:
@@ -165,8 +165,8 @@ class IncrementalModel:
         return CosineKnown(self.real_prototypes[:, 0].cpu(), open_set_bias(self.unknown_bias.cpu()))
 
     def known(self, features: Tensor) -> Tensor | None:
-        """known(x) (B,) of ``openset.py`` for features (B, S', d) as ``features`` gives them; None
-        when uncalibrated."""
+        """known(x) (B,) of ``openset.py`` for features (B, S', d) as ``features(open_set=True)``
+        gives them; None when uncalibrated."""
         if self.unknown_bias is None:
             return None
         key = ("open_set", torch.device(features.device))
@@ -178,7 +178,7 @@ class IncrementalModel:
 
     def classify(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
         """Class scores (B, C) and known(x) (B,) (None when uncalibrated) from one network pass."""
-        features = self.features(images)
+        features = self.features(images, open_set=True)
         return self.scores(self.scoring_rows(features)), self.known(features)
 
     def calibrated(self, bias: Tensor, rmd: tuple[Moments, Tensor] | None = None) -> None:

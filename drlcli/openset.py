@@ -62,10 +62,10 @@ from .ranpac import shrunk  # the class-covariance head's shrinkage
 BIAS = "unknown_bias"  # the per-class tensor name, in a stage's weights and among restore.py's tensors
 # the rmd rule's tensors, under the same names in a stage's weights (its classes, its scatter) and
 # among restore.py's tensors (every class; the scatters and their counts summed over the stages)
-RMD_MEAN = "unknown_mean"  # (n, d) per class: the mean of x = f_0 / |f_0|
+RMD_MEAN = "unknown_mean"  # (n, w) per class: the mean of x (``rmd_input`` normalised; w = d or 2d)
 RMD_COUNT = "unknown_count"  # (n,) per class: its images
 RMD_BIAS = "unknown_rmd_bias"  # (n,) per class: its stage's rmd threshold
-RMD_SCATTER = "unknown_scatter"  # (d, d) the summed within-class scatter of x
+RMD_SCATTER = "unknown_scatter"  # (w, w) the summed within-class scatter of x
 RMD_SCATTER_COUNTS = "unknown_scatter_counts"  # (2,) the images and classes that scatter sums over
 RMD_ROWS = (RMD_MEAN, RMD_COUNT, RMD_BIAS)  # one row per class (``forget`` takes a class's out)
 RMD_TENSORS = (*RMD_ROWS, RMD_SCATTER, RMD_SCATTER_COUNTS)
@@ -93,12 +93,13 @@ def known_scores(features: Tensor, prototypes: Tensor, bias: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Moments:
-    """Class-level statistics of x = f_0 / |f_0| (float64): per class its mean and image count,
-    and the summed within-class scatter with the images and classes it sums over."""
+    """Class-level statistics of x, the unit vector along the rmd rule's input (``rmd_input``: f_0,
+    or f_0 and the probe block's token; float64): per class its mean and image count, and the
+    summed within-class scatter with the images and classes it sums over."""
 
-    means: Tensor  # (C, d)
+    means: Tensor  # (C, w)
     counts: Tensor  # (C,)
-    scatter: Tensor  # (d, d)
+    scatter: Tensor  # (w, w)
     scatter_counts: Tensor  # (2,) images, classes
 
     @classmethod
@@ -113,8 +114,8 @@ class Moments:
 
     @classmethod
     def of(cls, features: Tensor, labels: Tensor, num_classes: int) -> Moments:
-        """The moments of a stage's classes from their f_0 (N, d) and local labels (N,); every class
-        must have an image."""
+        """The moments of a stage's classes from their rmd inputs (N, w) (``rmd_input``) and local
+        labels (N,); every class must have an image."""
         x = F.normalize(features.double(), dim=-1)
         counts = torch.bincount(labels, minlength=num_classes).double()
         means = (
@@ -187,7 +188,8 @@ def _inverse(covariance: Tensor) -> Tensor:
 
 
 class RmdKnown(nn.Module):
-    """known(x) (B,) of the rmd rule from f_0 (B, d): only constants, traceable into every format.
+    """known(x) (B,) of the rmd rule from its input (B, w) (``rmd_input``): only constants, traceable
+    into every format.
 
     known(x) = v (max_c rmd_c(x) - b) with v = tr Σ_t / d, the known images' mean variance: the
     distances of unit vectors in units of 1/v are hundreds, so this brings known(x) to a few units

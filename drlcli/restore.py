@@ -8,9 +8,10 @@ names (the ``.drl`` file's own; a run's names are mapped to them in ``api.load_r
     prototypes          (C, S, d) real prototypes of every class, zero where synthesised
     class_stage         (C,) the 1-based stage each class was learned in
     unknown_bias        (C,) the open-set biases (``openset.py``), when every stage calibrated them
-    unknown_mean, unknown_count, unknown_rmd_bias (C, d), (C,), (C,); unknown_scatter (d, d),
+    unknown_mean, unknown_count, unknown_rmd_bias (C, w), (C,), (C,); unknown_scatter (w, w),
     unknown_scatter_counts (2,): the rmd rule's statistics (``openset.RMD_TENSORS``), when every
-                        stage stored them
+                        stage stored them; w is the rmd input's width (``IncrementalModel.rmd_width``:
+                        2d with the probe block, d for f_0 alone)
 
 Each format checks its own files (checksums, shapes, finiteness) before calling ``restore_model``;
 weights that still do not fit the network are reported through the caller's ``fit_error``, so a
@@ -97,8 +98,8 @@ def restore_model(
         rmd = None
         if problem is None and all(name in tensors for name in RMD_TENSORS):
             rmd_tensors = {name: tensors[name] for name in RMD_TENSORS}
-            width = rmd_tensors[RMD_MEAN].shape[-1]  # f_0's (runs from before the probe block) or the model's
-            width = width if width in (network.width, model.rmd_width) else model.rmd_width
+            means = rmd_tensors[RMD_MEAN]  # d wide (f_0's: runs from before the probe block) or the model's
+            width = means.shape[-1] if means.dim() == 2 and means.shape[-1] == network.width else model.rmd_width
             problem = check_rmd(rmd_tensors, len(class_names), width)
             rmd = (Moments.from_tensors(rmd_tensors), tensors[RMD_BIAS])
         if problem is not None:

@@ -355,7 +355,7 @@ def test_the_rmd_score_reads_f0_and_the_probe_blocks_class_token(learned):
     moments, bias = model.unknown_rmd
     with torch.no_grad():
         expected = RmdKnown(moments, bias.mean().expand(6))(rmd_input(f0, probe, 2.0))
-        feats = model.features(images)
+        feats = model.features(images, open_set=True)
         assert torch.allclose(model.known(feats), expected, atol=1e-4)
         assert torch.equal(model.scores(model.scoring_rows(feats)), model.score_images(images))  # not the probe row
 
@@ -396,6 +396,28 @@ def test_a_run_learned_before_the_probe_block_keeps_f0_alone(stage_folders, tmp_
     args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
     out = _json(runner.invoke(app, [*args, "--run", str(run)]))["open_set"]
     assert out["rule"] == "rmd" and out["probe_block"] is None
+
+
+def test_restoring_rmd_statistics_of_any_shape_gives_a_clean_error(learned):
+    """The one loader behind runs and .drl files: a crafted unknown_mean of any rank is the caller's
+    fit error naming it, never a crash (a .drl reaches it with only its checksums checked)."""
+    from drlcli import load_run
+    from drlcli.restore import model_tensors, restore_model
+
+    loaded = load_run(learned)
+    model = loaded.model
+    for crafted in (torch.tensor(1.0), torch.zeros(6), torch.zeros(6, 3), torch.zeros(6, 2, 64)):
+        tensors = {**model_tensors(model), RMD_MEAN: crafted}
+        with pytest.raises(ValueError, match=RMD_MEAN):
+            restore_model(
+                model.network.ptm,
+                loaded.config,
+                tensors,
+                class_names=model.class_names,
+                num_stages=model.num_stages,
+                data_config=model.data_config,
+                fit_error=lambda position, exc: exc,
+            )
 
 
 def test_crafted_rmd_statistics_are_refused(learned, stage_folders, tmp_path):

@@ -207,8 +207,8 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
     with torch.no_grad():
         want = model.score_images(x)
         # inference computes the subspaces the head reads, no more; their scores are the full pass's
-        assert model.stages_scored == subspaces - 1 and model.features(x, open_set=False).shape[1] == subspaces + 4
-        assert model.features(x).shape[1] == subspaces + 5  # and the "unknown" answer's probe row
+        assert model.stages_scored == subspaces - 1 and model.features(x).shape[1] == subspaces + 4
+        assert model.features(x, open_set=True).shape[1] == subspaces + 5  # and the "unknown" answer's probe row
         assert torch.allclose(want, model.scores(model.network(x, layout=2)), atol=1e-5)
         export_run(run, tmp_path / "m.drl")
         assert torch.allclose(load_export(tmp_path / "m.drl").score_images(x), want, atol=1e-5)
@@ -410,7 +410,7 @@ def test_layout_head_equals_the_batch_ridge_on_f0_and_the_layout(layout_run, sta
     images = scan_class_folders(stage_folders[1][1])
     x = torch.stack([eval_transform(model.data_config)(Image.open(p).convert("RGB")) for p in images.paths[:6]])
     with torch.no_grad():
-        assert model.features(x, open_set=False).shape[1] == 5
+        assert model.features(x).shape[1] == 5
         want = model.score_images(x)
         export_run(layout_run, tmp_path / "m.drl")
         assert torch.allclose(load_export(tmp_path / "m.drl").score_images(x), want, atol=1e-5)

@@ -49,11 +49,14 @@ class StageNetwork(Protocol):
         """Append a freshly initialised stage (seeded, on the PTM's device) and return it."""
         ...
 
-    def forward(self, images: Tensor, stages: int | None = None, layout: int = 0) -> Tensor:
+    def forward(
+        self, images: Tensor, stages: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()
+    ) -> Tensor:
         """Every subspace's feature: (B, 3, H, W) -> (B, S, d); with ``stages`` k, only the subspaces
         of the PTM (when the method has one) and of the first k stages, the others not computed;
-        with ``layout`` g > 0, g² rows of the PTM's layout after them (``backbone.ptm_layout``;
-        methods with a PTM subspace only)."""
+        with ``layout`` g > 0, g² rows of the PTM's layout after them (``backbone.ptm_layout``);
+        with ``probes``, the class token after each of those PTM blocks last (``backbone.ptm_probe``;
+        layout and probes: methods with a PTM subspace only)."""
         ...
 
     def forward_train(self, images: Tensor) -> tuple[Tensor | None, Tensor]:
