@@ -476,10 +476,11 @@ def predict_sets(
             layout=model.layout_scored,
             probes=model.probes_read,
         )
-        scores = model.scores(model.scoring_rows(feats))
+        scoring, inputs = model.split(feats)
+        scores = model.scores(scoring)
         predictions.append(scores.topk(min(TOP_K, scores.shape[1]), dim=1).indices.cpu())
         targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
-        margin = model.known(feats)
+        margin = model.known(inputs)
         known.append(margin.cpu() if margin is not None else torch.zeros(0))
     calibrated = model.open_set_answer is not None
     parts = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets), torch.cat(known)))
@@ -989,8 +990,7 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         layout=layout,
         probes=probes,
     )
-    rmd_feats = openset.rmd_input(feats[:, 0], feats[:, -1] if probes else None, model.probe_weight)
-    feats = feats[:, : feats.shape[1] - len(probes)]  # the head's rows
+    feats, rmd_feats = openset.split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
     subspaces = feats[:, : model.network.num_subspaces]
     model.add_classes(list(images.class_names), stage.index, class_means(subspaces, labels, len(images.class_names)))
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])

@@ -18,7 +18,7 @@ from . import distributed
 from .config import ScoreConfig
 from .data import ImageDataset, LabelledImages, eval_transform, make_loader, start_workers
 from .methods import StageNetwork
-from .openset import CosineKnown, Moments, RmdKnown, open_set_bias, rmd_input
+from .openset import CosineKnown, Moments, RmdKnown, open_set_bias, split_probe
 from .precision import autocast
 from .prototypes import concat_scores, score_weights, synthesize, weighted_scores
 
@@ -87,8 +87,8 @@ class IncrementalModel:
         return state
 
     def scores(self, features: Tensor) -> Tensor:
-        """(B, C) class scores for subspace features (B, S, d) (with the head's layout rows, if any;
-        ``scoring_rows`` of what ``features`` gives)."""
+        """(B, C) class scores for subspace features (B, S, d) (with the head's layout rows, if any:
+        what ``features`` gives, or ``split``'s first part)."""
         # always fp32, also under bf16 autocast: cosines of near-equal prototypes differ in the
         # third decimal, below bf16's resolution, and the (B, C) scoring is cheap next to the ViT
         features = features.float()
@@ -129,17 +129,12 @@ class IncrementalModel:
     def features(self, images: Tensor, *, open_set: bool = False) -> Tensor:
         """The features scoring reads, (B, S', d), of a preprocessed batch: one network pass. The
         subspaces first, then the head's layout rows if it reads any; with ``open_set``, also
-        ``probes_read``'s rows after them, for ``known`` (``scoring_rows`` drops them for ``scores``)."""
+        ``probes_read``'s rows after them (``split`` parts them for ``scores`` and ``known``)."""
         return self.network(images, self.stages_scored, self.layout_scored, self.probes_read if open_set else ())
 
-    def scoring_rows(self, features: Tensor) -> Tensor:
-        """What ``scores`` reads of ``features``' output: all but ``probes_read``'s rows."""
-        return features[:, : features.shape[1] - len(self.probes_read)]
-
-    def open_set_input(self, features: Tensor) -> Tensor:
-        """What ``known_module`` reads from ``features`` (B, S', d): f_0, or the rmd rule's input."""
-        probe = features[:, -1] if self.probes_read else None
-        return rmd_input(features[:, 0], probe, self.probe_weight) if self.open_set_answer == "rmd" else features[:, 0]
+    def split(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """``features(open_set=True)``'s output as (what ``scores`` reads, what ``known`` reads)."""
+        return split_probe(features, len(self.probes_read), self.probe_weight)
 
     def score_images(self, images: Tensor) -> Tensor:
         """(B, C) class scores for a preprocessed image batch (B, 3, H, W): one network pass."""
@@ -153,7 +148,7 @@ class IncrementalModel:
         return "rmd" if self.open_set_rule == "rmd" and self.unknown_rmd is not None else "cosine"
 
     def known_module(self) -> nn.Module | None:
-        """known(x) of ``openset.py`` as a module of constants on the CPU, ``open_set_input`` -> (B,)."""
+        """known(x) of ``openset.py`` as a module of constants on the CPU, ``split``'s second part -> (B,)."""
         rule = self.open_set_answer
         if rule is None:
             return None
@@ -164,22 +159,22 @@ class IncrementalModel:
         assert self.unknown_bias is not None
         return CosineKnown(self.real_prototypes[:, 0].cpu(), open_set_bias(self.unknown_bias.cpu()))
 
-    def known(self, features: Tensor) -> Tensor | None:
-        """known(x) (B,) of ``openset.py`` for features (B, S', d) as ``features(open_set=True)``
-        gives them; None when uncalibrated."""
+    def known(self, inputs: Tensor) -> Tensor | None:
+        """known(x) (B,) of ``openset.py`` for its inputs (B, w), ``split``'s second part; None when
+        uncalibrated."""
         if self.unknown_bias is None:
             return None
-        key = ("open_set", torch.device(features.device))
+        key = ("open_set", torch.device(inputs.device))
         module = self._scoring.get(key)
         if module is None:  # built once per device
-            module = self._scoring[key] = self.known_module().to(features.device)
-        with torch.autocast(features.device.type, enabled=False):
-            return module(self.open_set_input(features))
+            module = self._scoring[key] = self.known_module().to(inputs.device)
+        with torch.autocast(inputs.device.type, enabled=False):
+            return module(inputs)
 
     def classify(self, images: Tensor) -> tuple[Tensor, Tensor | None]:
         """Class scores (B, C) and known(x) (B,) (None when uncalibrated) from one network pass."""
-        features = self.features(images, open_set=True)
-        return self.scores(self.scoring_rows(features)), self.known(features)
+        scoring, inputs = self.split(self.features(images, open_set=True))
+        return self.scores(scoring), self.known(inputs)
 
     def calibrated(self, bias: Tensor, rmd: tuple[Moments, Tensor] | None = None) -> None:
         """Set the open-set biases of every class (C,), and the rmd rule's moments and biases (C,).

@@ -180,6 +180,14 @@ def rmd_input(f0: Tensor, probe: Tensor | None, weight: float) -> Tensor:
     return torch.cat([F.normalize(f0.double(), dim=-1), weight * F.normalize(probe.double(), dim=-1)], dim=-1)
 
 
+def split_probe(features: Tensor, probes: int, weight: float) -> tuple[Tensor, Tensor]:
+    """(the rows class scoring reads, known(x)'s input) of network features (B, S', d) whose last
+    ``probes`` rows (0 or 1) are the probe block's class token: f_0 alone, or ``rmd_input`` of f_0
+    and that token. The one place a pass's output is split between the two answers."""
+    probe = features[:, -1] if probes else None
+    return features[:, : features.shape[1] - probes], rmd_input(features[:, 0], probe, weight)
+
+
 def _inverse(covariance: Tensor) -> Tensor:
     chol, info = torch.linalg.cholesky_ex(covariance)
     if int(info) != 0 or not bool(torch.isfinite(covariance).all()):
@@ -322,8 +330,9 @@ def calibrate(
     sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype).index_add_(0, labels[kept], features[kept])
     counts = torch.bincount(labels[kept], minlength=num_classes)
     lone = counts == 0  # a class with a single image: its prototype is that image (held out and kept)
-    if lone.any():
-        sums[lone] = torch.stack([features[labels == c].mean(0) for c in lone.nonzero().flatten().tolist()])
+    lone_classes = lone.nonzero().flatten().tolist()
+    if lone_classes:
+        sums[lone] = torch.stack([features[labels == c].mean(0) for c in lone_classes])
         counts = counts.clamp_min(1)
     prototypes = sums / counts[:, None]
     cos = F.normalize(features[held], dim=-1) @ F.normalize(prototypes, dim=-1).T
@@ -332,9 +341,10 @@ def calibrate(
     rmd_threshold = rmd_rejected = None
     if earlier is not None:
         own = Moments.of(rmd_features[kept], labels[kept], num_classes)
-        if lone.any():  # as for the prototypes: a lone image is its class's mean, and no scatter
-            lone_means = torch.stack([F.normalize(rmd_features[labels == c], dim=-1).mean(0) for c in range(num_classes)])
-            own = replace(own, means=torch.where(lone[:, None], lone_means, own.means), counts=own.counts.clamp_min(1))
+        if lone_classes:  # as for the prototypes: a lone image is its class's mean, and no scatter
+            means = own.means.clone()
+            means[lone] = torch.stack([F.normalize(rmd_features[labels == c], dim=-1).mean(0) for c in lone_classes])
+            own = replace(own, means=means, counts=own.counts.clamp_min(1))
         scorer = RmdKnown(earlier.joined(own), torch.zeros(len(earlier.counts) + num_classes))
         rmd_best = scorer.scores(rmd_features[held]).max(dim=1).values  # over every class learned so far
         rmd_threshold = balanced_quantile(rmd_best, labels[held], cfg.rejection)

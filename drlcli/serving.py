@@ -55,7 +55,7 @@ from .config import RunConfig
 from .errors import IntegrityError, RunStateError, StorageError, require
 from .model import IncrementalModel
 from .modelfile import format_of
-from .openset import CosineKnown, rmd_input
+from .openset import CosineKnown, split_probe
 from .precision import autocast
 from .prototypes import concat_scores, score_weights, weighted_scores
 
@@ -97,11 +97,8 @@ class ScoringGraph(nn.Module):
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         features = self.network(images, self.stages, self.layout, self.probes)  # (B, S [+ g²] [+ 1], d)
-        if self.probes:
-            known = self.known(rmd_input(features[:, 0], features[:, -1], self.probe_weight))
-            features = features[:, : -len(self.probes)]
-        else:  # f_0 (subspace 0 is never synthesised), for either rule
-            known = self.known(features[:, 0])
+        features, inputs = split_probe(features, len(self.probes), self.probe_weight)  # f_0: never synthesised
+        known = self.known(inputs)
         if self.head is not None:
             return self.head(features), known
         if self.concat:

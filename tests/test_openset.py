@@ -332,7 +332,7 @@ def test_the_cosine_rule_stays_reachable_by_config(stage_folders, tmp_path):
     images = torch.randn(4, 3, 32, 32)
     feats = model.features(images)
     expected = known_scores(feats[:, 0], model.real_prototypes[:, 0], model.unknown_bias)
-    assert torch.allclose(model.known(feats), expected)
+    assert torch.allclose(model.known(model.split(feats)[1]), expected)
 
 
 def test_probe_block_is_the_block_at_the_configured_share_of_the_depth():
@@ -355,9 +355,9 @@ def test_the_rmd_score_reads_f0_and_the_probe_blocks_class_token(learned):
     moments, bias = model.unknown_rmd
     with torch.no_grad():
         expected = RmdKnown(moments, bias.mean().expand(6))(rmd_input(f0, probe, 2.0))
-        feats = model.features(images, open_set=True)
-        assert torch.allclose(model.known(feats), expected, atol=1e-4)
-        assert torch.equal(model.scores(model.scoring_rows(feats)), model.score_images(images))  # not the probe row
+        scoring, inputs = model.split(model.features(images, open_set=True))
+        assert torch.allclose(model.known(inputs), expected, atol=1e-4)
+        assert torch.equal(model.scores(scoring), model.score_images(images))  # not the probe row
 
 
 def _rewrite_config(run: Path, change) -> None:
