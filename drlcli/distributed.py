@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any
 
 import torch
@@ -51,9 +52,34 @@ def setup(*, cpu: bool = False) -> None:
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
 
 
-def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+EXIT_KEY = "drl/exit"
+EXIT_WAIT_S = 120.0
+
+
+def teardown(*, clean: bool = False) -> None:
+    """Leave the process group. After a clean finish every rank first waits, through the
+    launcher's store rather than gloo or NCCL, until all ranks have got here (at most
+    EXIT_WAIT_S): a rank that closed its connections while a peer's last collective still read
+    from them could abort that peer (pytorch/gloo#155). A rank that failed leaves at once;
+    torchrun stops the others."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean and world_size() > 1:
+        wait_for_every_rank(EXIT_KEY, timeout_s=EXIT_WAIT_S)
+    dist.destroy_process_group()
+
+
+def wait_for_every_rank(key: str, *, timeout_s: float) -> bool:
+    """Count this rank in at ``key`` of the default store and wait until every rank has; False
+    when ``timeout_s`` ran out first."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world_size():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def barrier() -> None:

@@ -4,6 +4,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,18 @@ OPTS = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cpu"
 
 
 def _torchrun(*args):
+    """Run ``drlcli`` under torchrun with 2 CPU processes. A launch whose workers were killed by
+    SIGABRT from inside gloo's transport (seen once in CI, not reproduced in 37 runs here; the
+    ranks now leave in step, ``distributed.teardown``) is run once more, with a warning that keeps
+    the first launch's rank output, so a second abort still fails the test."""
+    done = _launch(args)
+    if done.returncode != 0 and "SIGABRT" in done.stderr:
+        warnings.warn(f"torchrun workers aborted; ran again. Their output:\n{_rank_lines(done.stderr)}", stacklevel=2)
+        done = _launch(args)
+    return done
+
+
+def _launch(args):
     # `python -m torch.distributed.run` is the torchrun command, found wherever torch is installed
     cmd = [
         sys.executable,
@@ -31,6 +46,12 @@ def _torchrun(*args):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _rank_lines(stderr: str) -> str:
+    """What the ranks themselves said, without the launcher's traceback (which only names the signal)."""
+    launcher = ("torch/distributed/", 'File "', "raise ", "return ", "^^^", "Traceback")
+    return "\n".join(line for line in stderr.splitlines() if not any(m in line for m in launcher))[-3000:]
 
 
 def test_two_processes_match_one(tmp_path, stage_folders):
@@ -50,7 +71,7 @@ def test_two_processes_match_one(tmp_path, stage_folders):
         train_overrides={"epochs": 2, "batch_size": 12, "lr": 0.05},
     )
     done = _torchrun("learn-stage", "--run-dir", runs["two"], "--data", train, "--eval-data", test, *OPTS, "--json")
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, _rank_lines(done.stderr)
     out = json.loads(done.stdout)  # rank 0 alone printed: one JSON object
     assert out["ok"] and out["stage"] == 1 and out["num_params"] == single.num_params
     # the commit happened only after every rank's stage parameters were bit-identical
@@ -63,7 +84,7 @@ def test_two_processes_match_one(tmp_path, stage_folders):
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a), max((a[k] - b[k]).abs().max() for k in a)
     # eval under torchrun reduces counts over ranks: same number of images, same accuracy as one process
     evaluated = _torchrun("eval", "--run-dir", runs["two"], "--all-seen", "--device", "cpu", "--json")
-    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert evaluated.returncode == 0, _rank_lines(evaluated.stderr)
     result = json.loads(evaluated.stdout)
     assert result["accuracy"]["num_images"] == out["eval"]["num_images"] == 12
     assert result["accuracy"]["top1"] == out["eval"]["top1"]
@@ -87,7 +108,7 @@ def test_sum_gate_ablation_trains_under_ddp(tmp_path, stage_folders):
     config = RunConfig.for_method("drl", {"ipa": {"gate": "sum"}})
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     done = _torchrun("learn-stage", "--run-dir", run, "--data", stage_folders[0][0], *OPTS)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, _rank_lines(done.stderr)
     assert RunDir(run).stage_indices() == [1]
 
 
@@ -100,11 +121,29 @@ def test_two_gpus_with_nccl_commit_one_stage(tmp_path, stage_folders):
     train, test = stage_folders[0]
     args = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cuda"]
     done = _torchrun("learn-stage", "--run-dir", run, "--data", train, "--eval-data", test, *args, "--json")
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, _rank_lines(done.stderr)
     out = json.loads(done.stdout)
     assert out["ok"] and out["stage"] == 1
     meta = RunDir(run).stage_meta(1)
     assert meta["world_size"] == 2 and meta["device"].startswith("cuda")
     evaluated = _torchrun("eval", "--run-dir", run, "--all-seen", "--device", "cuda", "--json")
-    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert evaluated.returncode == 0, _rank_lines(evaluated.stderr)
     assert json.loads(evaluated.stdout)["accuracy"]["num_images"] == out["eval"]["num_images"]
+
+
+def _leave(rank: int, init: str, marker: str) -> None:
+    import torch.distributed as dist
+
+    from drlcli import distributed
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 1:
+        time.sleep(0.5)
+        Path(marker).write_text("rank 1 was still working")
+    distributed.teardown(clean=True)
+    if rank == 0:  # rank 0 left only after rank 1 got to its own teardown
+        assert Path(marker).exists()
+
+
+def test_ranks_leave_the_process_group_in_step(tmp_path):
+    torch.multiprocessing.spawn(_leave, args=(f"file://{tmp_path / 'store'}", str(tmp_path / "marker")), nprocs=2)

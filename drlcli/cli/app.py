@@ -494,8 +494,13 @@ def demo(
 def main() -> None:
     """Entry point (``drl``, ``python -m drlcli``); under torchrun each command joins the process
     group once its options are parsed (``boundary.command``), and leaves it here."""
+    clean = False
     try:
         app()
+        clean = True
+    except SystemExit as exc:  # typer ends every command with one
+        clean = exc.code in (0, None)
+        raise
     finally:
         if "drlcli.distributed" in sys.modules:  # a command ran (or torchrun set up the group)
-            sys.modules["drlcli.distributed"].teardown()
+            sys.modules["drlcli.distributed"].teardown(clean=clean)
