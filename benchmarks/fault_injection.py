@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from drlcli import api
+from drlcli.config import RunConfig
 from drlcli.errors import DrlError
 from drlcli.rundir import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
@@ -95,7 +96,9 @@ def run_fault_injection(work: Path, *, kills: int, seed: int = 0, log: Any = pri
     rng = random.Random(seed)
     work = Path(work)
     run = work / "run"
-    api.init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    # the stages trained (train.skip_unread false), so that kills land in epochs and checkpoints too
+    config = RunConfig.for_method("drl", {"train": {"skip_unread": False}})
+    api.init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     # one uninterrupted stage measures how long a whole learn-stage takes here
     train, test = _stage_data(work, 1)
     start = time.monotonic()

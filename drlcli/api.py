@@ -30,7 +30,7 @@ from .data import (
     validate_images,
 )
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
-from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of
+from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of, stage_is_read
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .openset import Calibration, OpenSetReport, calibrate, open_set_report
@@ -294,7 +294,11 @@ def _run_tensors(
         for name in (openset.BIAS, *openset.RMD_ROWS):  # one row per class; the rest by openset's checks
             rows_of = stage.tensors.get(name)
             if rows_of is not None and (rows_of.dim() == 0 or rows_of.shape[0] != expected[0]):
-                raise _stage_error(run, stage.index, ValueError(f"{name} has shape {tuple(rows_of.shape)}, expected {expected[0]} rows"))
+                raise _stage_error(
+                    run,
+                    stage.index,
+                    ValueError(f"{name} has shape {tuple(rows_of.shape)}, expected {expected[0]} rows"),
+                )
         padded = torch.zeros(expected[0], num_subspaces, width)  # subspaces added later: synthesised
         padded[:, :subspaces] = prototypes
         rows.append(padded)
@@ -660,6 +664,7 @@ class StageResult:
     run_dir: str | None = None
     precision: str = "fp32"  # the network forward's (for "unchanged": the committed stage's)
     tensorboard_dir: str | None = None  # where this call wrote TensorBoard event files, if it did
+    training_skipped: bool = False  # the stage was created untrained: nothing reads it (train.skip_unread)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -782,8 +787,9 @@ class _StageContext:
 
 @dataclass(frozen=True)
 class _Trained:
-    result: TrainResult | None  # None: the method trains nothing
+    result: TrainResult | None  # None: the method trains nothing, or the stage was not trained
     resumed_from: int | None  # the epoch an interrupted call's checkpoint had reached
+    skipped: bool = False  # the stage was created, not trained: nothing reads it (train.skip_unread)
 
 
 @dataclass(frozen=True)
@@ -899,6 +905,10 @@ def _train_or_resume(stage: _StageContext, *, restart: bool) -> _Trained:
         return _Trained(None, None)
     network, train = stage.model.network, stage.config.train
     network.new_stage(seed=train.seed + stage.index)
+    if train.skip_unread and not stage_is_read(stage.config, stage.index):
+        network.stages[-1].eval().requires_grad_(False)  # as training leaves it
+        log.debug("stage %d not trained: nothing the run answers reads its subspace", stage.index)
+        return _Trained(None, None, skipped=True)
     key = _checkpoint_key(
         stage.manifest,
         stage.index,
@@ -999,7 +1009,9 @@ def _prototypes(stage: _StageContext) -> _Fitted:
     # a run from before the rmd statistics stays with the cosine rule (calibrate gave no rmd threshold)
     rmd = None if calibration.rmd_threshold is None else (moments, torch.full((n,), calibration.rmd_threshold))
     if old_bias is not None or stage.index == 1:  # a run from before open-set scoring stays without it
-        joined = None if rmd is None or old_rmd is None else (old_rmd[0].joined(rmd[0]), torch.cat([old_rmd[1], rmd[1]]))
+        joined = (
+            None if rmd is None or old_rmd is None else (old_rmd[0].joined(rmd[0]), torch.cat([old_rmd[1], rmd[1]]))
+        )
         model.calibrated(new_bias if old_bias is None else torch.cat([old_bias, new_bias]), joined)
     log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
     fit = None
@@ -1100,6 +1112,8 @@ def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evalua
         train_metrics = asdict(trained.result)
     else:
         train_metrics = {"seconds": fitted.seconds} if fit is not None else None  # the feature pass and solve
+    if trained.skipped:
+        train_metrics = {**(train_metrics or {}), "skipped": True}
     if stage.method.trains:
         num_params = stage.model.network.stages[-1].num_params()
     else:
@@ -1168,6 +1182,7 @@ def _learned(
         epoch_losses=train.epoch_losses if train else [],
         scale=train.scale if train else None,
         num_params=record.meta["num_params"],
+        training_skipped=trained.skipped,
         stage_bytes=sum(len(b) for b in record.files.values()),
         eval=evaluated.report,
         history=history_of([*stage.loaded.stage_metas, record.meta]),
@@ -1205,6 +1220,7 @@ def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedR
         history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
         run_dir=str(loaded.run.path),
         precision=meta.get("precision", "fp32"),  # absent: committed before drl recorded it, in fp32
+        training_skipped=train.get("skipped") is True,
     )
 
 

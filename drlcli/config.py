@@ -92,6 +92,9 @@ class TrainConfig:
     hflip: bool = True
     seed: int = 0
     num_workers: int = 0  # DataLoader workers; 0 loads in the main process
+    # a new stage whose subspace nothing the run answers reads (``methods.stage_is_read``) is
+    # created but not trained; false trains every stage (runs from before this key: false)
+    skip_unread: bool = False
 
 
 @dataclass(frozen=True)

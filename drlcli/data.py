@@ -103,6 +103,7 @@ class ImageSet(LabelledImages):
         pairs = [(path, label[old]) for path, old in zip(self.paths, self.labels) if old in label]
         return ImageSet(self.root, tuple(keep), tuple(p for p, _ in pairs), tuple(k for _, k in pairs))
 
+
 @dataclass(frozen=True, eq=False)
 class DatasetImages(LabelledImages):
     """A torch ``Dataset`` of (image, label) pairs as labelled images; made by ``dataset_images``,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .api import ProgressFn, evaluate, init_run, learn_stage
+from .config import RunConfig
 from .errors import RunStateError
 from .export import export_run
 from .synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
@@ -29,7 +30,10 @@ def run_demo(
     if run_dir.exists():
         raise RunStateError(f"{run_dir} already exists; pass another --out or remove it")
     stages = make_stages(out_dir / "data", num_stages=num_stages, classes_per_stage=classes_per_stage, train=24, test=8)
-    init_run(run_dir, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    # the default drl recipe, except that it trains its stages though the default head reads none
+    # (train.skip_unread false): the demo checks that training works on this machine too
+    config = RunConfig.for_method("drl", {"train": {"skip_unread": False}})
+    init_run(run_dir, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     results = []
     for train_dir, test_dir in stages:
         result = learn_stage(

@@ -70,7 +70,9 @@ class EaseNetwork(nn.Module):
         self.stages.append(stage)
         return stage
 
-    def forward(self, images: Tensor, stages: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()) -> Tensor:
+    def forward(
+        self, images: Tensor, stages: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()
+    ) -> Tensor:
         """Every stage's subspace, (B, S, d); S full ViT passes (only the first ``stages`` when given).
         EASE has no PTM subspace, so no PTM layout (``layout`` must be 0)."""
         if layout or probes:

@@ -141,7 +141,13 @@ class IPANetwork(nn.Module):
         return feats[:, 0], feats[:, -1]
 
     def _run(
-        self, images: Tensor, *, train_last: bool, keep: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()
+        self,
+        images: Tensor,
+        *,
+        train_last: bool,
+        keep: int | None = None,
+        layout: int = 0,
+        probes: tuple[int, ...] = (),
     ) -> Tensor:
         frozen = list(self.stages[:-1] if train_last else self.stages)
         if keep is not None:

@@ -75,7 +75,9 @@ STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, store
 LAYOUT = f"{PREFIX}layout"  # () int64 in stage 1's weights: g, the PTM layout grid of the head's input
 
 
-def random_projection(width: int, proj_dim: int, *, seed: int, layout_rows: int = 0, layout_scale: float = 1.0) -> Tensor:
+def random_projection(
+    width: int, proj_dim: int, *, seed: int, layout_rows: int = 0, layout_scale: float = 1.0
+) -> Tensor:
     """R (width, M), N(0, 1) entries (RanPAC's W_rand), from its own generator; its last
     ``layout_rows`` rows (those the PTM layout meets) times ``layout_scale``: ReLU([f_0, s·l] R)
     with l the layout is ReLU([f_0, l] R'), so the scale lives in R and costs nothing to score."""

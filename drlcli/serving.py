@@ -310,7 +310,9 @@ def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> b
             # cases than the tracer; the TorchScript-based exporter (deprecated upstream, still in
             # torch) keeps `drl export --format onnx` working where it fails. Its deprecation
             # warning is let through.
-            log.warning("the torch.export-based ONNX exporter failed (%s); using the TorchScript-based one", _short(exc))
+            log.warning(
+                "the torch.export-based ONNX exporter failed (%s); using the TorchScript-based one", _short(exc)
+            )
             data = _onnx_torchscript(graph, example)
     if printed.getvalue().strip():
         log.debug("%s", printed.getvalue().strip())
@@ -532,7 +534,9 @@ def _check_onnx_graph(path: Path, proto: Any) -> None:
 def _check_spec(path: Path, spec: dict[str, Any], fmt: str) -> None:
     if spec.get("format") != f"drl-{fmt}":
         raise IntegrityError(f"{path} is a {fmt} file but not a drl export; pass a file written by `drl export`")
-    modelfile.check_version(path, spec.get("format_version"), FORMAT_VERSION, what=f"{fmt} export", also=READABLE_VERSIONS)
+    modelfile.check_version(
+        path, spec.get("format_version"), FORMAT_VERSION, what=f"{fmt} export", also=READABLE_VERSIONS
+    )
     modelfile.check_spec_sha256(path, spec)
     modelfile.require_keys(path, spec, {"class_names": list, "data_config": dict, "payload_sha256": str})
     modelfile.check_class_names(path, spec["class_names"])

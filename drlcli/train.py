@@ -57,7 +57,9 @@ class TrainState:
     """Everything needed to continue training after ``epoch`` finished epochs, bit for bit."""
 
     epoch: int
-    tensors: dict[str, Tensor]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.python, rng.loader (+ scaler.* for fp16)
+    tensors: dict[
+        str, Tensor
+    ]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.python, rng.loader (+ scaler.* for fp16)
     epoch_losses: list[float]
     seconds: float
     steps: int
@@ -207,7 +209,12 @@ def _classifier(
 
 
 def _loader(
-    images: LabelledImages, cfg: TrainConfig, data_config: dict[str, Any], generator: torch.Generator, *, device: torch.device
+    images: LabelledImages,
+    cfg: TrainConfig,
+    data_config: dict[str, Any],
+    generator: torch.Generator,
+    *,
+    device: torch.device,
 ) -> DataLoader:
     """Augmented batches of ``cfg.batch_size`` images, shuffled by ``generator``; under torchrun the
     batch is the global one and each process loads its share (``GlobalBatchShard``)."""

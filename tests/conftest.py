@@ -18,6 +18,20 @@ from drlcli import backbone  # noqa: E402
 from drlcli.backbone import PTMSource  # noqa: E402
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders, make_stages  # noqa: E402
 
+# drl trains each new stage under this, though its default head reads none (train.skip_unread):
+# for the tests of training itself (losses, checkpoints, resume, ranks, precision)
+TRAINS = {"train": {"skip_unread": False}}
+
+
+@pytest.fixture(scope="session")
+def trains_file(tmp_path_factory) -> Path:
+    """``TRAINS`` as a config file, for ``drl init --config``."""
+    import yaml
+
+    path = tmp_path_factory.mktemp("config") / "trains.yaml"
+    path.write_text(yaml.safe_dump(TRAINS))
+    return path
+
 
 def rewrite_stage_weights(run: Path, index: int, change) -> None:
     """Change a stage's weights with ``change(tensors)`` and its manifest entry consistently (a crafted run)."""
@@ -79,11 +93,14 @@ def stage_folders(tmp_path_factory) -> list[tuple[Path, Path]]:
 
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
-    """A freshly initialised DRL run on the tiny random ViT."""
+    """A freshly initialised DRL run on the tiny random ViT that trains its stages (``TRAINS``)."""
     from drlcli import init_run
+    from drlcli.config import RunConfig
 
     path = tmp_path / "run"
-    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    init_run(
+        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", TRAINS)
+    )
     return path
 
 

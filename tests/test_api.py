@@ -4,9 +4,10 @@ import json
 
 import pytest
 import torch
-from conftest import Pairs
+from conftest import TRAINS, Pairs
 
 from drlcli import evaluate, init_run, learn_stage
+from drlcli.config import RunConfig
 from drlcli.data import load_rgb, scan_class_folders
 from drlcli.errors import DataError, UsageError
 from drlcli.rundir import RunDir
@@ -26,7 +27,10 @@ def as_dataset(folder, *, numbered: list[str] | None = None) -> Pairs:
 
 
 def _new_run(path):
-    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    # the stages trained: a dataset reaches training, not only the feature passes
+    init_run(
+        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", TRAINS)
+    )
     return path
 
 

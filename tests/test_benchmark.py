@@ -72,25 +72,35 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     make_class_folders(data / "test", list(range(5)), images_per_class=3, offset=8)
     out = tmp_path / "out"
     args = ["benchmark", "--data", data, "--out", out, *TINY_ARGS, "--split", "B0Inc2", "--epochs", "1"]
-    args += ["--methods", "drl,ease/batch_size=8,simplecil,drl/loss=ce", "--device", "cpu"]
+    args += [
+        "--methods",
+        "drl/skip_unread=false,ease/batch_size=8,simplecil,drl/loss=ce/skip_unread=false,drl",
+        "--device",
+        "cpu",
+    ]
     args += ["--rescore", "beta=1", "--rescore", "rule=concat", "--json"]
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     labels = [r["label"] for r in report["results"]]
-    assert labels[:4] == ["drl", "drl [score beta=1]", "drl [score rule=concat]", "ease/batch_size=8"]
-    assert "simplecil [score beta=1]" not in labels and "drl/loss=ce [score rule=concat]" in labels
+    trained = "drl/skip_unread=false"
+    assert labels[:4] == [trained, f"{trained} [score beta=1]", f"{trained} [score rule=concat]", "ease/batch_size=8"]
+    assert "simplecil [score beta=1]" not in labels and "drl/loss=ce/skip_unread=false [score rule=concat]" in labels
+    # the default drl trains no stage (its head reads none): no rescoring would read trained subspaces
+    assert labels[-1] == "drl" and "not rescored: its stages were not trained" in result.stderr
     by_label = {r["label"]: r for r in report["results"]}
     # rescoring with the run's own options reproduces the A_t recorded stage by stage
-    assert by_label["drl [score beta=1]"]["accuracy"] == by_label["drl"]["accuracy"]
+    assert by_label[f"{trained} [score beta=1]"]["accuracy"] == by_label[trained]["accuracy"]
     assert by_label["ease/batch_size=8 [score beta=1]"]["accuracy"] == by_label["ease/batch_size=8"]["accuracy"]
-    assert by_label["drl [score rule=concat]"]["config"]["score"]["rule"] == "concat"
+    assert by_label[f"{trained} [score rule=concat]"]["config"]["score"]["rule"] == "concat"
+    # and its answers are those of the run that trained its stages
+    assert by_label["drl"]["accuracy"] == by_label[trained]["accuracy"]
     assert report["protocol"]["stages"] == [2, 2, 1]
     for r in report["results"]:
         assert len(r["accuracy"]) == 3 and r["average"] == pytest.approx(sum(r["accuracy"]) / 3, abs=1e-3)
         assert r["inference_ms_per_image"] > 0
     assert by_label["simplecil"]["params_per_stage"] == [0, 0, 0]
-    assert by_label["drl"]["params_per_stage"][0] > 0
+    assert by_label["drl"]["params_per_stage"][0] == by_label[trained]["params_per_stage"][0] > 0
     assert json.loads((out / "results.json").read_text())["results"] == report["results"]
     table = (out / "results.md").read_text()
     assert "| `ease/batch_size=8` |" in table

@@ -34,11 +34,11 @@ def json_out(result) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, stage_folders):
-    """A run with two stages learned through the CLI (the first with --verbose), and its outputs."""
+def work(tmp_path_factory, stage_folders, trains_file):
+    """A run with two stages trained through the CLI (the first with --verbose), and its outputs."""
     root = tmp_path_factory.mktemp("contract")
     run = root / "run"
-    assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init", "--config", trains_file).exit_code == 0
     outputs = []
     for k, (train, test) in enumerate(stage_folders[:2]):
         verbose = ["--verbose"] if k == 0 else []

@@ -101,7 +101,12 @@ def test_drl_defaults_to_the_ridge_head_and_paper_preset_restores_prototype_scor
     assert RunConfig.for_method("drl").score.head == "ridge"
     paper = RunConfig.for_method("drl", preset="paper")
     assert paper.score.head == "prototypes"
-    assert paper.train == RunConfig.for_method("drl").train  # the preset changes the scoring only
+    # the preset changes the scoring, and so trains every stage it reads
+    assert paper.train == dataclasses.replace(RunConfig.for_method("drl").train, skip_unread=False)
+    # a config written before train.skip_unread existed trains every stage, as it did
+    old = RunConfig.for_method("drl").to_dict()
+    del old["train"]["skip_unread"]
+    assert RunConfig.from_dict(old).train.skip_unread is False
     # sections given on top of a preset win over it
     assert RunConfig.for_method("drl", {"score": {"head": "ridge"}}, preset="paper").score.head == "ridge"
     # a config written before score.head existed reads as prototype scoring

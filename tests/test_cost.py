@@ -23,7 +23,15 @@ def test_cost_benchmark_reports_ratios_for_every_case(tmp_path):
     assert result.returncode == 0, result.stderr
     entry = json.loads(out.read_text())["archs"][TINY_PTM]
     report = entry["fp32"]
-    assert set(report["ratio"]) == {"bare", "bare_no_grad", "drl_T2", "drl_default_T2", "ease_T2", "train_drl_s2", "train_ease_s2"}
+    assert set(report["ratio"]) == {
+        "bare",
+        "bare_no_grad",
+        "drl_T2",
+        "drl_default_T2",
+        "ease_T2",
+        "train_drl_s2",
+        "train_ease_s2",
+    }
     assert report["ratio"]["bare"] == 1.0 and all(r > 0 for r in report["ratio"].values())
     assert "| drl_T2 |" in result.stdout
     # stage files of a real run directory; the second stage's prototypes span one more subspace

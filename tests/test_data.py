@@ -315,7 +315,7 @@ def test_every_pass_loads_with_the_workers_asked_for(stage_folders, tmp_path, mo
     run = tmp_path / "run"
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
     train_dir, test_dir = stage_folders[0]
-    overrides = {"epochs": 1, "batch_size": 12, "num_workers": 2, "head_init": "prototypes"}
+    overrides = {"epochs": 1, "batch_size": 12, "num_workers": 2, "head_init": "prototypes", "skip_unread": False}
     learn_stage(run, data_dir=train_dir, eval_data_dir=test_dir, train_overrides=overrides, device="cpu")
     assert built == [(2, "cpu")] * 4  # head start, training, prototypes (and the ridge statistics), evaluation
     built.clear()

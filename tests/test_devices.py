@@ -42,9 +42,8 @@ def test_no_rng_fork_touches_cuda(run_dir, stage_folders, tmp_path, monkeypatch)
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     init_run(tmp_path / "r", ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
-    learn_stage(
-        tmp_path / "r", data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu"
-    )
+    opts = {"epochs": 1, "batch_size": 12, "skip_unread": False}  # the stage trained: training forks too
+    learn_stage(tmp_path / "r", data_dir=stage_folders[0][0], train_overrides=opts, device="cpu")
     export_run(tmp_path / "r", tmp_path / "m.pt", fmt="torchscript")
     assert calls  # init (random PTM), the stage's adapters and training all fork
 

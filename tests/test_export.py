@@ -184,7 +184,13 @@ def test_format_from_suffix_and_bad_formats(method_runs, tmp_path, run_dir):
     assert resolve_format(None, Path("m.onnx")) == "onnx" and resolve_format(None, Path("m.pt")) == "torchscript"
     assert resolve_format(None, Path("m.pt2")) == "pt2" and resolve_format("pt2", Path("m.PT2")) == "pt2"
     assert resolve_format(None, Path("m.bin")) == "drl" and resolve_format("drl", Path("m.bin")) == "drl"
-    for fmt, name in (("drl", "m.pt"), ("torchscript", "m.drl"), ("onnx", "m.pt"), ("pt2", "m.pt"), ("torchscript", "m.pt2")):  # loading goes by the name
+    for fmt, name in (
+        ("drl", "m.pt"),
+        ("torchscript", "m.drl"),
+        ("onnx", "m.pt"),
+        ("pt2", "m.pt"),
+        ("torchscript", "m.pt2"),
+    ):  # loading goes by the name
         with pytest.raises(UsageError, match=f"names a .* file but --format is {fmt}; name it"):
             resolve_format(fmt, Path(name))
     with pytest.raises(UsageError, match="unknown export format 'tflite'; use one of drl, torchscript, pt2, onnx"):
@@ -252,7 +258,9 @@ def test_a_graph_that_disagrees_with_the_run_is_never_written(method_runs, tmp_p
 
     def wrong_scores(path, **kwargs):  # as if the exporter had mistranslated the network
         loaded = real_load(path, **kwargs)
-        return serving.GraphModel(loaded.format, loaded.spec, lambda images: tuple(t + 1.0 for t in loaded.run(images)), loaded.device)
+        return serving.GraphModel(
+            loaded.format, loaded.spec, lambda images: tuple(t + 1.0 for t in loaded.run(images)), loaded.device
+        )
 
     monkeypatch.setattr(serving, "load_graph", wrong_scores)
     with pytest.raises(IntegrityError, match="disagrees with the model by 1.00e\\+00"):

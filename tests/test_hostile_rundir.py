@@ -45,10 +45,10 @@ class Template:
 
 
 @pytest.fixture(scope="module")
-def template(tmp_path_factory, stage_folders) -> Template:
-    """Two committed stages and the checkpoint of a stage 3 interrupted after epoch 2."""
+def template(tmp_path_factory, stage_folders, trains_file) -> Template:
+    """Two committed stages and the checkpoint of a stage 3 interrupted after epoch 2 (stages trained)."""
     run = tmp_path_factory.mktemp("hostile") / "run"
-    assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init", "--config", trains_file).exit_code == 0
     after_first = b""
     for train, test in stage_folders[:2]:
         result = drl("learn-stage", "--run", run, "--data", train, "--eval-data", test, *FAST)

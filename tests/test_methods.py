@@ -9,7 +9,7 @@ import torch
 
 from drlcli.config import RunConfig, TrainConfig
 from drlcli.errors import UsageError
-from drlcli.methods import METHODS, Method, StageNetwork, get_method, method_of
+from drlcli.methods import METHODS, Method, StageNetwork, get_method, method_of, stage_is_read
 from drlcli.methods.drl import build_ipa
 
 
@@ -35,7 +35,9 @@ def test_the_facts_of_each_method():
     assert differing == {"ease": METHODS["ease"].train_defaults}  # what `learn-stage --help` names beside drl's
     ease = RunConfig.for_method("ease").train
     assert (ease.loss, ease.kd_weight, ease.scale_init, ease.lr) == ("ce", 0.0, 1.0, 0.025)
-    assert RunConfig.for_method("drl").train == TrainConfig()
+    # drl's recipe is TrainConfig's, except that its default head reads no stage: none is trained
+    assert RunConfig.for_method("drl").train == dataclasses.replace(TrainConfig(), skip_unread=True)
+    assert RunConfig.for_method("drl", preset="paper").train == TrainConfig()
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -82,3 +84,68 @@ def test_the_registry_loads_without_torch():
     code = "import sys, drlcli.methods as m, drlcli.config; list(m.METHODS); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_stage_is_read_by_the_prototype_bank_always_by_the_ridge_head_as_configured():
+    drl = RunConfig.for_method("drl")
+    assert [stage_is_read(drl, k) for k in (1, 2)] == [False, False]  # the default head reads the PTM
+    assert stage_is_read(RunConfig.for_method("drl", preset="paper"), 5)
+    with_stage_1 = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
+    assert [stage_is_read(with_stage_1, k) for k in (1, 2)] == [True, False]
+    assert stage_is_read(RunConfig.for_method("ease"), 3)
+
+
+def _learned(path, stages, config):
+    from drlcli import init_run, learn_stage
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    opts = {"epochs": 2, "batch_size": 12, "lr": 0.05}
+    return [learn_stage(path, data_dir=train, train_overrides=opts, device="cpu") for train, _ in stages]
+
+
+def test_a_stage_nothing_reads_is_created_untrained_and_changes_no_answer(tmp_path, stage_folders):
+    """The default drl head reads the PTM only: learn-stage creates each stage's adapters (stored, as
+    initialised) but trains none, and every answer (scores, the "unknown" margin) is the answer of a
+    run that trained them."""
+    from drlcli import load_run
+    from drlcli.cli.render import learn_stage as render
+    from drlcli.data import eval_transform, load_rgb, scan_class_folders
+    from drlcli.ipa import IPANetwork
+
+    stages = stage_folders[:2]
+    skipped = _learned(tmp_path / "skipped", stages, RunConfig.for_method("drl"))
+    trained = _learned(tmp_path / "trained", stages, RunConfig.for_method("drl", {"train": {"skip_unread": False}}))
+    assert all(r.training_skipped and r.epoch_losses == [] and r.scale is None for r in skipped)
+    assert all(not r.training_skipped and len(r.epoch_losses) == 2 for r in trained)
+    assert "adapters were not trained" in render(skipped[0].to_dict())
+    assert "not trained" not in render(trained[0].to_dict())
+    a, b = load_run(tmp_path / "skipped", device="cpu"), load_run(tmp_path / "trained", device="cpu")
+    assert (
+        a.stage_metas[0]["metrics"]["train"]["skipped"] is True
+        and "skipped" not in b.stage_metas[0]["metrics"]["train"]
+    )
+    # the untrained stage is stored exactly as initialised (the same seed as training starts from)
+    fresh = IPANetwork(a.model.network.ptm, a.config.ipa)
+    fresh.new_stage(seed=a.config.train.seed + 1)
+    stored = a.model.network.stages[0].state_dict()
+    assert all(torch.equal(v, stored[k]) for k, v in fresh.stages[0].state_dict().items())
+    trained_stage = b.model.network.stages[0].state_dict()
+    assert any(not torch.equal(v, trained_stage[k]) for k, v in stored.items())  # training did change it
+    images = scan_class_folders(stages[1][1])
+    transform = eval_transform(a.model.data_config)
+    batch = torch.stack([transform(load_rgb(path)) for path in images.paths])
+    with torch.no_grad():
+        fa, fb = a.model.features(batch, open_set=True), b.model.features(batch, open_set=True)
+    assert torch.equal(fa, fb)
+    (sa, ka), (sb, kb) = a.model.split(fa), b.model.split(fb)
+    assert torch.equal(a.model.scores(sa), b.model.scores(sb))
+    assert torch.equal(a.model.known(ka), b.model.known(kb))
+
+
+def test_a_stage_the_head_reads_is_trained(tmp_path, stage_folders):
+    """ranpac.subspaces 2 reads stage 1's subspace: stage 1 is trained, stage 2 is not."""
+    config = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
+    first, second = _learned(tmp_path / "run", stage_folders[:2], config)
+    assert not first.training_skipped and len(first.epoch_losses) == 2
+    assert second.training_skipped and second.epoch_losses == []

@@ -115,7 +115,9 @@ def test_rmd_calibration_rejects_the_target_share_and_calls_far_images_unknown()
     features, labels = _clusters(3, per_class=100)
     earlier = Moments.of(features[labels < 2], labels[labels < 2], 2)
     stage = labels >= 2
-    cal = calibrate(features[stage], labels[stage] - 2, 2, OpenSetConfig(rejection=0.1, holdout=0.5), seed=0, earlier=earlier)
+    cal = calibrate(
+        features[stage], labels[stage] - 2, 2, OpenSetConfig(rejection=0.1, holdout=0.5), seed=0, earlier=earlier
+    )
     assert cal.rmd_threshold is not None and cal.rmd_rejected <= 0.1
     model = RmdKnown(Moments.of(features, labels, 4), torch.full((4,), cal.rmd_threshold))
     assert float((model(features[stage]) < 0).double().mean()) <= 0.15  # near the target on the stage's images
@@ -137,7 +139,9 @@ def test_balanced_quantile_weighs_every_class_the_same():
     assert t == 1.0
     # with equal class counts it is the plain lower quantile
     even = torch.arange(20).double().flip(0)
-    assert balanced_quantile(even, torch.arange(20) % 2, 0.25) == float(torch.quantile(even, 0.25, interpolation="lower"))
+    assert balanced_quantile(even, torch.arange(20) % 2, 0.25) == float(
+        torch.quantile(even, 0.25, interpolation="lower")
+    )
 
 
 def test_rmd_threshold_is_set_on_the_best_score_over_every_class_learned_so_far():
@@ -173,7 +177,9 @@ def test_a_scatter_that_is_no_covariance_is_refused():
     features, labels = _clusters(4)
     moments = Moments.of(features, labels, 4)
     with pytest.raises(ValueError, match="unknown_scatter does not give a covariance"):
-        Moments(moments.means, moments.counts, -torch.eye(12, dtype=torch.float64) * 5, moments.scatter_counts).gaussians()
+        Moments(
+            moments.means, moments.counts, -torch.eye(12, dtype=torch.float64) * 5, moments.scatter_counts
+        ).gaussians()
 
 
 def test_auroc_matches_pairwise_counting_with_ties():
@@ -182,7 +188,9 @@ def test_auroc_matches_pairwise_counting_with_ties():
     unknown = torch.randint(0, 5, (30,), generator=generator).float()
     pairs = [(1.0 if k > u else 0.5 if k == u else 0.0) for k, u in itertools.product(known.tolist(), unknown.tolist())]
     assert auroc(known, unknown) == pytest.approx(sum(pairs) / len(pairs))
-    report = open_set_report(torch.tensor([0.5, -0.1, 0.2]), torch.tensor([True, True, False]), torch.tensor([-1.0, 0.3]))
+    report = open_set_report(
+        torch.tensor([0.5, -0.1, 0.2]), torch.tensor([True, True, False]), torch.tensor([-1.0, 0.3])
+    )
     assert (report.known_rejected, report.unknown_accepted) == (pytest.approx(33.3333), 50.0)
     assert (report.top1_accepted, report.top1_closed) == (pytest.approx(33.3333), pytest.approx(66.6667))
 
@@ -269,13 +277,19 @@ def test_a_run_from_before_calibration_never_answers_unknown(learned, stage_fold
 def test_forgetting_a_class_takes_its_threshold_out_and_restore_puts_it_back(learned, stage_folders, tmp_path):
     run = Path(shutil.copytree(learned, tmp_path / "run"))
     images = str(stage_folders[0][1])
-    before = [json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()]
+    before = [
+        json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()
+    ]
     assert runner.invoke(app, ["forget", "--class", "class_01", "--run", str(run), "--json"]).exit_code == 0
-    after = [json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()]
+    after = [
+        json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()
+    ]
     assert all(t["class"] != "class_01" for line in after for t in line["top"])
     assert all(isinstance(line["unknown"], bool) for line in after)  # still calibrated, one bias less
     assert runner.invoke(app, ["forget", "--restore", "class_01", "--run", str(run), "--json"]).exit_code == 0
-    again = [json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()]
+    again = [
+        json.loads(x) for x in runner.invoke(app, ["predict", images, "--run", str(run), "--json"]).stdout.splitlines()
+    ]
     assert again == before
 
 

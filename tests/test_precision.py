@@ -8,11 +8,12 @@ from copy import deepcopy
 
 import pytest
 import torch
+from conftest import TRAINS
 from typer.testing import CliRunner
 
 from drlcli import evaluate, init_run, learn_stage, load_run
 from drlcli.cli import app
-from drlcli.config import IPAConfig, TrainConfig
+from drlcli.config import IPAConfig, RunConfig, TrainConfig
 from drlcli.data import scan_class_folders
 from drlcli.errors import RunStateError, UsageError
 from drlcli.ipa import IPANetwork
@@ -43,7 +44,9 @@ def _stop_at_epoch(n):
 
 
 def _new_run(path):
-    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    init_run(
+        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", TRAINS)
+    )
     return path
 
 
@@ -312,6 +315,7 @@ def real_top1(data, root, *, device, precision, epochs=3):
         run,
         ptm="deit_tiny_patch16_224",
         ptm_weights=data / "deit_tiny_patch16_224" / "deit_tiny_patch16_224.safetensors",
+        config=RunConfig.for_method("drl", TRAINS),  # the stages trained in ``precision`` too
     )
     for train, test in caltech_stages(data, root / f"data-{precision}"):
         opts = {"epochs": epochs, "batch_size": 32}

@@ -331,7 +331,9 @@ def test_precisions_of_real_widths_under_several_threads(threads):
             cov = torch.einsum("cnd,cne->cde", x, x) / 39
             got = precisions(cov, cov.mean(0), shrink=0.3, blend=0.8)
             blended = 0.7 * (0.2 * cov[0] + 0.8 * cov.mean(0))
-            blended += (0.3 * torch.trace(0.2 * cov[0] + 0.8 * cov.mean(0)) / d + 1e-8) * torch.eye(d, dtype=torch.float64)
+            blended += (0.3 * torch.trace(0.2 * cov[0] + 0.8 * cov.mean(0)) / d + 1e-8) * torch.eye(
+                d, dtype=torch.float64
+            )
             eye = torch.eye(d, dtype=torch.float64)
             assert torch.allclose(got[0].double() @ blended, eye, atol=1e-3)
     finally:
@@ -377,7 +379,13 @@ LAYOUT_CFG = {"ranpac": {"proj_dim": 64, "covariance_weight": 2.0, "layout_grid"
 def layout_run(tmp_path_factory, stage_folders):
     """ranpac with class covariances and the PTM's 2 x 2 layout in the ridge input (drl's default head)."""
     run = tmp_path_factory.mktemp("layout") / "run"
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("ranpac", LAYOUT_CFG))
+    init_run(
+        run,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("ranpac", LAYOUT_CFG),
+    )
     for train, _ in stage_folders[:2]:
         learn_stage(run, data_dir=train, device="cpu")
     return run
@@ -398,7 +406,9 @@ def test_layout_head_equals_the_batch_ridge_on_f0_and_the_layout(layout_run, sta
     assert torch.allclose(head.projection[width:], 0.5 * plain[width:])
     feats, labels = [], []
     for k, (train, _) in enumerate(stage_folders[:2]):
-        f, y = embed_images(model.network, scan_class_folders(train), model.data_config, batch_size=64, stages=0, layout=2)
+        f, y = embed_images(
+            model.network, scan_class_folders(train), model.data_config, batch_size=64, stages=0, layout=2
+        )
         assert f.shape[1:] == (5, width)
         feats.append(f.flatten(1))
         labels.append(y + 3 * k)

@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+from conftest import TRAINS
 
 from drlcli import learn_stage, load_run
 from drlcli.api import verify
+from drlcli.config import RunConfig
 from drlcli.errors import RunStateError
 from drlcli.rundir import RunDir
 
@@ -40,7 +42,13 @@ def test_resume_gives_the_same_stage_as_an_uninterrupted_run(tmp_path, stage_fol
 
     runs = []
     for name in ("straight", "resumed"):
-        init_run(tmp_path / name, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+        init_run(
+            tmp_path / name,
+            ptm=TINY_PTM,
+            random_init=True,
+            ptm_kwargs=TINY_PTM_KWARGS,
+            config=RunConfig.for_method("drl", TRAINS),
+        )
         runs.append(tmp_path / name)
     train = stage_folders[0][0]
     straight = learn_stage(runs[0], data_dir=train, train_overrides=OPTS, device="cpu")

@@ -138,8 +138,9 @@ def test_a_folder_inside_a_run_is_refused(run, learned_run, stage_folders, tmp_p
     assert not out.exists()
 
 
-def test_a_failing_event_write_is_a_storage_error(run, stage_folders, tmp_path, monkeypatch):
+def test_a_failing_event_write_is_a_storage_error(run_dir, stage_folders, tmp_path, monkeypatch):
     """Exit 8 naming --tensorboard; the stage is not committed and the re-run resumes from its checkpoint."""
+    run = run_dir  # a run that trains its stages: the first event is an epoch's
     from torch.utils.tensorboard import SummaryWriter
 
     def full(self, *args, **kwargs):
@@ -147,7 +148,7 @@ def test_a_failing_event_write_is_a_storage_error(run, stage_folders, tmp_path, 
 
     monkeypatch.setattr(SummaryWriter, "add_scalar", full)
     before = RunDir(run).manifest()["generation"]
-    train = stage_folders[2][0]
+    train = stage_folders[0][0]
     result = drl("learn-stage", "--run", run, "--data", train, *FAST, "--tensorboard", tmp_path / "tb")
     assert result.exit_code == 8, result.output
     assert "cannot write TensorBoard events to" in result.stderr and "No space left on device" in result.stderr
@@ -164,16 +165,27 @@ def test_benchmark_writes_one_folder_per_variant_with_workers_and_bf16(tmp_path)
     make_class_folders(data / "train", [0, 1], images_per_class=3)
     make_class_folders(data / "test", [0, 1], images_per_class=2, offset=3)
     out, tb = tmp_path / "bench", tmp_path / "tb"
-    args = ["--data", data, "--out", out, *TINY_ARGS, "--methods", "simplecil,drl", "--split", "B0Inc1"]
+    args = [
+        "--data",
+        data,
+        "--out",
+        out,
+        *TINY_ARGS,
+        "--methods",
+        "simplecil,drl/skip_unread=false",
+        "--split",
+        "B0Inc1",
+    ]
     args += ["--epochs", "1", "--device", "cpu", "--workers", "1", "--precision", "bf16", "--tensorboard", tb]
     result = drl("benchmark", *args, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["protocol"]["precision"] == "bf16" and report["artifacts"]["tensorboard"] == str(tb)
     rows = {row["label"]: row for row in report["results"]}
-    simplecil, trained = scalars(tb / "simplecil"), scalars(tb / "drl")
+    simplecil, trained = scalars(tb / "simplecil"), scalars(tb / "drl__skip_unread=false")
     assert [t for t, _ in simplecil["accuracy/A_t"]] == [1, 2] and "loss/stage_001" not in simplecil
-    assert [a for _, a in trained["accuracy/A_t"]] == pytest.approx(rows["drl"]["accuracy"], abs=1e-4)
+    accuracy = rows["drl/skip_unread=false"]["accuracy"]
+    assert [a for _, a in trained["accuracy/A_t"]] == pytest.approx(accuracy, abs=1e-4)
     assert [e for e, _ in trained["loss/stage_002"]] == [1] and "forgetting/mean" in trained
-    stage = RunDir(out / "runs" / "drl").stage(2).meta
+    stage = RunDir(out / "runs" / "drl__skip_unread=false").stage(2).meta
     assert stage["precision"] == "bf16" and stage["train"]["num_workers"] == 1

@@ -48,10 +48,10 @@ def _strict(text):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, stage_folders):
-    """A run with one learned stage (3 classes), its eval data registered."""
+def trained(tmp_path_factory, stage_folders, trains_file):
+    """A run with one learned stage (3 classes), its eval data registered; it trains its stages."""
     run = tmp_path_factory.mktemp("valid") / "run"
-    assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init", "--config", trains_file).exit_code == 0
     train, test = stage_folders[0]
     result = drl("learn-stage", "--run", run, "--data", train, "--eval-data", test, *FAST)
     assert result.exit_code == 0, result.stderr

@@ -359,6 +359,10 @@ class _Session:
         row = summary_row(variant.label, variant, run_dir, config, per_image)
         if not (score_options and method_of(config).trains):
             return [row]
+        if any((meta["metrics"].get("train") or {}).get("skipped") for meta in loaded.stage_metas):
+            # scoring by other options would read subspaces of stages that were never trained
+            self.say(f"[{variant.label}] not rescored: its stages were not trained (train.skip_unread)")
+            return [row]
         self.say(f"[{variant.label}] rescoring with {list(settings.rescore)}")
         rescored = rescore(
             loaded,

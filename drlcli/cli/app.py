@@ -145,7 +145,12 @@ def learn_stage(
     data: Path = typer.Option(..., "--data", help="Folder with one sub-folder of images per new class."),
     eval_data: Path | None = typer.Option(None, "--eval-data", help="Test folder, registered for later evals."),
     epochs: int | None = typer.Option(
-        None, "--epochs", min=1, show_default=False, help=f"Training epochs for this stage; {train_default('epochs')}."
+        None,
+        "--epochs",
+        min=1,
+        show_default=False,
+        help=f"Training epochs for this stage, if it is trained (drl's default head reads no stage: "
+        f"train.skip_unread); {train_default('epochs')}.",
     ),
     batch_size: int | None = typer.Option(
         None, "--batch-size", min=1, show_default=False, help=f"Images per step; {train_default('batch_size')}."

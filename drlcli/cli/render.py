@@ -86,6 +86,11 @@ def learn_stage(r: dict[str, Any]) -> str:
         f"stage {r['stage']}: learned {len(r['classes'])} classes from {r['num_images']} images "
         f"in {r['total_seconds']:.1f}s (training {r['train_seconds']:.1f}s, {r['num_params']} parameters)"
     )
+    if r["training_skipped"]:
+        lines.append(
+            "its adapters were not trained: the run's head reads the PTM only "
+            "(train.skip_unread; set it false in the config to train them)"
+        )
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
     if r["tensorboard_dir"]:
@@ -104,7 +109,11 @@ def evaluate(r: dict[str, Any]) -> str:
         )
     if r.get("open_set"):
         o = r["open_set"]
-        rule = o["rule"] if o.get("probe_block") is None else f"{o['rule']} (f_0 and block {o['probe_block']}'s class token)"
+        rule = (
+            o["rule"]
+            if o.get("probe_block") is None
+            else f"{o['rule']} (f_0 and block {o['probe_block']}'s class token)"
+        )
         lines.append(
             f"unknown images ({o['num_unknown']}) against known ({o['num_known']}), rule {rule}: AUROC {o['auroc']:.4f}; "
             f"at the calibrated threshold {o['unknown_accepted']:.2f}% of unknown images accepted, "

@@ -43,4 +43,23 @@ def analytic_head(config: RunConfig) -> AnalyticHead | None:
     return head
 
 
-__all__ = ["METHODS", "AnalyticHead", "HeadFit", "Method", "StageNetwork", "analytic_head", "get_method", "method_of"]
+def stage_is_read(config: RunConfig, index: int) -> bool:
+    """Whether anything the run answers reads stage ``index``'s subspace: every stage under the
+    prototype bank; under an analytic head only the ones it reads (``ranpac.subspaces`` - 1:
+    none for drl's default head, whose answers and "unknown" answer read the PTM alone)."""
+    if analytic_head(config) is None:
+        return True
+    return index <= config.ranpac.subspaces - 1
+
+
+__all__ = [
+    "METHODS",
+    "AnalyticHead",
+    "HeadFit",
+    "Method",
+    "StageNetwork",
+    "analytic_head",
+    "get_method",
+    "method_of",
+    "stage_is_read",
+]

@@ -4,8 +4,9 @@ subspace plus one per stage, each stage trained with DAS + distillation (``train
 Scoring, chosen on validation splits (``docs/benchmarks.md``, issue 15): a new run is scored by the
 analytic ridge head on the PTM subspace and the PTM's 2 x 2 layout, with class covariances
 (``score.head: ridge``, ``ranpac.py``), which beat the paper's reweighted cosine to the prototype
-bank on Caltech-101 and Caltech-101-Sketch. The paper's
-recipe is the ``paper`` preset (``drl init --preset paper``)."""
+bank on Caltech-101 and Caltech-101-Sketch. That head reads no stage subspace, so a new run
+creates each stage but does not train it (``train.skip_unread``; false trains them). The paper's
+recipe is the ``paper`` preset (``drl init --preset paper``): every stage trained and scored."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ METHOD = Method(
     defaults={
         "score": {"head": "ridge"},
         "ranpac": {"covariance_weight": 4.0, "layout_grid": 2, "layout_scale": 0.5},
+        "train": {"skip_unread": True},  # the head reads no stage subspace: none is trained
     },
-    presets={"paper": {"score": {"head": "prototypes"}}},  # the paper's §III-D scoring, SPEC §2.3
+    # the paper's §III-D scoring (SPEC §2.3), which reads every stage, each trained
+    presets={"paper": {"score": {"head": "prototypes"}, "train": {"skip_unread": False}}},
 )
