@@ -977,10 +977,15 @@ def _train_progress(progress: ProgressFn | None) -> Callable[[TrainProgress], No
 
 def _prototypes(stage: _StageContext) -> _Fitted:
     """The new classes' prototypes in every subspace (their mean feature); the run's analytic head
-    (ranpac's; drl's with score.head ridge) is fitted on the same features."""
+    (ranpac's; drl's with score.head ridge) is fitted on the same features. A run that trains no
+    stage nothing reads (``train.skip_unread``) computes no such subspace either: its prototype
+    rows there are zero, and nothing scores with them."""
     tick = time.perf_counter()
     images, model, head = stage.images, stage.model, analytic_head(stage.config)
     shard = distributed.shard(len(images))
+    computed = None  # the stage subspaces the pass computes: all
+    if stage.method.trains and stage.config.train.skip_unread and not stage_is_read(stage.config, stage.index):
+        computed = sum(stage_is_read(stage.config, k) for k in range(1, stage.index))
     # the head's input may end with the PTM's layout rows: g as stage 1 stored it, or as configured
     layout = 0 if head is None else model.layout_scored if model.head is not None else stage.config.ranpac.layout_grid
     old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
@@ -997,12 +1002,17 @@ def _prototypes(stage: _StageContext) -> _Fitted:
         precision=stage.precision,
         indices=shard,
         progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
+        stages=computed,
         layout=layout,
         probes=probes,
     )
     feats, rmd_feats = openset.split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
-    subspaces = feats[:, : model.network.num_subspaces]
-    model.add_classes(list(images.class_names), stage.index, class_means(subspaces, labels, len(images.class_names)))
+    total = model.network.num_subspaces
+    subspaces = feats[:, : total if computed is None else stage.method.offset + computed]
+    means = class_means(subspaces, labels, len(images.class_names))
+    if means.shape[1] < total:  # the subspaces not computed
+        means = torch.cat([means, means.new_zeros(means.shape[0], total - means.shape[1], means.shape[2])], dim=1)
+    model.add_classes(list(images.class_names), stage.index, means)
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
     n = len(images.class_names)
     new_bias = torch.full((n,), calibration.threshold)

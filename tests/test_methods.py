@@ -132,6 +132,11 @@ def test_a_stage_nothing_reads_is_created_untrained_and_changes_no_answer(tmp_pa
     assert all(torch.equal(v, stored[k]) for k, v in fresh.stages[0].state_dict().items())
     trained_stage = b.model.network.stages[0].state_dict()
     assert any(not torch.equal(v, trained_stage[k]) for k, v in stored.items())  # training did change it
+    # nor are the untrained subspaces computed: their prototype rows are zero, f_0's are the same
+    pa, pb = a.model.real_prototypes, b.model.real_prototypes
+    assert pa.shape == pb.shape and torch.equal(pa[:, 0], pb[:, 0])
+    assert not pa[:, 1:].any()
+    assert pb[:3, 1].abs().sum(-1).gt(0).all() and pb[3:, 1:].abs().sum(-1).gt(0).all()  # computed there
     images = scan_class_folders(stages[1][1])
     transform = eval_transform(a.model.data_config)
     batch = torch.stack([transform(load_rgb(path)) for path in images.paths])
@@ -145,7 +150,13 @@ def test_a_stage_nothing_reads_is_created_untrained_and_changes_no_answer(tmp_pa
 
 def test_a_stage_the_head_reads_is_trained(tmp_path, stage_folders):
     """ranpac.subspaces 2 reads stage 1's subspace: stage 1 is trained, stage 2 is not."""
+    from drlcli import load_run
+
     config = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
     first, second = _learned(tmp_path / "run", stage_folders[:2], config)
     assert not first.training_skipped and len(first.epoch_losses) == 2
     assert second.training_skipped and second.epoch_losses == []
+    # the second stage's pass computed f_0 and f_1, which the head reads, and not f_2
+    bank = load_run(tmp_path / "run", device="cpu").model.real_prototypes
+    second_rows = bank[len(first.classes) :]
+    assert second_rows[:, :2].abs().sum(-1).gt(0).all() and not second_rows[:, 2].any()
