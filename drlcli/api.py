@@ -1141,7 +1141,12 @@ def _stage_meta(stage: _StageContext, trained: _Trained, fitted: _Fitted, evalua
         "eval_data": _eval_data_entry(stage),
         "num_params": num_params,
         "eval_missing": evaluated.warnings,
-        "metrics": {"eval": report.to_dict() if report else None, "train": train_metrics},
+        "metrics": {
+            "eval": report.to_dict() if report else None,
+            "train": train_metrics,
+            # learning without evaluation, for every method alike: SGD (if any), feature pass, fit
+            "learn_seconds": round((trained.result.seconds if trained.result else 0.0) + fitted.seconds, 3),
+        },
     }
     meta["open_set"] = fitted.calibration.to_dict()
     if fit is not None:

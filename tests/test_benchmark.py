@@ -100,6 +100,9 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
         assert len(r["accuracy"]) == 3 and r["average"] == pytest.approx(sum(r["accuracy"]) / 3, abs=1e-3)
         assert r["inference_ms_per_image"] > 0
     assert by_label["simplecil"]["params_per_stage"] == [0, 0, 0]
+    # every method's learning time (SGD, feature pass, fit) is recorded, stage by stage
+    assert all(r["learn_seconds"] > 0 and len(r["stage_learn_seconds"]) == 3 for r in report["results"])
+    assert by_label[trained]["learn_seconds"] >= by_label[trained]["train_seconds"]  # SGD and the pass
     assert by_label["drl"]["params_per_stage"][0] == by_label[trained]["params_per_stage"][0] > 0
     assert json.loads((out / "results.json").read_text())["results"] == report["results"]
     table = (out / "results.md").read_text()
@@ -158,6 +161,7 @@ def test_mean_and_std_over_class_orders_on_known_inputs():
             "last": acc[-1],
             "mean_forgetting": forgetting,
             "train_seconds": seconds,
+            "learn_seconds": seconds + 1,
             "inference_ms_per_image": 1.0,
         }
 
@@ -173,13 +177,14 @@ def test_mean_and_std_over_class_orders_on_known_inputs():
     assert a["last"] == {"mean": 84.0, "std": 4.0}  # 80, 84, 88: sample std 4
     assert a["average"]["mean"] == 88.0 and a["average"]["std"] == pytest.approx(7**0.5, abs=1e-4)  # 85, 89, 90
     assert a["mean_forgetting"] == {"mean": 4.0, "std": 2.0} and a["train_seconds"] == {"mean": 20.0, "std": 10.0}
+    assert a["learn_seconds"] == {"mean": 21.0, "std": 10.0}
     assert a["accuracy"][0] == {"mean": 92.0, "std": 2.0}
     assert b["last"] == {"mean": 70.0, "std": 0.0} and b["mean_forgetting"] == {"mean": None, "std": None}
     assert report["protocol"]["seeds"] == [1, 2, 3] and "seed" not in report["protocol"]
     assert set(report["per_seed"]) == {"1", "2", "3"}
     table = markdown_table(report)
-    assert "| `a` | 88.00 ± 2.65 | 84.00 ± 4.00 | 4.00 ± 2.00 | 20 ± 10 |" in table
-    assert "| `b` | 1 | 85.00 | 70.00 | – | 0 |" in table
+    assert "| `a` | 88.00 ± 2.65 | 84.00 ± 4.00 | 4.00 ± 2.00 | 21 ± 10 |" in table  # learn s
+    assert "| `b` | 1 | 85.00 | 70.00 | – | 1 |" in table
 
 
 def test_several_class_orders_in_one_command_each_in_its_folder(tmp_path):

@@ -15,7 +15,7 @@ from ..metrics import AccuracyReport, summarize_history
 from ..rundir import RunDir
 from .variants import Variant
 
-SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "inference_ms_per_image")
+SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "learn_seconds", "inference_ms_per_image")
 
 
 def mean_std(values: list[float | None]) -> dict[str, float | None]:
@@ -42,7 +42,7 @@ def aggregate(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 "label": row["label"],
                 "method": row["method"],
                 "num_seeds": len(rows),
-                **{key: mean_std([r[key] for r in rows]) for key in SUMMARY_KEYS},
+                **{key: mean_std([r.get(key) for r in rows]) for key in SUMMARY_KEYS},
                 "accuracy": [mean_std([r["accuracy"][t] for r in rows]) for t in range(num_stages)],
             }
         )
@@ -69,6 +69,7 @@ def summary_row(label: str, variant: Variant, run_dir: Path, config: RunConfig, 
     metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
     history = api.history_of(metas)
     train = [(m["metrics"].get("train") or {}).get("seconds", 0.0) for m in metas]
+    learn = [_seconds(m["metrics"].get("learn_seconds")) for m in metas]  # None: a stage from before learn_seconds
     return {
         "label": label,
         "method": variant.method,
@@ -84,6 +85,10 @@ def summary_row(label: str, variant: Variant, run_dir: Path, config: RunConfig, 
         "bytes_per_stage": [run.stage_bytes(i, manifest) for i in run.stage_indices(manifest)],
         "train_seconds": round(sum(train), 2),
         "stage_train_seconds": [round(s, 2) for s in train],
+        # SGD, feature pass and fit, without evaluation: comparable between methods (train_seconds is
+        # the SGD alone for a method that trains, the feature pass and fit for one that does not)
+        "learn_seconds": None if None in learn else round(sum(learn), 2),
+        "stage_learn_seconds": learn,
         "inference_ms_per_image": round(1000 * seconds_per_image, 3),
         "num_stages": len(metas),
     }
@@ -106,6 +111,10 @@ def rescored_row(row: dict[str, Any], text: str, options: dict[str, Any], report
     }
 
 
+def _seconds(value: Any) -> float | None:
+    return round(float(value), 2) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 # ------------------------------------------------------------------------------- tables
 
 
@@ -115,7 +124,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     results = report["results"]
     num_stages = max((r["num_stages"] for r in results), default=0)
     head = ["variant", "Ā", "A_T", "forgetting"] + [f"A_{t}" for t in range(1, num_stages + 1)]
-    head += ["params/stage", "train s", "infer ms/img"]
+    head += ["params/stage", "learn s", "infer ms/img"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         params = sorted(set(r["params_per_stage"]))
@@ -126,15 +135,15 @@ def markdown_table(report: dict[str, Any]) -> str:
             _fmt(r["mean_forgetting"]),
             *[_fmt(a) for a in r["accuracy"]],
             "/".join(f"{p:,}" for p in params) if params else "0",
-            f"{r['train_seconds']:.0f}",
+            _fmt(r.get("learn_seconds"), 0),
             f"{r['inference_ms_per_image']:.1f}",
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def _pm(stat: dict[str, float | None], digits: int = 2) -> str:
@@ -149,18 +158,21 @@ def seeds_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Mean ± std (sample, n − 1) over {len(seeds)} class orders (seeds {', '.join(map(str, seeds))}).",
         "",
-        "| variant | Ā | A_T | forgetting | train s | infer ms/img |",
+        "| variant | Ā | A_T | forgetting | learn s | infer ms/img |",
         "|---|---|---|---|---|---|",
     ]
     for r in report["summary"]:
-        cells = [_pm(r["average"]), _pm(r["last"]), _pm(r["mean_forgetting"]), _pm(r["train_seconds"], 0)]
+        learn = r.get("learn_seconds") or {"mean": None}
+        cells = [_pm(r["average"]), _pm(r["last"]), _pm(r["mean_forgetting"]), _pm(learn, 0)]
         lines.append(f"| `{r['label']}` | " + " | ".join([*cells, _pm(r["inference_ms_per_image"], 1)]) + " |")
-    lines += ["", "| variant | seed | Ā | A_T | forgetting | train s |", "|---|---|---|---|---|---|"]
+    lines += ["", "| variant | seed | Ā | A_T | forgetting | learn s |", "|---|---|---|---|---|---|"]
     for r in report["summary"]:
         for seed in seeds:
             row = next(x for x in report["per_seed"][str(seed)] if x["label"] == r["label"])
             cells = [_fmt(row["average"]), _fmt(row["last"]), _fmt(row["mean_forgetting"])]
-            lines.append(f"| `{r['label']}` | {seed} | " + " | ".join([*cells, f"{row['train_seconds']:.0f}"]) + " |")
+            lines.append(
+                f"| `{r['label']}` | {seed} | " + " | ".join([*cells, _fmt(row.get("learn_seconds"), 0)]) + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
