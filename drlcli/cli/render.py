@@ -89,7 +89,7 @@ def learn_stage(r: dict[str, Any]) -> str:
     if r["training_skipped"]:
         lines.append(
             "its adapters were not trained: the run's head reads the PTM only "
-            "(train.skip_unread; set it false in the config to train them)"
+            "(train.skip_unread; a run initialised with it false trains them)"
         )
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
