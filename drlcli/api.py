@@ -1217,7 +1217,8 @@ def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedR
     if meta is None:
         return None
     index = meta["stage"]
-    train = meta["metrics"].get("train") or {}
+    train = meta["metrics"].get("train")
+    train = train if isinstance(train, dict) else {}
     evaluation = meta["metrics"].get("eval")
     return StageResult(
         status="unchanged",

@@ -3,6 +3,7 @@ plot, and ``results.json``/``results.md``/``accuracy.png`` in the output folder.
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,7 @@ def summary_row(label: str, variant: Variant, run_dir: Path, config: RunConfig, 
     manifest = run.manifest()
     metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
     history = api.history_of(metas)
-    train = [(m["metrics"].get("train") or {}).get("seconds", 0.0) for m in metas]
+    train = [_train_seconds(m) for m in metas]
     learn = [_seconds(m["metrics"].get("learn_seconds")) for m in metas]  # None: a stage from before learn_seconds
     return {
         "label": label,
@@ -112,7 +113,19 @@ def rescored_row(row: dict[str, Any], text: str, options: dict[str, Any], report
 
 
 def _seconds(value: Any) -> float | None:
-    return round(float(value), 2) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A stage's recorded seconds, or None for anything but a finite number (a crafted stage.json)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond any float
+        return None
+    return round(seconds, 2) if math.isfinite(seconds) else None
+
+
+def _train_seconds(meta: dict[str, Any]) -> float:
+    train = meta["metrics"].get("train")
+    return (_seconds(train.get("seconds", 0.0)) if isinstance(train, dict) else None) or 0.0
 
 
 # ------------------------------------------------------------------------------- tables

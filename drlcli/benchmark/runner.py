@@ -359,7 +359,8 @@ class _Session:
         row = summary_row(variant.label, variant, run_dir, config, per_image)
         if not (score_options and method_of(config).trains):
             return [row]
-        if any((meta["metrics"].get("train") or {}).get("skipped") for meta in loaded.stage_metas):
+        trains = [meta["metrics"].get("train") for meta in loaded.stage_metas]
+        if any(isinstance(train, dict) and train.get("skipped") is True for train in trains):
             # scoring by other options would read subspaces of stages that were never trained
             self.say(f"[{variant.label}] not rescored: its stages were not trained (train.skip_unread)")
             return [row]

@@ -88,7 +88,7 @@ def learn_stage(r: dict[str, Any]) -> str:
     )
     if r["training_skipped"]:
         lines.append(
-            "its adapters were not trained: the run's head reads the PTM only "
+            "its adapters were not trained: nothing the run answers reads this stage's subspace "
             "(train.skip_unread; a run initialised with it false trains them)"
         )
     if r["eval"]:
