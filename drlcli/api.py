@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -386,7 +387,23 @@ def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
         history_of([meta])
     except (TypeError, ValueError, AttributeError) as exc:
         return f"metrics are malformed: {exc}"
+    train = meta["metrics"].get("train")
+    if train is not None and not isinstance(train, dict):
+        return "metrics.train is not a mapping"
+    learn = meta["metrics"].get("learn_seconds")
+    if learn is not None and not _is_seconds(learn):
+        return "metrics.learn_seconds is not a number of seconds"
     return None
+
+
+def _is_seconds(value: Any) -> bool:
+    """A finite non-negative int or float (not a bool, not an int beyond any float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 0
+    except OverflowError:
+        return False
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -1207,6 +1224,12 @@ def _learned(
     )
 
 
+def _train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
+    """A stage's ``metrics.train`` (empty for a method that trains nothing, or a crafted entry)."""
+    train = meta["metrics"].get("train")
+    return train if isinstance(train, dict) else {}
+
+
 def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedRun) -> StageResult | None:
     """The committed stage that learned exactly these images, as a no-op result (or None). Its
     classes as learned: a class forgotten since (drl forget) does not make the same drop new again."""
@@ -1217,8 +1240,7 @@ def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedR
     if meta is None:
         return None
     index = meta["stage"]
-    train = meta["metrics"].get("train")
-    train = train if isinstance(train, dict) else {}
+    train = _train_metrics(meta)
     evaluation = meta["metrics"].get("eval")
     return StageResult(
         status="unchanged",
@@ -1398,13 +1420,15 @@ def info(run_dir: Path | str) -> dict[str, Any]:
                 "classes": meta["classes"],  # as learned
                 "forgotten": forgotten.of_stage(index),  # of those, the ones out of the answers (drl forget)
                 "num_images": sum(meta["images_per_class"].values()),
-                "num_params": meta["num_params"],  # trained in this stage (the PTM is frozen)
+                "num_params": meta["num_params"],  # learned in this stage (the PTM is frozen)
+                # its adapters stored as initialised: nothing the run answers reads them (train.skip_unread)
+                "untrained": _train_metrics(meta).get("skipped") is True,
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
                 "cumulative_classes": cum_classes,
                 "cumulative_params": cum_params,
                 "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)
                 "accuracy": evaluation["top1"] if evaluation else None,
-                "train_seconds": (meta["metrics"].get("train") or {}).get("seconds"),
+                "train_seconds": _train_metrics(meta).get("seconds"),
                 "unknown_threshold": _threshold(meta),  # the open-set calibration (openset.py); null before it
                 "unknown_rmd_threshold": _threshold(meta, "rmd_threshold"),  # the rmd score's; null before it
             }

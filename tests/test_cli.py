@@ -279,3 +279,6 @@ def test_info_shows_growth_per_stage(trained):
     assert info["base_bytes"] == base and info["total_bytes"] == base + sum(on_disk)
     text = drl("info", "--run", trained).stdout
     assert "cum.params" in text and f"{stages[-1]['cumulative_params']:,}" in text
+    # the default drl stores its stages' adapters untrained (its head reads none), and says so
+    assert [s["untrained"] for s in stages] == [True, True]
+    assert f"{per_stage:,}*" in text and "* adapters stored as initialised, not trained" in text

@@ -199,6 +199,14 @@ CRAFTED = {
     "stage.json is a list": ("stages/001/stage.json", lambda data: b"[1, 2]"),
     "classes is a mapping": ("stages/001/stage.json", _json_edit(classes={"a": 1})),
     "metrics are a list": ("stages/001/stage.json", _json_edit(metrics=[])),
+    "metrics.train is a list": (
+        "stages/001/stage.json",
+        lambda data: _json_edit(metrics={**json.loads(data)["metrics"], "train": [1]})(data),
+    ),
+    "learn seconds beyond any float": (
+        "stages/001/stage.json",
+        lambda data: _json_edit(metrics={**json.loads(data)["metrics"], "learn_seconds": 10**400})(data),
+    ),
     "stage.json not UTF-8": ("stages/001/stage.json", lambda data: b"\xff\xfe{}"),
     "safetensors offsets past the end": ("stages/001/weights.safetensors", _offsets_past_end),
     "weights of another shape": (

@@ -44,10 +44,15 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     head = f"{'stage':>5} {'classes':>8} {'images':>7} {'params':>10} {'cum.params':>11} {'MiB':>7} {'cum.MiB':>8} {'A_t':>6}"
     lines = [head]
     for s in stages:
+        params = f"{s['num_params']:,}" + ("*" if s.get("untrained") else "")
         lines.append(
-            f"{s['stage']:>5} {s['num_classes']:>8} {s['num_images']:>7} {s['num_params']:>10,} "
+            f"{s['stage']:>5} {s['num_classes']:>8} {s['num_images']:>7} {params:>10} "
             f"{s['cumulative_params']:>11,} {s['bytes'] / 2**20:>7.2f} {s['cumulative_bytes'] / 2**20:>8.2f} "
             f"{_pct(s['accuracy']):>6}"
+        )
+    if any(s.get("untrained") for s in stages):
+        lines.append(
+            "* adapters stored as initialised, not trained: nothing the run answers reads them (train.skip_unread)"
         )
     return lines
 
