@@ -31,7 +31,7 @@ from .data import (
     validate_images,
 )
 from .errors import DataError, DivergedError, IntegrityError, PTMError, RunStateError, UsageError
-from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of, stage_is_read
+from .methods import AnalyticHead, HeadFit, Method, analytic_head, method_of, stage_is_read, stages_read
 from .metrics import AccuracyReport, HistorySummary, accuracy_report, most_confused, summarize_history
 from .model import IncrementalModel, class_means, embed_images, empty_prototypes
 from .openset import Calibration, OpenSetReport, calibrate, open_set_report
@@ -390,9 +390,12 @@ def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
     train = meta["metrics"].get("train")
     if train is not None and not isinstance(train, dict):
         return "metrics.train is not a mapping"
-    learn = meta["metrics"].get("learn_seconds")
-    if learn is not None and not _is_seconds(learn):
-        return "metrics.learn_seconds is not a number of seconds"
+    for name, value in (
+        ("train.seconds", (train or {}).get("seconds")),
+        ("learn_seconds", meta["metrics"].get("learn_seconds")),
+    ):
+        if value is not None and not _is_seconds(value):
+            return f"metrics.{name} is not a number of seconds"
     return None
 
 
@@ -793,6 +796,12 @@ class _StageContext:
     def model(self) -> IncrementalModel:
         return self.loaded.model
 
+    @property
+    def untrained(self) -> bool:
+        """The method trains stages, but this one is created untrained: nothing the run answers
+        reads its subspace (``train.skip_unread``, ``methods.stage_is_read``)."""
+        return self.method.trains and self.config.train.skip_unread and not stage_is_read(self.config, self.index)
+
     def say(self, phase: str, step: int, total: int, detail: str = "") -> None:
         if self.progress is not None:
             self.progress(Progress(phase, step, total, detail))
@@ -922,7 +931,7 @@ def _train_or_resume(stage: _StageContext, *, restart: bool) -> _Trained:
         return _Trained(None, None)
     network, train = stage.model.network, stage.config.train
     network.new_stage(seed=train.seed + stage.index)
-    if train.skip_unread and not stage_is_read(stage.config, stage.index):
+    if stage.untrained:
         network.stages[-1].eval().requires_grad_(False)  # as training leaves it
         log.debug("stage %d not trained: nothing the run answers reads its subspace", stage.index)
         return _Trained(None, None, skipped=True)
@@ -1000,9 +1009,7 @@ def _prototypes(stage: _StageContext) -> _Fitted:
     tick = time.perf_counter()
     images, model, head = stage.images, stage.model, analytic_head(stage.config)
     shard = distributed.shard(len(images))
-    computed = None  # the stage subspaces the pass computes: all
-    if stage.method.trains and stage.config.train.skip_unread and not stage_is_read(stage.config, stage.index):
-        computed = sum(stage_is_read(stage.config, k) for k in range(1, stage.index))
+    computed = stages_read(stage.config) if stage.untrained else None  # stage subspaces computed (None: all)
     # the head's input may end with the PTM's layout rows: g as stage 1 stored it, or as configured
     layout = 0 if head is None else model.layout_scored if model.head is not None else stage.config.ranpac.layout_grid
     old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
@@ -1224,10 +1231,9 @@ def _learned(
     )
 
 
-def _train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
-    """A stage's ``metrics.train`` (empty for a method that trains nothing, or a crafted entry)."""
-    train = meta["metrics"].get("train")
-    return train if isinstance(train, dict) else {}
+def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
+    """A checked stage's ``metrics.train`` (``check_stage_meta``); empty for a method that trains nothing."""
+    return meta["metrics"].get("train") or {}
 
 
 def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedRun) -> StageResult | None:
@@ -1240,7 +1246,7 @@ def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedR
     if meta is None:
         return None
     index = meta["stage"]
-    train = _train_metrics(meta)
+    train = train_metrics(meta)
     evaluation = meta["metrics"].get("eval")
     return StageResult(
         status="unchanged",
@@ -1422,13 +1428,13 @@ def info(run_dir: Path | str) -> dict[str, Any]:
                 "num_images": sum(meta["images_per_class"].values()),
                 "num_params": meta["num_params"],  # learned in this stage (the PTM is frozen)
                 # its adapters stored as initialised: nothing the run answers reads them (train.skip_unread)
-                "untrained": _train_metrics(meta).get("skipped") is True,
+                "untrained": train_metrics(meta).get("skipped") is True,
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
                 "cumulative_classes": cum_classes,
                 "cumulative_params": cum_params,
                 "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)
                 "accuracy": evaluation["top1"] if evaluation else None,
-                "train_seconds": _train_metrics(meta).get("seconds"),
+                "train_seconds": train_metrics(meta).get("seconds"),
                 "unknown_threshold": _threshold(meta),  # the open-set calibration (openset.py); null before it
                 "unknown_rmd_threshold": _threshold(meta, "rmd_threshold"),  # the rmd score's; null before it
             }

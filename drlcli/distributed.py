@@ -69,17 +69,14 @@ def teardown(*, clean: bool = False) -> None:
     dist.destroy_process_group()
 
 
-def wait_for_every_rank(key: str, *, timeout_s: float) -> bool:
-    """Count this rank in at ``key`` of the default store and wait until every rank has; False
-    when ``timeout_s`` ran out first."""
+def wait_for_every_rank(key: str, *, timeout_s: float) -> None:
+    """Count this rank in at ``key`` of the default store and wait until every rank has, or until
+    ``timeout_s`` has passed."""
     store = dist.distributed_c10d._get_default_store()
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < world_size():
-        if time.monotonic() > deadline:
-            return False
+    while store.add(key, 0) < world_size() and time.monotonic() < deadline:
         time.sleep(0.02)
-    return True
 
 
 def barrier() -> None:

@@ -57,9 +57,8 @@ class TrainState:
     """Everything needed to continue training after ``epoch`` finished epochs, bit for bit."""
 
     epoch: int
-    tensors: dict[
-        str, Tensor
-    ]  # stage.*, classifier.*, momentum.<i>, rng.torch, rng.python, rng.loader (+ scaler.* for fp16)
+    # stage.*, classifier.*, momentum.<i>, rng.torch, rng.python, rng.loader (+ scaler.* for fp16)
+    tensors: dict[str, Tensor]
     epoch_losses: list[float]
     seconds: float
     steps: int

@@ -488,3 +488,32 @@ def test_seeds_out_of_range_are_usage_errors(tmp_path, command):
         result = drl(*args, seed, *extra)
         assert result.exit_code == 2 and "'--seed'" in result.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "o").exists()
+
+
+def test_recorded_seconds_must_be_numbers_of_seconds():
+    """Every reader of a stage's seconds (info, benchmark rows) gets a checked stage.json: a crafted
+    value (huge, non-finite, negative, not a number) is a damaged stage, never an internal error."""
+    from drlcli.api import _stage_meta_problem
+
+    def meta(train, learn):
+        return {
+            "stage": 1,
+            "classes": ["a"],
+            "images_per_class": {"a": 1},
+            "data_fingerprint": "x",
+            "num_params": 0,
+            "metrics": {"eval": None, "train": train, "learn_seconds": learn},
+        }
+
+    assert _stage_meta_problem(1, meta({"seconds": 12.345}, 3)) is None
+    assert _stage_meta_problem(1, meta(None, None)) is None  # a method that trains nothing; before learn_seconds
+    for crafted in (10**400, math.nan, math.inf, -1.0, True, "3", [1]):
+        assert (
+            _stage_meta_problem(1, meta({"seconds": 1.0}, crafted))
+            == "metrics.learn_seconds is not a number of seconds"
+        )
+        assert (
+            _stage_meta_problem(1, meta({"seconds": crafted}, 1.0))
+            == "metrics.train.seconds is not a number of seconds"
+        )
+    assert _stage_meta_problem(1, meta(["not", "a", "mapping"], 1.0)) == "metrics.train is not a mapping"

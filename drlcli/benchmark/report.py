@@ -3,7 +3,6 @@ plot, and ``results.json``/``results.md``/``accuracy.png`` in the output folder.
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ import numpy as np
 from .. import api, jsonio, storage
 from ..config import RunConfig
 from ..metrics import AccuracyReport, summarize_history
-from ..rundir import RunDir
 from .variants import Variant
 
 SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "learn_seconds", "inference_ms_per_image")
@@ -63,18 +61,19 @@ def aggregate(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- rows
 
 
-def summary_row(label: str, variant: Variant, run_dir: Path, config: RunConfig, seconds_per_image: float) -> dict:
-    """A variant's results row: A_t, Ā, forgetting, parameters, bytes and times from its run."""
-    run = RunDir(run_dir)
-    manifest = run.manifest()
-    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+def summary_row(
+    label: str, variant: Variant, loaded: api.LoadedRun, config: RunConfig, seconds_per_image: float
+) -> dict:
+    """A variant's results row: A_t, Ā, forgetting, parameters, bytes and times from its loaded run
+    (its stage metadata checked by ``api.check_stage_meta``)."""
+    run, manifest, metas = loaded.run, loaded.manifest, loaded.stage_metas
     history = api.history_of(metas)
-    train = [_train_seconds(m) for m in metas]
-    learn = [_seconds(m["metrics"].get("learn_seconds")) for m in metas]  # None: a stage from before learn_seconds
+    train = [api.train_metrics(m).get("seconds", 0.0) for m in metas]
+    learn = [m["metrics"].get("learn_seconds") for m in metas]  # None: a stage from before learn_seconds
     return {
         "label": label,
         "method": variant.method,
-        "run_dir": str(run_dir),
+        "run_dir": str(run.path),
         "config": config.to_dict(),
         "accuracy": history.accuracy,
         "average": history.average,
@@ -89,7 +88,7 @@ def summary_row(label: str, variant: Variant, run_dir: Path, config: RunConfig, 
         # SGD, feature pass and fit, without evaluation: comparable between methods (train_seconds is
         # the SGD alone for a method that trains, the feature pass and fit for one that does not)
         "learn_seconds": None if None in learn else round(sum(learn), 2),
-        "stage_learn_seconds": learn,
+        "stage_learn_seconds": [None if s is None else round(s, 2) for s in learn],
         "inference_ms_per_image": round(1000 * seconds_per_image, 3),
         "num_stages": len(metas),
     }
@@ -110,22 +109,6 @@ def rescored_row(row: dict[str, Any], text: str, options: dict[str, Any], report
         "mean_forgetting": history.mean_forgetting,
         "final_groups": reports[-1].groups,
     }
-
-
-def _seconds(value: Any) -> float | None:
-    """A stage's recorded seconds, or None for anything but a finite number (a crafted stage.json)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    try:
-        seconds = float(value)
-    except OverflowError:  # an int beyond any float
-        return None
-    return round(seconds, 2) if math.isfinite(seconds) else None
-
-
-def _train_seconds(meta: dict[str, Any]) -> float:
-    train = meta["metrics"].get("train")
-    return (_seconds(train.get("seconds", 0.0)) if isinstance(train, dict) else None) or 0.0
 
 
 # ------------------------------------------------------------------------------- tables

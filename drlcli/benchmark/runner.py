@@ -356,11 +356,10 @@ class _Session:
         settings = self.settings
         loaded = api.load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
         per_image = _timing(loaded, self.folders[-1][1], settings.timing_batch, precision=settings.precision)
-        row = summary_row(variant.label, variant, run_dir, config, per_image)
+        row = summary_row(variant.label, variant, loaded, config, per_image)
         if not (score_options and method_of(config).trains):
             return [row]
-        trains = [meta["metrics"].get("train") for meta in loaded.stage_metas]
-        if any(isinstance(train, dict) and train.get("skipped") is True for train in trains):
+        if any(api.train_metrics(meta).get("skipped") is True for meta in loaded.stage_metas):
             # scoring by other options would read subspaces of stages that were never trained
             self.say(f"[{variant.label}] not rescored: its stages were not trained (train.skip_unread)")
             return [row]

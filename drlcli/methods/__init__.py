@@ -43,13 +43,17 @@ def analytic_head(config: RunConfig) -> AnalyticHead | None:
     return head
 
 
+def stages_read(config: RunConfig) -> int | None:
+    """How many leading stage subspaces the run's answers read: None (all) under the prototype bank;
+    under an analytic head its own (``ranpac.subspaces`` - 1: none for drl's default head, whose
+    answers and "unknown" answer read the PTM alone)."""
+    return None if analytic_head(config) is None else config.ranpac.subspaces - 1
+
+
 def stage_is_read(config: RunConfig, index: int) -> bool:
-    """Whether anything the run answers reads stage ``index``'s subspace: every stage under the
-    prototype bank; under an analytic head only the ones it reads (``ranpac.subspaces`` - 1:
-    none for drl's default head, whose answers and "unknown" answer read the PTM alone)."""
-    if analytic_head(config) is None:
-        return True
-    return index <= config.ranpac.subspaces - 1
+    """Whether anything the run answers reads stage ``index``'s subspace (``stages_read``)."""
+    read = stages_read(config)
+    return read is None or index <= read
 
 
 __all__ = [
@@ -62,4 +66,5 @@ __all__ = [
     "get_method",
     "method_of",
     "stage_is_read",
+    "stages_read",
 ]
