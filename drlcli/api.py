@@ -113,6 +113,7 @@ def init_run(
     config: RunConfig | None = None,
     seed: int = 0,
     allow_nonempty: bool = False,
+    progress: ProgressFn | None = None,
 ) -> InitResult:
     """Create a run directory for ``ptm``. Random-init weights are stored in the run.
 
@@ -127,6 +128,8 @@ def init_run(
     config = config or RunConfig.for_method("drl")
     run = RunDir(run_dir)
     with run.writer(create=True, allow_nonempty=allow_nonempty) as writer:
+        if progress is not None:
+            progress(Progress("load", 0, 0, f"the PTM {ptm} (and the sha256 of its weights)"))
         model, ptm_record = _init_ptm(
             ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
         )
@@ -198,7 +201,9 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
     # run.yaml may come from anywhere: only the ViT shape arguments init writes reach timm
     kwargs = backbone.check_ptm_kwargs(info.get("kwargs"), origin=f"run {run.path}", error=IntegrityError)
     if run.has_ptm_weights(manifest):
-        model = backbone.create_ptm(info["name"], source=PTMSource(random_init=True), kwargs=kwargs)
+        model = backbone.create_ptm(
+            info["name"], source=PTMSource(random_init=True), kwargs=kwargs, unsupported=IntegrityError
+        )
         backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / PTM_WEIGHTS))
     else:
         path = ptm_weights
@@ -212,7 +217,9 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
                 f"run {run.path} was created from a local weights file for {info['name']} (sha256 "
                 f"{info['sha256'][:12]}...) that is not at its recorded place; pass --ptm-weights FILE"
             )
-        model = backbone.create_ptm(info["name"], source=PTMSource(weights_path=path), kwargs=kwargs)
+        model = backbone.create_ptm(
+            info["name"], source=PTMSource(weights_path=path), kwargs=kwargs, unsupported=IntegrityError
+        )
     found = backbone.fingerprint(model)
     if found != info["sha256"]:
         raise IntegrityError(
@@ -223,9 +230,14 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
 
 
 def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | None = None) -> LoadedRun:
-    start = time.perf_counter()
+    """The run's model and records, all of one generation (``RunDir.read_generation``: a ``drl
+    forget`` committing meanwhile makes it read the newer one)."""
     run = RunDir(run_dir)
-    manifest = run.manifest()
+    return run.read_generation(lambda manifest: _load(run, manifest, device=device, ptm_weights=ptm_weights))
+
+
+def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None) -> LoadedRun:
+    start = time.perf_counter()
     record, config = read_record(run, manifest)
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
     stages = run.stages(manifest)
@@ -597,6 +609,8 @@ def evaluate(
         from .plots import check_plot_path
 
         check_plot_path(plot_path)
+    if progress is not None:
+        progress(Progress("load", 0, 0, "the PTM and the run's stages"))
     loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
     if not loaded.stage_metas:
         raise UsageError(f"run {run_dir} has learned no stage yet; run `drl learn-stage` first")
@@ -633,6 +647,8 @@ def evaluate(
     if plot_path is not None and distributed.is_main():
         from .plots import history_plot
 
+        if progress is not None:
+            progress(Progress("plot", 0, 0, str(plot_path)))
         title = f"{loaded.config.method}, {loaded.record['ptm']['name']}: {model.num_stages} stages, top-1 now {report.top1:.2f}%"
         plot = str(history_plot(history, plot_path, title=title))
     return EvalResult(
@@ -743,10 +759,15 @@ def learn_stage(
         TensorBoardLog(tensorboard_dir) if main and tensorboard_dir else contextlib.nullcontext() as tracker,
     ):
         distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
+        records = _read_records(run, _Sources(data_dir, eval_data_dir, data, eval_data, class_names), progress)
+        unchanged = _already_committed(records)
+        if unchanged is not None:
+            return unchanged
+        _check_classes(records.images, records.eval_images, records.learned)
         stage = _prepare(
             run,
             writer,
-            data=_Sources(data_dir, eval_data_dir, data, eval_data, class_names),
+            records,
             train_overrides=train_overrides,
             device=device,
             ptm_weights=ptm_weights,
@@ -754,9 +775,6 @@ def learn_stage(
             tracker=tracker,
             progress=progress,
         )
-        unchanged = _already_committed(stage.images, stage.fingerprint, stage.loaded)
-        if unchanged is not None:
-            return unchanged
         _check_data(stage)
         trained = _train_or_resume(stage, restart=restart)
         fitted = _prototypes(stage)
@@ -851,11 +869,55 @@ class _Sources:
     class_names: Sequence[str] | None
 
 
+@dataclass(frozen=True)
+class _Records:
+    """What learn-stage reads before it builds any model or decodes any image: the run's records
+    and the data folders' listings, enough to refuse a learned class or see a drop already learned."""
+
+    manifest: dict[str, Any]
+    config: RunConfig  # the run's, before this call's training overrides
+    metas: list[dict[str, Any]]  # every stage's stage.json, checked
+    learned: dict[str, int]  # class name -> stage, classes the run answers with (not forgotten)
+    images: LabelledImages
+    eval_images: LabelledImages | None
+    eval_data_dir: Path | None
+    fingerprint: str  # of ``images``
+    run: RunDir
+
+
+def _read_records(run: RunDir, data: _Sources, progress: ProgressFn | None) -> _Records:
+    """The run's records and the data's listings (under the run's lock): seconds, not minutes."""
+    if progress is not None:
+        progress(Progress("read", 0, 0, "the run's records and the data folders"))
+    manifest = run.manifest()
+    _, config = read_record(run, manifest)
+    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    for index, meta in zip(run.stage_indices(manifest), metas):
+        check_stage_meta(run, index, meta)
+    forgotten = forget.read_log(run, manifest, {meta["stage"]: meta for meta in metas})
+    _check_class_names_use(data.class_names, data.data, data.eval_data)
+    images = labelled_images(data.data_dir, data.data, data.class_names, what="data")
+    if images is None:
+        raise UsageError("pass the new classes' images: data_dir (a folder) or data (a Dataset)")
+    eval_images = labelled_images(data.eval_data_dir, data.eval_data, data.class_names, what="eval_data")
+    return _Records(
+        manifest=manifest,
+        config=config,
+        metas=metas,
+        learned={name: meta["stage"] for meta in metas for name in forgotten.active(meta)},
+        images=images,
+        eval_images=eval_images,
+        eval_data_dir=data.eval_data_dir,
+        fingerprint=images.fingerprint(),  # stats every file: once
+        run=run,
+    )
+
+
 def _prepare(
     run: RunDir,
     writer: RunWriter | None,
+    records: _Records,
     *,
-    data: _Sources,
     train_overrides: dict[str, Any] | None,
     device: str,
     ptm_weights: Path | None,
@@ -863,30 +925,23 @@ def _prepare(
     tracker: TensorBoardLog | None,
     progress: ProgressFn | None,
 ) -> _StageContext:
-    """Read the run (under its lock), its config with the overrides, and the data folders' listings."""
-    manifest = run.manifest()
-    _, config = read_record(run, manifest)
-    config = config.with_train(**(train_overrides or {}))
-    _check_class_names_use(data.class_names, data.data, data.eval_data)
-    images = labelled_images(data.data_dir, data.data, data.class_names, what="data")
-    if images is None:
-        raise UsageError("pass the new classes' images: data_dir (a folder) or data (a Dataset)")
-    eval_images = labelled_images(data.eval_data_dir, data.eval_data, data.class_names, what="eval_data")
+    """Load the run's model (the PTM, every stage) and set up the call: its config with the overrides."""
+    if progress is not None:
+        progress(Progress("load", 0, 0, "the PTM and the run's stages"))
     loaded = load_run(run.path, device=device, ptm_weights=ptm_weights)
-    model = loaded.model
     return _StageContext(
         run=run,
         writer=writer,
-        manifest=manifest,
-        config=config,
-        method=method_of(config),
+        manifest=records.manifest,
+        config=records.config.with_train(**(train_overrides or {})),
+        method=method_of(records.config),
         loaded=loaded,
-        learned={name: stage for name, stage in zip(model.class_names, model.class_stage.tolist())},
-        images=images,
-        eval_images=eval_images,
-        eval_data_dir=data.eval_data_dir,
-        fingerprint=images.fingerprint(),  # stats every file: once
-        index=max(run.stage_indices(manifest), default=0) + 1,
+        learned=records.learned,
+        images=records.images,
+        eval_images=records.eval_images,
+        eval_data_dir=records.eval_data_dir,
+        fingerprint=records.fingerprint,
+        index=max(run.stage_indices(records.manifest), default=0) + 1,
         device=device,
         precision=precision,
         tracker=tracker,
@@ -895,13 +950,14 @@ def _prepare(
 
 
 def _check_data(stage: _StageContext) -> None:
-    """The class rules, then every image of --data and --eval-data decodes (DataError otherwise)."""
-    _check_classes(stage.images, stage.eval_images, stage.learned)
+    """Every image of --data and --eval-data decodes (DataError otherwise)."""
     for item in (stage.images, stage.eval_images):
         if item is not None:
             stage.say("validate", 0, len(item), item.origin)
             tick = time.perf_counter()
-            validate_images(item)
+            validate_images(
+                item, progress=lambda step, total, item=item: stage.say("validate", step, total, item.origin)
+            )
             log.debug("validated %d images of %s in %.1fs", len(item), item.origin, time.perf_counter() - tick)
 
 
@@ -1037,6 +1093,7 @@ def _prototypes(stage: _StageContext) -> _Fitted:
     if means.shape[1] < total:  # the subspaces not computed
         means = torch.cat([means, means.new_zeros(means.shape[0], total - means.shape[1], means.shape[2])], dim=1)
     model.add_classes(list(images.class_names), stage.index, means)
+    stage.say("calibrate", 0, 0, "the unknown answer's thresholds")
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
     n = len(images.class_names)
     new_bias = torch.full((n,), calibration.threshold)
@@ -1050,6 +1107,7 @@ def _prototypes(stage: _StageContext) -> _Fitted:
     log.debug("prototypes of %d classes in %.1fs", len(images.class_names), time.perf_counter() - tick)
     fit = None
     if head is not None:
+        stage.say("fit", 0, 0, "the head from the run's statistics")
         fit = head.fit_stage(
             stage.loaded,
             feats,
@@ -1194,6 +1252,7 @@ def _commit(stage: _StageContext, record: _Record) -> None:
     """Rank 0 commits the stage atomically, then drops the epoch checkpoint it no longer needs."""
     if stage.writer is None:
         return
+    stage.say("commit", 0, 0, f"stage {stage.index}")
     tick = time.perf_counter()
     stage.writer.commit(record.files, manifest=stage.manifest, new_stage=stage.index)
     stage.writer.discard_checkpoint()
@@ -1236,12 +1295,12 @@ def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
     return meta["metrics"].get("train") or {}
 
 
-def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedRun) -> StageResult | None:
+def _already_committed(records: _Records) -> StageResult | None:
     """The committed stage that learned exactly these images, as a no-op result (or None). Its
     classes as learned: a class forgotten since (drl forget) does not make the same drop new again."""
-    classes = list(images.class_names)
+    classes = list(records.images.class_names)
     meta = next(
-        (m for m in loaded.stage_metas if m["classes"] == classes and m["data_fingerprint"] == fingerprint), None
+        (m for m in records.metas if m["classes"] == classes and m["data_fingerprint"] == records.fingerprint), None
     )
     if meta is None:
         return None
@@ -1253,16 +1312,16 @@ def _already_committed(images: LabelledImages, fingerprint: str, loaded: LoadedR
         resumed_from_epoch=None,
         stage=index,
         classes=list(meta["classes"]),
-        num_images=len(images),
+        num_images=len(records.images),
         train_seconds=0.0,
         total_seconds=0.0,
         epoch_losses=[],
         scale=train.get("scale"),
         num_params=meta["num_params"],
-        stage_bytes=loaded.run.stage_bytes(index, loaded.manifest),
+        stage_bytes=records.run.stage_bytes(index, records.manifest),
         eval=AccuracyReport(**evaluation) if evaluation else None,
-        history=history_of(loaded.stage_metas[: loaded.stage_metas.index(meta) + 1]),
-        run_dir=str(loaded.run.path),
+        history=history_of(records.metas[: records.metas.index(meta) + 1]),
+        run_dir=str(records.run.path),
         precision=meta.get("precision", "fp32"),  # absent: committed before drl recorded it, in fp32
         training_skipped=train.get("skipped") is True,
     )
@@ -1367,11 +1426,15 @@ class VerifyResult:
         return asdict(self)
 
 
-def verify(run_dir: Path | str) -> VerifyResult:
-    """Check every file the manifest lists (size, sha256) and the format; raise naming each damage."""
+def verify(run_dir: Path | str, *, progress: ProgressFn | None = None) -> VerifyResult:
+    """Check every file the manifest lists (size, sha256, content) and the format; raise naming each damage."""
     run = RunDir(run_dir)
-    manifest = run.manifest()
-    problems = run.verify()
+    return run.read_generation(lambda manifest: _verify(run, manifest, progress))
+
+
+def _verify(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | None) -> VerifyResult:
+    report = (lambda step, total, name: progress(Progress("verify", step, total, name))) if progress else None
+    problems = run.problems(manifest, progress=report)
     if problems:
         raise IntegrityError(f"run {run.path} is damaged: {'; '.join(problems)}" if len(problems) > 1 else problems[0])
     forget.check(run, manifest)  # the forget log and what it kept fit the stages
@@ -1404,7 +1467,10 @@ def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
 def info(run_dir: Path | str) -> dict[str, Any]:
     """What the run holds: PTM, method, stages, classes, sizes, accuracy history (no PTM load)."""
     run = RunDir(run_dir)
-    manifest = run.manifest()
+    return run.read_generation(lambda manifest: _info(run, manifest))
+
+
+def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
     record, _ = read_record(run, manifest)
     stages, metas = [], [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
     for index, meta in zip(run.stage_indices(manifest), metas):

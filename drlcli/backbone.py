@@ -52,13 +52,30 @@ class PTMSource:
     seed: int = 0
 
 
-def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """Build a frozen timm ViT (no classifier head) with weights from ``source``."""
+VIT_MODULES = ("timm.models.vision_transformer", "timm.models.deit")  # where timm defines its plain ViTs
+
+
+def create_ptm(
+    name: str,
+    *,
+    source: PTMSource,
+    kwargs: dict[str, Any] | None = None,
+    unsupported: type[DrlError] | None = None,
+) -> nn.Module:
+    """Build a frozen timm ViT (no classifier head) with weights from ``source``. A timm model
+    that is not a plain ViT, or of a shape too big to build, is refused before it is built: with
+    ``unsupported`` (IntegrityError for a name and shape a run or export file gives), else with
+    PTMError (a name the user gave) or UsageError (a shape the user gave)."""
     import timm
+    from timm.models import model_entrypoint
 
     kwargs = check_ptm_kwargs(kwargs, origin="--ptm-arg (ptm_kwargs)")
     if not timm.is_model(name):
         raise PTMError(f"unknown PTM {name!r}; pass a timm ViT name such as deit_tiny_patch16_224, or hf-hub:timm/REPO")
+    if model_entrypoint(name.split(".")[0]).__module__ not in VIT_MODULES:
+        raise (unsupported or PTMError)(f"{name} is not a timm ViT with a class token; use a vit_* or deit_* model")
+    if kwargs:
+        _check_size(name, kwargs, error=unsupported or UsageError)
     try:
         if source.weights_path is None and not source.random_init:
             _require_hub(name)
@@ -71,16 +88,39 @@ def create_ptm(name: str, *, source: PTMSource, kwargs: dict[str, Any] | None = 
     except Exception as exc:  # timm/hub raise many kinds; all mean the same to the user
         if source.weights_path is None and not source.random_init:
             raise PTMError(
-                f"cannot get pretrained weights for {name} ({exc.__class__.__name__}); "
-                "offline? pass --ptm-weights FILE (a local .safetensors)"
+                f"cannot get pretrained weights for {name} ({exc.__class__.__name__}); offline? {fetch_hint(name)}"
             ) from exc
         raise PTMError(f"cannot build PTM {name} with {kwargs}: {exc}") from exc
-    check_supported(model, name)
+    check_supported(model, name, error=unsupported or PTMError)
     if source.weights_path is not None:
         load_weights(model, source.weights_path)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+MAX_PTM_PARAMS = 3_000_000_000  # 12 GB in fp32: above ViT-G/14 (1.8 B), far below what the shape bounds allow
+MAX_PTM_TOKENS = 4_096  # tokens per image: a 64 x 64 patch grid (attention costs their square)
+
+
+def _check_size(name: str, kwargs: dict[str, Any], *, error: type[DrlError]) -> None:
+    """Shape arguments each in range can still multiply into a model no machine holds (a run
+    file's embed_dim 8192, depth 128, mlp_ratio 16: 309 B parameters): count the parameters and
+    tokens of the model they make, built on the meta device (no memory), before building it."""
+    import timm
+
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+    except Exception as exc:  # timm raises many kinds for shapes that do not fit together
+        raise PTMError(f"cannot build PTM {name} with {kwargs}: {exc}") from exc
+    params = sum(p.numel() for p in model.parameters())
+    tokens = getattr(getattr(model, "patch_embed", None), "num_patches", 0) or 0
+    if params > MAX_PTM_PARAMS or tokens > MAX_PTM_TOKENS:
+        raise error(
+            f"PTM {name} with {kwargs} would have {params / 1e9:.1f} B parameters and {tokens} patch tokens "
+            f"per image; drl builds at most {MAX_PTM_PARAMS / 1e9:.0f} B and {MAX_PTM_TOKENS}: pick a smaller shape"
+        )
 
 
 def check_ptm_kwargs(kwargs: Any, *, origin: str, error: type[DrlError] = UsageError) -> dict[str, Any]:
@@ -142,30 +182,45 @@ def _require_hub(name: str) -> None:
         return  # the hub library fails fast itself (or uses its local cache)
     problem = hub_unreachable()
     if problem is not None:
-        raise PTMError(
-            f"cannot reach {hub_host()} to download {name} weights ({problem}); pass "
-            "--ptm-weights FILE (a local .safetensors), or set HF_HUB_OFFLINE=1 to use the local hub cache"
-        )
+        raise PTMError(f"cannot reach {hub_host()} to download {name} weights ({problem}); {fetch_hint(name)}")
 
 
-def check_supported(model: nn.Module, name: str) -> None:
+def fetch_hint(name: str) -> str:
+    """How to get ``name``'s weights onto a machine without the hub: its timm repo, fetched into the
+    Hugging Face cache elsewhere and copied over, or a local file."""
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(name)
+    repo = getattr(cfg, "hf_hub_id", None) if cfg is not None else None
+    if not repo:
+        return "pass --ptm-weights FILE (a local .safetensors)"
+    return (
+        f"fetch it where the hub is reachable with `hf download {repo} config.json model.safetensors`, copy "
+        f"the Hugging Face cache (HF_HUB_CACHE) here, and pass --ptm hf-hub:{repo}; or pass --ptm-weights FILE "
+        "(a local .safetensors)"
+    )
+
+
+def check_supported(model: nn.Module, name: str, *, error: type[DrlError] = PTMError) -> None:
     from timm.models.vision_transformer import Attention, Block, VisionTransformer
 
     if not isinstance(model, VisionTransformer) or getattr(model, "cls_token", None) is None:
-        raise PTMError(f"{name} is not a timm ViT with a class token; use a vit_* or deit_* model")
+        raise error(f"{name} is not a timm ViT with a class token; use a vit_* or deit_* model")
     for block in model.blocks:
         if type(block) is not Block or type(block.attn) is not Attention:
-            raise PTMError(f"{name} uses {type(block).__name__} blocks; only standard ViT blocks work")
+            raise error(f"{name} uses {type(block).__name__} blocks; only standard ViT blocks work")
         if getattr(block.attn, "gate", None) is not None:
-            raise PTMError(f"{name} has gated attention, which the IPA network does not support")
+            raise error(f"{name} has gated attention, which the IPA network does not support")
     if len(model.blocks) < 2:
-        raise PTMError(f"{name} has {len(model.blocks)} block(s); the IPA network needs at least 2")
+        raise error(f"{name} has {len(model.blocks)} block(s); the IPA network needs at least 2")
 
 
 def read_weights_file(path: Path) -> dict[str, Tensor]:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise PTMError(f"weights file {path} not found; pass an existing --ptm-weights FILE")
+    if not path.is_file():  # a folder, FIFO or device: never opened (a FIFO would block)
+        raise PTMError(f"weights file {path} is not a regular file; pass a .safetensors file as --ptm-weights")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_type_hints
 
-import yaml
-
+from . import jsonio, storage
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -46,6 +45,7 @@ class EaseConfig:
     dropout: float = 0.1  # on the bottleneck, training only (as in the public EASE code)
 
 
+MAX_CONFIG_FILE_BYTES = 1 << 20  # a --config file: a few sections of options, never megabytes
 MAX_LAYOUT_GRID = 8  # ranpac.layout_grid's bound (and that of a g a run or an export stores)
 
 
@@ -165,9 +165,14 @@ class RunConfig:
     def from_yaml(cls, path: Path, *, method: str | None = None, preset: str | None = None) -> RunConfig:
         """A config file's sections over ``method``'s defaults (``method`` overrides the file's)."""
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise UsageError(f"cannot read config {path}: {exc}; pass a readable YAML file") from exc
+            text = storage.read_regular(Path(path), limit=MAX_CONFIG_FILE_BYTES, what="config", follow=True)
+            data = jsonio.load_yaml(text) or {}
+        except OSError as exc:
+            raise UsageError(f"cannot read config {path}: {exc.strerror}; pass a readable YAML file") from exc
+        except ValueError as exc:
+            raise UsageError(
+                f"config {path} is not a YAML file drl reads ({exc}); pass a YAML mapping of sections"
+            ) from exc
         if not isinstance(data, dict):
             raise UsageError(f"config {path} must be a YAML mapping of sections")
         return cls.for_method(method or data.get("method", "drl"), data, preset=preset)

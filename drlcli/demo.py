@@ -6,6 +6,7 @@ demo means the whole product works on this machine, without weights or downloads
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from .api import ProgressFn, evaluate, init_run, learn_stage
 from .config import RunConfig
 from .errors import RunStateError
 from .export import export_run
+from .rundir import refuse_inside_run
 from .synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
 
@@ -27,8 +29,12 @@ def run_demo(
 ) -> dict[str, Any]:
     out_dir = Path(out_dir)
     run_dir = out_dir / "run"
-    if run_dir.exists():
-        raise RunStateError(f"{run_dir} already exists; pass another --out or remove it")
+    refuse_inside_run(out_dir, option="--out")
+    if os.path.lexists(out_dir) and (not out_dir.is_dir() or out_dir.is_symlink() or any(out_dir.iterdir())):
+        raise RunStateError(
+            f"{out_dir} already exists and is not an empty folder; the demo writes only into a new one: pass "
+            "another --out or remove it"
+        )
     stages = make_stages(out_dir / "data", num_stages=num_stages, classes_per_stage=classes_per_stage, train=24, test=8)
     # the default drl recipe, except that it trains its stages though the default head reads none
     # (train.skip_unread false): the demo checks that training works on this machine too

@@ -13,7 +13,7 @@ It is written atomically (``storage.write_atomic``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,8 @@ from .methods import method_of
 from .model import IncrementalModel
 from .modelfile import FORMAT_SUFFIX, format_of
 from .restore import CLASS_STAGE, PROTOTYPES, model_tensors, restore_model, with_prefix
-from .rundir import refuse_inside_run
-from .serving import GRAPH_FORMATS, GraphModel, load_graph, write_graph
+from .rundir import TENSOR_DTYPES, refuse_inside_run
+from .serving import GRAPH_FORMATS, GraphModel, check_extras, load_graph, write_graph
 
 FORMAT = "drl-export"
 FORMAT_VERSION = "2"
@@ -112,16 +112,26 @@ def resolve_format(fmt: str | None, out_path: Path) -> str:
 
 
 def export_run(
-    run_dir: Path | str, out_path: Path, *, fmt: str | None = None, ptm_weights: Path | None = None
+    run_dir: Path | str,
+    out_path: Path,
+    *,
+    fmt: str | None = None,
+    ptm_weights: Path | None = None,
+    progress: Callable[[Any], None] | None = None,
 ) -> ExportResult:
     """Write the run's current model as one file: ``drl`` (see module docstring), or a serving
     graph with the scoring baked in (``torchscript``, ``pt2``, ``onnx``). Reads the run, never writes it, and
     refuses an ``out_path`` inside any run directory (it could replace that run's files)."""
-    from .api import load_run
+    from .api import Progress, load_run
 
     fmt = resolve_format(fmt, out_path)
     refuse_inside_run(out_path, option="--out")
+    check_extras(fmt)  # before a minute of loading, not after
+    if progress is not None:
+        progress(Progress("load", 0, 0, "the PTM and the run's stages"))
     loaded = load_run(run_dir, device="cpu", ptm_weights=ptm_weights)
+    if progress is not None:
+        progress(Progress("export", 0, 0, f"writing {out_path}" + ("" if fmt == "drl" else " and checking it")))
     if fmt == "drl":
         result = write_export(loaded.model, loaded.record["ptm"], loaded.config, out_path)
         return replace(result, run_dir=str(loaded.run.path))
@@ -136,7 +146,9 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
     modelfile.check_content(path, "drl")
     tensors, spec = _read_export(path)
     kwargs = backbone.check_ptm_kwargs(spec["ptm"].get("kwargs"), origin=str(path), error=IntegrityError)
-    ptm = backbone.create_ptm(spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=kwargs)
+    ptm = backbone.create_ptm(
+        spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=kwargs, unsupported=IntegrityError
+    )
     config = _config(path, spec["config"])
     with _fitting(path):
         backbone.load_state(ptm, with_prefix(tensors, PTM_PREFIX), origin=str(path))
@@ -173,6 +185,9 @@ def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise IntegrityError(f"{path} is not a readable drl export ({str(exc)[:100]}); export it again") from exc
     if metadata.get("format") != FORMAT:
         raise IntegrityError(f"{path} is not a drl export; pass a file written by `drl export`")
+    odd = next((f"{k} ({v.dtype})" for k, v in tensors.items() if v.dtype not in TENSOR_DTYPES), None)
+    if odd is not None:
+        raise IntegrityError(f"{path} holds tensor {odd} of a dtype drl never writes; export it again")
     modelfile.check_version(path, metadata.get("format_version"), FORMAT_VERSION, what="drl export")
     spec = modelfile.parse_spec(path, metadata.get("spec", ""))
     modelfile.check_spec_sha256(path, spec)

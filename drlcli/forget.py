@@ -409,6 +409,13 @@ def _unknown(state: _State, name: str) -> DataError:
     return DataError(f"class {name!r} is not a class of run {state.run.path}{hint}")
 
 
+def _say(progress: Callable[[Any], None] | None, phase: str, detail: str) -> None:
+    if progress is not None:
+        from .api import Progress
+
+        progress(Progress(phase, 0, 0, detail))
+
+
 def _commit(writer: rundir.RunWriter, state: _State, change: _Change, log: ForgetLog) -> None:
     old_log = state.run.forget_log_name(state.manifest)
     change.files[rundir.forget_log_file(state.generation)] = rundir.encode_json(log.to_json())
@@ -450,7 +457,14 @@ def _event(action: str, entry: Forgotten, at: str, reason: str | None, generatio
 # ----------------------------------------------------------------------------- forget
 
 
-def forget_class(run_dir: Path | str, name: str, *, reason: str | None = None, purge: bool = False) -> ForgetResult:
+def forget_class(
+    run_dir: Path | str,
+    name: str,
+    *,
+    reason: str | None = None,
+    purge: bool = False,
+    progress: Callable[[Any], None] | None = None,
+) -> ForgetResult:
     """Take class ``name`` out of the run's answers: a new generation without its prototype rows, its
     ridge-head columns and its columns of the ridge statistics (see the module docstring). Its slices
     are kept for ``restore_class`` unless ``purge``. A class already forgotten with its slices kept
@@ -458,6 +472,7 @@ def forget_class(run_dir: Path | str, name: str, *, reason: str | None = None, p
     reason = _check_reason(reason)
     run = RunDir(run_dir)
     with run.writer() as writer:
+        _say(progress, "read", "the run's stage files")
         state = _State.read(run)
         stage = state.active_stage(name)
         if stage is None:
@@ -524,13 +539,16 @@ def _purge_kept(writer: rundir.RunWriter, state: _State, name: str, reason: str 
 # ---------------------------------------------------------------------------- restore
 
 
-def restore_class(run_dir: Path | str, name: str, *, reason: str | None = None) -> ForgetResult:
+def restore_class(
+    run_dir: Path | str, name: str, *, reason: str | None = None, progress: Callable[[Any], None] | None = None
+) -> ForgetResult:
     """Put a forgotten class back from its kept slices: the run answers as if it had never been
     forgotten. Columns of W for stages learned after the forget are solved again from the stored
     statistics at each stage's λ. A purged class cannot be restored (learn it again instead)."""
     reason = _check_reason(reason)
     run = RunDir(run_dir)
     with run.writer() as writer:
+        _say(progress, "read", "the run's stage files")
         state = _State.read(run)
         entry = _restorable(state, name)
         rows = _rows(state, entry)

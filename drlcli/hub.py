@@ -21,7 +21,6 @@ and the weights file's sha256; a later load takes the weights of that commit fro
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from . import backbone
+from . import backbone, jsonio, storage
 from .backbone import PTMSource
 from .config import HUB_COMMIT, HUB_REPO, check_data_config
 from .errors import PTMError, UsageError
@@ -170,19 +169,20 @@ def read_config(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise PTMError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; it is not a timm config.json")
+    """config.json, read only if it is a regular file (the cache's link followed) of at most 1 MiB."""
     try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
+        data = storage.read_regular(path, limit=MAX_CONFIG_BYTES, what="hub config", follow=True)
+    except ValueError as exc:
+        raise PTMError(f"{exc}; it is not a timm config.json: fetch the repo again") from None
+    except OSError as exc:
+        raise PTMError(f"cannot read {path} ({exc.strerror}); fetch the repo again") from None
+    try:
+        cfg = jsonio.loads(data.decode("utf-8"))
+    except ValueError as exc:
         raise PTMError(f"{path} is not valid JSON ({str(exc).splitlines()[0]}); fetch the repo again") from None
     if not isinstance(cfg, dict):
         raise PTMError(f"{path} is not a JSON object; it is not a timm config.json")
     return cfg
-
-
-def _no_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not JSON")
 
 
 def _is_timm_model(name: str) -> bool:

@@ -15,7 +15,8 @@ docs say never to load one from an untrusted source. So TorchScript and ``.pt2``
 Checksums. ``payload_sha256`` covers the weights (names, dtypes, shapes, bytes); ``spec_sha256``
 covers the spec's canonical JSON (sorted keys, ASCII, no whitespace) without itself, so one
 changed byte that changes any value is refused (exit 5) and one that changes none (say, JSON
-whitespace) changes nothing the user sees.
+whitespace) changes nothing the user sees. An ONNX file's graph decides its answers as much as its
+weights do, so it also carries ``model_sha256`` over the whole model (``serving.seal_onnx``).
 """
 
 from __future__ import annotations
@@ -127,14 +128,22 @@ def parse_spec(path: Path, text: str) -> dict[str, Any]:
     return spec
 
 
-def check_version(path: Path, found: Any, expected: str, *, what: str, also: tuple[str, ...] = ()) -> None:
-    """``found`` must be ``expected`` (what this drl writes) or one of ``also`` (older formats it still reads)."""
+def check_version(
+    path: Path,
+    found: Any,
+    expected: str,
+    *,
+    what: str,
+    also: tuple[str, ...] = (),
+    older: str = "without metadata checksums",
+) -> None:
+    """``found`` must be ``expected`` (what this drl writes) or one of ``also`` (older formats it still
+    reads); an older one is refused saying what it lacks (``older``) and to export it again."""
     if found == expected or found in also:
         return
     if isinstance(found, str) and found.isdigit() and int(found) < int(expected):
         raise IntegrityError(
-            f"{path} is a {what} of format {found}, from an older drl without metadata checksums; "
-            "export it again from its run with this drl"
+            f"{path} is a {what} of format {found}, from an older drl {older}; export it again from its run with this drl"
         )
     raise IntegrityError(
         f"{path} has {what} format {found!r}, this drl reads {expected}; use the drl release that wrote it"

@@ -21,7 +21,16 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .data import _hidden, check_workers, eval_transform, image_extensions, load_rgb, make_loader, start_workers
+from .data import (
+    ImagePathError,
+    _hidden,
+    check_workers,
+    eval_transform,
+    image_extensions,
+    load_rgb,
+    make_loader,
+    start_workers,
+)
 from .errors import DataError, UsageError
 from .modelfile import format_of
 from .precision import autocast
@@ -73,15 +82,7 @@ def expand_sources(sources: Iterable[str], *, stdin: Iterable[str] | None = None
             continue
         path = Path(source)
         if path.is_dir():
-            paths.extend(
-                sorted(
-                    p
-                    for p in path.rglob("*")
-                    if p.is_file()
-                    and p.suffix.lower() in image_extensions()
-                    and not any(_hidden(Path(q)) for q in p.relative_to(path).parts)
-                )
-            )
+            paths.extend(_folder_images(path))
         elif path.suffix.lower() == ".txt" and path.is_file():
             for line in path.read_text().splitlines():
                 if line.strip():
@@ -94,6 +95,34 @@ def expand_sources(sources: Iterable[str], *, stdin: Iterable[str] | None = None
     return paths
 
 
+def _folder_images(folder: Path) -> list[Path]:
+    """Every image below ``folder`` (by extension; hidden names skipped), sorted. A FIFO, device or
+    dangling link named as an image is listed too, so its result line says what it is rather than
+    the image vanishing without a word."""
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix.lower() in image_extensions()
+        and not p.is_dir()
+        and not any(_hidden(Path(q)) for q in p.relative_to(folder).parts)
+    )
+
+
+def image_error(exc: ImagePathError) -> str:
+    """A result line's error for a path that is no image file, with its fix ("no such file" as ever
+    for a missing one): a folder from a list or stdin is a folder source, a FIFO or device is not an
+    image at all."""
+    if exc.kind == "missing":
+        return "no such file"
+    if exc.kind == "dangling":
+        return f"{exc}; fix the link or pass the image itself"
+    if exc.kind == "folder":
+        return f"{exc}: pass it as a folder source (drl predict FOLDER) to predict every image in it"
+    if exc.kind == "special":
+        return f"{exc}; pass the image file itself"
+    return f"{exc}; check the path and its permissions"
+
+
 class _PathDataset(Dataset):
     def __init__(self, paths: list[Path], transform: Any):
         self.paths, self.transform = paths, transform
@@ -103,10 +132,10 @@ class _PathDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str | None]:
         path = self.paths[index]
-        if not path.is_file():
-            return index, None, "no such file"
         try:
             return index, self.transform(load_rgb(path)), None
+        except ImagePathError as exc:  # checked before anything opens it: a FIFO is never waited on
+            return index, None, image_error(exc)
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
             return index, None, f"cannot be decoded ({exc.__class__.__name__}: {exc})"
 
@@ -179,8 +208,14 @@ class PredictStats:
     seconds: float = 0.0
 
     @property
+    def predicted(self) -> int:
+        """Images that got an answer (not an error line)."""
+        return self.images - self.failed
+
+    @property
     def images_per_second(self) -> float:
-        return self.images / self.seconds if self.seconds else 0.0
+        """Over the images that got an answer: a batch of unreadable files has no rate."""
+        return self.predicted / self.seconds if self.seconds and self.predicted else 0.0
 
 
 def timed(predictions: Iterator[Prediction], stats: PredictStats) -> Iterator[Prediction]:
@@ -240,15 +275,24 @@ def predict_sources(
             "as exported (fp32): leave --precision out"
         )
     paths = expand_sources(sources)
+    if progress is not None:
+        progress(Progress("load", 0, 0, str(model_path or run_dir)))
     model = load_classifier(
         model_path=model_path, run_dir=run_dir, device=device, ptm_weights=ptm_weights, trust_code=trust_code
     )
-    log.debug(
-        "loaded %s (%d classes) in %.1fs", model_path or run_dir, len(model.class_names), time.perf_counter() - start
+    log.info(  # an export older than its run shows here: fewer classes and stages than `drl info` lists
+        "model %s: %d classes from %d stages (loaded in %.1fs)",
+        model_path or run_dir,
+        len(model.class_names),
+        model.num_stages,
+        time.perf_counter() - start,
     )
     results = predict(model, paths, top_k=top_k, batch_size=batch_size, num_workers=num_workers, precision=precision)
     for p in timed(results, stats):
         if progress is not None:
             progress(Progress("predict", stats.images, len(paths), num_failed=stats.failed))
         yield p
-    log.info("%d images, %d failed, %.1f images/s", stats.images, stats.failed, stats.images_per_second)
+    if stats.predicted:
+        log.info("%d images, %d failed, %.1f images/s", stats.images, stats.failed, stats.images_per_second)
+    else:
+        log.info("%d images, %d failed", stats.images, stats.failed)

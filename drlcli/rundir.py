@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import os
 import re
@@ -62,8 +61,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
@@ -97,7 +97,9 @@ RESERVED = (MANIFEST, RUN_CONFIG, PTM_WEIGHTS, STAGES, LOCK, STAGING, CHECKPOINT
 OWN_FOLDERS = (STAGES, CHECKPOINT, STAGING, FORGOTTEN)  # folders whose every entry is the run's
 _STAGING_NAME = re.compile(r"[0-9a-f]{32}")
 _CHECKPOINT_TENSORS = re.compile(r"[0-9a-f]{32}\.safetensors")
-_CHECKPOINT_TMP = f".{CHECKPOINT_META}.tmp"
+# the checkpoint meta's temporary names: fresh ones (storage.fresh_name), and the fixed one of older releases
+_CHECKPOINT_TMP = re.compile(rf"\.{re.escape(CHECKPOINT_META)}\.tmp(-[0-9a-f]{{32}})?")
+MAX_RECORD_BYTES = 64 * 2**20  # the most drl reads of a file not listed with its size (manifest, lock, checkpoint)
 log = logging.getLogger(__name__)
 
 STAGE_META = "stage.json"
@@ -107,6 +109,13 @@ FORGET_LOG = "log.json"
 FORGOTTEN_ROWS = "rows.safetensors"
 # a file rewritten by the commit of generation G: <stem>-g<G, 6+ digits>.<suffix>
 _REVISION = re.compile(r"(?P<stem>[a-z]+)(?:-g(?P<generation>[0-9]{6,}))?\.(?P<suffix>json|safetensors)")
+
+
+T = TypeVar("T")
+
+
+class ListedFileGone(IntegrityError):
+    """A file the manifest lists is not there (see ``RunDir.read_generation``)."""
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -219,17 +228,18 @@ def make_dirs(root: Path, rel: str | PurePosixPath) -> Path:
     return path
 
 
-def read_nofollow(path: Path) -> bytes:
-    """A regular file's bytes; a link, folder, FIFO or device in its place is refused (IntegrityError)."""
-    with open(storage.open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise _not_plain_error(path, "regular file")
-        return handle.read()
+def read_nofollow(path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """A regular file's bytes, at most ``limit``; a link, folder, FIFO or device in its place, or
+    a bigger file, is refused (IntegrityError) before anything is read."""
+    try:
+        return storage.read_regular(path, limit=limit, what="run file")
+    except ValueError as exc:
+        raise IntegrityError(f"{exc}; remove it or restore the run from a backup") from None
 
 
 def _is_run(folder: Path) -> bool:
     try:
-        data = json.loads(read_nofollow(folder / MANIFEST))
+        data = jsonio.loads(read_nofollow(folder / MANIFEST))
     except (OSError, ValueError, IntegrityError):
         return False
     return isinstance(data, dict) and data.get("format") == FORMAT
@@ -284,7 +294,7 @@ class RunDir:
         if not os.path.lexists(path):
             raise RunStateError(f"{self.path} is not a drl run directory (no {MANIFEST}); create one with `drl init`")
         try:
-            data = json.loads(read_nofollow(path))
+            data = jsonio.loads(read_nofollow(path))
         except (OSError, ValueError) as exc:
             raise IntegrityError(f"{path} is unreadable or damaged ({exc}); restore it from a backup") from exc
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -317,19 +327,41 @@ class RunDir:
                     check_path(self.path / folder, child)
 
     def read_bytes(self, name: str, manifest: dict[str, Any] | None = None) -> bytes:
-        """A listed file's bytes, after checking its size and sha256 against the manifest."""
+        """A listed file's bytes, after checking its size (before reading: never more than the
+        manifest lists) and sha256 against the manifest. A listed file that is gone is
+        ``ListedFileGone``: damage, or a writer that superseded it after this reader took its
+        manifest (``read_generation`` tells them apart)."""
         manifest = manifest or self.manifest()
         entry = manifest["files"].get(name)
         if entry is None:
             raise IntegrityError(f"{name} is not listed in {self.path / MANIFEST}; the run is incomplete")
         path = self._inside(name)
         try:
-            data = read_nofollow(path)
+            data = read_nofollow(path, limit=entry["bytes"])
+        except FileNotFoundError:
+            raise ListedFileGone(
+                f"{path} is missing: the run is damaged, or another drl process changed it while this one "
+                "read it; re-run the command, and if it persists check the run with `drl verify`"
+            ) from None
         except OSError as exc:
-            raise IntegrityError(f"{path} is missing or unreadable ({exc.strerror}); restore it from a backup") from exc
+            raise IntegrityError(f"{path} is unreadable ({exc.strerror}); restore it from a backup") from exc
         if len(data) != entry["bytes"] or sha256_bytes(data) != entry["sha256"]:
             raise IntegrityError(f"{path} is damaged (checksum mismatch); restore it from a backup")
         return data
+
+    def read_generation(self, read: Callable[[dict[str, Any]], T], *, attempts: int = 20) -> T:
+        """``read(manifest)`` against one whole generation of the run. A committed file is never
+        changed, but a commit that supersedes files (``drl forget``) deletes them once its new
+        manifest is in place: a reader that took the older manifest then finds one gone. It reads
+        again from the newer manifest; only a file gone while the generation stays is damage."""
+        for attempt in range(attempts):
+            manifest = self.manifest()
+            try:
+                return read(manifest)
+            except ListedFileGone:
+                if attempt == attempts - 1 or self.manifest()["generation"] == manifest["generation"]:
+                    raise
+        raise AssertionError("unreachable")
 
     def parsed(self, name: str, manifest: dict[str, Any] | None, parse: Callable[[bytes], Any]) -> Any:
         """A listed file, checksummed, then parsed into a mapping. A file whose checksum matches but
@@ -337,7 +369,7 @@ class RunDir:
         data = self.read_bytes(name, manifest)
         try:
             value = parse(data)
-        except (ValueError, yaml.YAMLError, SafetensorError) as exc:  # UnicodeDecodeError is a ValueError
+        except (ValueError, SafetensorError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError: a ValueError
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise IntegrityError(f"{self.path / name} cannot be parsed ({reason}); restore it from a backup") from exc
         if not isinstance(value, dict):
@@ -347,19 +379,19 @@ class RunDir:
         return value
 
     def run_config(self, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.parsed(RUN_CONFIG, manifest, yaml.safe_load)
+        return self.parsed(RUN_CONFIG, manifest, jsonio.load_yaml)
 
     def has_ptm_weights(self, manifest: dict[str, Any] | None = None) -> bool:
         return PTM_WEIGHTS in (manifest or self.manifest())["files"]
 
     def ptm_weights(self, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
-        return self.parsed(PTM_WEIGHTS, manifest, st_load)
+        return self.parsed(PTM_WEIGHTS, manifest, decode_tensors)
 
     def stage_indices(self, manifest: dict[str, Any] | None = None) -> list[int]:
         return list((manifest or self.manifest())["stages"])
 
     def stage_meta(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.parsed(stage_file(index, STAGE_META), manifest, json.loads)
+        return self.parsed(stage_file(index, STAGE_META), manifest, jsonio.loads)
 
     def stage_file_name(self, index: int, name: str, manifest: dict[str, Any] | None = None) -> str | None:
         """The listed version of stage ``index``'s ``name`` (``STAGE_WEIGHTS``, ``STATISTICS``), or None."""
@@ -369,14 +401,14 @@ class RunDir:
         manifest = manifest or self.manifest()
         meta = self.stage_meta(index, manifest)
         weights = self.stage_file_name(index, STAGE_WEIGHTS, manifest) or stage_file(index, STAGE_WEIGHTS)
-        tensors = self.parsed(weights, manifest, st_load)  # an unlisted name: "the run is incomplete"
+        tensors = self.parsed(weights, manifest, decode_tensors)  # an unlisted name: "the run is incomplete"
         return StageRecord(index, meta, tensors)
 
     def stage_statistics(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
         """A stage's statistics file (empty when the stage has none)."""
         manifest = manifest or self.manifest()
         name = self.stage_file_name(index, STATISTICS, manifest)
-        return self.parsed(name, manifest, st_load) if name is not None else {}
+        return self.parsed(name, manifest, decode_tensors) if name is not None else {}
 
     def forget_log_name(self, manifest: dict[str, Any] | None = None) -> str | None:
         """The listed forget log, or None when no class was ever forgotten."""
@@ -386,45 +418,67 @@ class RunDir:
         """The forget log (``forget.py`` reads it), or None when no class was ever forgotten."""
         manifest = manifest or self.manifest()
         name = self.forget_log_name(manifest)
-        return self.parsed(name, manifest, json.loads) if name is not None else None
+        return self.parsed(name, manifest, jsonio.loads) if name is not None else None
 
     def forgotten_rows(self, generation: int, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
         """The slices the forget of ``generation`` kept (IntegrityError when the manifest does not list them)."""
-        return self.parsed(forgotten_rows_file(generation), manifest, st_load)
+        return self.parsed(forgotten_rows_file(generation), manifest, decode_tensors)
 
     def stages(self, manifest: dict[str, Any] | None = None) -> list[StageRecord]:
         manifest = manifest or self.manifest()
         return [self.stage(i, manifest) for i in self.stage_indices(manifest)]
 
     def verify(self) -> list[str]:
-        """Every problem found (empty when the run is intact): version, files, checksums."""
+        """Every problem found (empty when the run is intact): version, files, checksums, and that
+        each file parses as what its name says (JSON, YAML, tensors of dtypes drl writes)."""
         try:
-            manifest = self.manifest()
+            return self.read_generation(self.problems)
         except (IntegrityError, RunStateError) as exc:
             return [str(exc)]
+
+    def problems(
+        self, manifest: dict[str, Any], *, progress: Callable[[int, int, str], None] | None = None
+    ) -> list[str]:
+        """``verify`` of one manifest's files; ``ListedFileGone`` propagates (see ``read_generation``).
+        ``progress(step, total, name)`` before each file."""
         problems = []
-        for name in manifest["files"]:
+        for step, name in enumerate(manifest["files"]):
+            if progress is not None:
+                progress(step, len(manifest["files"]), name)
+            parse = _PARSERS.get(PurePosixPath(name).suffix, _raw)
             try:
-                self.read_bytes(name, manifest)
+                self.parsed(name, manifest, parse)
+            except ListedFileGone as exc:
+                if self.manifest()["generation"] != manifest["generation"]:
+                    raise  # superseded meanwhile: read_generation reads the newer generation
+                problems.append(str(exc))
             except IntegrityError as exc:
                 problems.append(str(exc))
         return problems
 
     def checkpoint(self) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
-        """The interrupted stage's last epoch (meta, tensors), or None if absent or damaged."""
+        """The interrupted stage's last epoch (meta, tensors); None if absent, or if damaged (a
+        warning says so: the stage then starts over). The meta carries the sha256 of its own
+        content and that of the tensors file, so no byte of either is used unchecked."""
         folder = self.path / CHECKPOINT
         try:
-            if not real_dir(folder):
+            if not real_dir(folder) or not os.path.lexists(folder / CHECKPOINT_META):
                 return None
-            meta = json.loads(read_nofollow(folder / CHECKPOINT_META))
+            meta = _checked_meta(read_nofollow(folder / CHECKPOINT_META))
             name = meta["tensors"]["file"]
             if not _CHECKPOINT_TENSORS.fullmatch(name):
-                return None
-            data = read_nofollow(folder / name)
+                raise ValueError(f"it names the tensors file {name!r}")
+            data = read_nofollow(folder / name, limit=2**40)
             if sha256_bytes(data) != meta["tensors"]["sha256"]:
-                return None
-            return meta, st_load(data)
-        except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+                raise ValueError("its tensors file does not match its checksum")
+            return meta, decode_tensors(data)
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError, IntegrityError) as exc:
+            log.warning(
+                "the epoch checkpoint in %s is damaged or unreadable (%s); it is not used: an interrupted stage "
+                "starts over",
+                folder,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
             return None
 
     def size_bytes(self, manifest: dict[str, Any] | None = None, prefix: str = "") -> int:
@@ -454,6 +508,7 @@ class RunDir:
                 "and O_NOFOLLOW, which keep concurrent writers and symbolic links out of a run; "
                 "use Linux or macOS (on Windows: WSL)"
             )
+        created = create and not os.path.lexists(self.path)  # a failed init removes what it made
         if create:
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
@@ -482,6 +537,10 @@ class RunDir:
             yield writer
         finally:
             os.close(fd)  # releases the flock
+            if created and not os.path.lexists(self.path / MANIFEST):  # init failed: no folder left behind
+                storage.discard(lock_path)
+                storage.remove_dir_if_empty(self.path / STAGING)
+                storage.remove_dir_if_empty(self.path)
 
 
 def _well_formed(manifest: dict[str, Any]) -> bool:
@@ -523,7 +582,7 @@ def _lock_info(lock_path: Path) -> dict[str, Any] | None:
     """What a drl lock file says (pid, host, start), {} when empty; None when it is not a drl lock."""
     try:
         data = read_nofollow(lock_path)
-        info = json.loads(data) if data else {}
+        info = jsonio.loads(data) if data else {}
     except (OSError, ValueError, IntegrityError):
         return None
     return info if isinstance(info, dict) and (not info or {"pid", "host", "started"} <= info.keys()) else None
@@ -600,15 +659,16 @@ class RunWriter:
         return target
 
     def save_checkpoint(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-        """Replace the checkpoint atomically: tensors under a fresh name, then the meta by rename."""
+        """Replace the checkpoint atomically: tensors under a fresh name, then the meta (with the
+        tensors' sha256 and its own) by rename from a fresh temporary name."""
         folder = self.run.path / CHECKPOINT
         data = encode_tensors(tensors)
         name = f"{uuid.uuid4().hex}.safetensors"
         try:
             real_dir(folder, create=True)
-            storage.write_durable(folder / name, data)
+            storage.write_new(folder / name, data)
             full = {**meta, "tensors": {"file": name, "sha256": sha256_bytes(data)}}
-            storage.write_atomic(folder / CHECKPOINT_META, encode_json(full), tmp=folder / _CHECKPOINT_TMP)
+            storage.write_atomic(folder / CHECKPOINT_META, seal_checkpoint(full))
         except OSError as exc:
             raise StorageError(
                 f"writing the epoch checkpoint in {folder} failed ({exc.strerror or exc}); the committed "
@@ -684,7 +744,7 @@ class RunWriter:
         entries = {}
         for name, data in files.items():
             rel = PurePosixPath(name)
-            storage.write_durable(make_dirs(staging, rel.parent) / rel.name, data)
+            storage.write_new(make_dirs(staging, rel.parent) / rel.name, data)
             entries[name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
         for name in files:  # move into place; parents that appear are fsynced below
             make_dirs(self.run.path, PurePosixPath(name).parent)
@@ -746,7 +806,28 @@ def _never(_: str) -> bool:
 
 
 def _is_checkpoint_file(name: str) -> bool:
-    return name in (CHECKPOINT_META, _CHECKPOINT_TMP) or bool(_CHECKPOINT_TENSORS.fullmatch(name))
+    return name == CHECKPOINT_META or bool(_CHECKPOINT_TMP.fullmatch(name) or _CHECKPOINT_TENSORS.fullmatch(name))
+
+
+def seal_checkpoint(meta: dict[str, Any]) -> bytes:
+    """The checkpoint meta as written: its fields and ``sha256``, the checksum of the rest."""
+    return encode_json({**meta, "sha256": sha256_bytes(encode_json(meta))})
+
+
+def _checked_meta(data: bytes) -> dict[str, Any]:
+    """The checkpoint meta ``seal_checkpoint`` wrote; ``ValueError`` when its checksum does not match
+    (a changed byte, or a checkpoint of a release that wrote none)."""
+    meta = jsonio.loads(data)
+    if not isinstance(meta, dict):
+        raise ValueError("it is not a mapping")
+    claimed = meta.pop("sha256", None)
+    if claimed != sha256_bytes(encode_json(meta)):
+        raise ValueError("its content does not match its checksum")
+    return meta
+
+
+def _raw(data: bytes) -> dict[str, Any]:
+    return {}
 
 
 def _take_back(placed: list[Path], root: Path) -> None:
@@ -767,6 +848,30 @@ def encode_yaml(obj: Any) -> bytes:
 
 def encode_tensors(tensors: dict[str, Tensor]) -> bytes:
     return st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+
+
+# the dtypes drl writes; a crafted file's float8 or complex tensor would pass every finite check
+# (complex is not floating point to torch) and crash or mislead the maths that reads it
+TENSOR_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool}
+)
+
+
+def decode_tensors(data: bytes) -> dict[str, Tensor]:
+    """A safetensors file's tensors; ``ValueError`` for a tensor of a dtype drl never writes."""
+    tensors = st_load(data)
+    for name, tensor in tensors.items():
+        if tensor.dtype not in TENSOR_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which drl never writes")
+    return tensors
+
+
+# how ``verify`` parses a listed file, by suffix
+_PARSERS: dict[str, Callable[[bytes], Any]] = {
+    ".json": jsonio.loads,
+    ".yaml": jsonio.load_yaml,
+    ".safetensors": decode_tensors,
+}
 
 
 def stage_files(
@@ -822,8 +927,8 @@ def _init_leftover(path: Path) -> bool:
         return path.is_dir() and not path.is_symlink()
     if path.name == RUN_CONFIG:
         try:
-            record = yaml.safe_load(read_nofollow(path))
-        except (OSError, yaml.YAMLError):
+            record = jsonio.load_yaml(read_nofollow(path))
+        except (OSError, ValueError, IntegrityError):
             return False
         return isinstance(record, dict) and record.get("kind") == RUN_CONFIG_KIND
     return False

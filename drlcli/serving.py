@@ -17,11 +17,18 @@ so a damaged file is refused, never used. TorchScript keeps it in ``_extra_files
 ``.pt2`` in the archive's extra files (``torch.export.save(..., extra_files={"drl.json": ...})``,
 ``payload_sha256`` over the program's state_dict and tensor constants); ONNX in
 ``metadata_props``, one key per top-level entry (strings as they are, everything else as JSON).
-Graph format 2 added ``spec_sha256``.
+Graph format 2 added ``spec_sha256``. In an ONNX file the graph itself decides every answer (one
+attribute or input name changes them), so ONNX format 4 adds ``model_sha256``: sha256 over the
+whole ModelProto (every node, name, attribute, subgraph, initializer, opset import, graph
+input/output, metadata entry), deterministically serialized without that one entry, checked before
+onnxruntime sees the model; older ONNX exports are refused with "export it again".
 
 Loading a TorchScript file runs its code, and ``torch.export.load`` unpickles (falling back to
 ``weights_only=False``), so ``load_graph`` needs ``trust_code=True`` for both; an ONNX file is data
-for onnxruntime (standard operators only, no external data files), loaded freely.
+for onnxruntime, loaded freely, but only what drl writes: the standard operators its exporters emit
+(``ONNX_OPS``: no loops, no functions, no custom-op domains), weights inside the file. The exporters'
+notes (stack traces with the exporting machine's source paths, doc strings) are stripped before
+the file is sealed.
 
 ONNX is written by the torch.export-based exporter (``torch.onnx.export(dynamo=True)``, needs
 onnxscript); the TorchScript-based one (deprecated upstream) is only the fallback when that fails.
@@ -60,9 +67,23 @@ from .precision import autocast
 from .prototypes import concat_scores, score_weights, weighted_scores
 
 GRAPH_FORMATS = ("torchscript", "pt2", "onnx")
-FORMAT_VERSION = "3"
-READABLE_VERSIONS = ("2",)  # older graph formats still loaded (no ``known`` output)
+FORMAT_VERSION = "3"  # TorchScript and .pt2
+READABLE_VERSIONS = ("2",)  # older TorchScript and .pt2 formats still loaded (no ``known`` output)
+ONNX_FORMAT_VERSION = "4"  # model_sha256 over the whole model; no older ONNX format is read (unsealed graphs)
+MODEL_SHA256 = "model_sha256"  # the ONNX metadata entry sealing the whole model (``seal_onnx``)
 ONNX_DOMAINS = ("", "ai.onnx")  # standard operators only: no custom-op libraries
+# The op types drl's exporters write (torch.export-based and TorchScript-based, every method and ViT
+# option), plus QuickGELU's Sigmoid and tanh-GELU's Tanh: anything else (Loop, Scan, ...) is a file drl
+# did not write. If is the TorchScript-based exporter's squeeze of a dynamic axis: it runs one branch
+# once, and its branches are held to this list too.
+ONNX_OPS = frozenset(
+    "Add AveragePool Cast Clip Concat Constant ConstantOfShape Conv Div Einsum Equal Erf Expand Flatten Gather "  # noqa: SIM905
+    "Gemm Identity If LayerNormalization MatMul Mul Pow ReduceL2 ReduceMax ReduceMean ReduceSum Relu Reshape "
+    "Shape Sigmoid Slice Softmax Split Sqrt Squeeze Sub Tanh Transpose Unsqueeze Where".split()
+)
+ONNX_OUTPUTS = ["scores", "known"]
+ONNX_NOTES = ("doc_string", "metadata_props")  # exporter notes in any ONNX message: stack traces, source paths
+ONNX_QUIET = 4  # onnxruntime logs fatal errors only: its lines quote the file's node names raw
 ONNX_OPSET = 18
 SPEC_FILE = "drl.json"  # TorchScript and .pt2 extra file
 JSON_KEYS = ("ptm", "num_stages", "class_names", "class_stage", "data_config", "score", "input", "output", "open_set")
@@ -124,6 +145,13 @@ class GraphModel:
         return self.spec["data_config"]
 
     @property
+    def num_stages(self) -> int:
+        """The stages the spec says the export holds, as ``IncrementalModel.num_stages`` (predict logs it);
+        0 where a crafted spec says no int (the spec is checksummed: nothing else reads it)."""
+        value = self.spec.get("num_stages")
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    @property
     def calibrated(self) -> bool:
         entry = self.spec.get("open_set")
         return isinstance(entry, dict) and entry.get("calibrated") is True
@@ -162,7 +190,7 @@ def graph_spec(model: IncrementalModel, ptm_record: dict[str, Any], config: RunC
     size = [int(v) for v in model.data_config["input_size"]]
     return {
         "format": f"drl-{fmt}",
-        "format_version": FORMAT_VERSION,
+        "format_version": ONNX_FORMAT_VERSION if fmt == "onnx" else FORMAT_VERSION,
         "drl_version": __version__,
         "method": config.method,
         "ptm": {k: ptm_record[k] for k in ("name", "kwargs", "sha256")},
@@ -188,15 +216,20 @@ def graph_spec(model: IncrementalModel, ptm_record: dict[str, Any], config: RunC
     }
 
 
+def check_extras(fmt: str) -> None:
+    """Fail before any work (exit 2 naming the pip command) when ``fmt`` needs a missing extra."""
+    if fmt == "onnx":
+        for package in ONNX_PACKAGES:
+            require(package, extra="export", purpose="--format onnx")
+
+
 def write_graph(
     model: IncrementalModel, ptm_record: dict[str, Any], config: RunConfig, out_path: Path, *, fmt: str
 ) -> tuple[int, float]:
     """Trace or export the model into ``out_path`` (atomically); returns (bytes, max |Δscore| of the check)."""
     if not model.class_names:
         raise RunStateError("the run has learned no stage yet; run `drl learn-stage` before exporting a graph")
-    if fmt == "onnx":  # fail before any work when the extra is missing
-        for package in ONNX_PACKAGES:
-            require(package, extra="export", purpose="--format onnx")
+    check_extras(fmt)
     graph = ScoringGraph(model).eval()
     size = [int(v) for v in model.data_config["input_size"]]
     generator = torch.Generator().manual_seed(0)
@@ -317,13 +350,72 @@ def _onnx_bytes(graph: ScoringGraph, example: Tensor, spec: dict[str, Any]) -> b
     if printed.getvalue().strip():
         log.debug("%s", printed.getvalue().strip())
     proto = onnx.load_from_string(data)
+    _strip_notes(proto)
+    unknown = _unknown_ops(proto)
+    if unknown:  # a new torch writes an op drl does not load: fail here, not in the check below
+        raise IntegrityError(
+            f"the ONNX exporter wrote operators {unknown} that drl does not load (serving.ONNX_OPS); "
+            "nothing was written (please report it with `drl info --json`)"
+        )
     spec = modelfile.with_checksum({**spec, "payload_sha256": _onnx_payload_sha256(proto)})
     for key, value in spec.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value if isinstance(value, str) else jsonio.dumps(value)
     proto.producer_name, proto.producer_version = "drl", __version__
     onnx.checker.check_model(proto)
-    return proto.SerializeToString()
+    return seal_onnx(proto)
+
+
+def _strip_notes(message: Any) -> None:
+    """Clear ``doc_string`` and ``metadata_props`` in ``message`` and every message below it. The
+    torch.export-based exporter notes each node's Python stack trace (the exporting machine's absolute
+    source paths) and its graph signature there; nothing reads them, and a shared file must not carry them."""
+    for field, value in message.ListFields():
+        if field.name in ONNX_NOTES:
+            message.ClearField(field.name)
+        elif field.message_type is not None:
+            for item in [value] if hasattr(value, "ListFields") else value:
+                _strip_notes(item)
+
+
+def seal_onnx(proto: Any) -> bytes:
+    """The ONNX file's bytes: ``proto`` with ``model_sha256`` over all of it (``onnx_model_sha256``),
+    replacing any entry it had."""
+    _take_entries(proto, MODEL_SHA256)
+    digest = onnx_model_sha256(proto)
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = MODEL_SHA256, digest
+    return proto.SerializeToString(deterministic=True)
+
+
+def onnx_model_sha256(proto: Any) -> str:
+    """sha256 over the whole model as protobuf serializes it deterministically (field order, no map
+    reordering): every byte onnxruntime reads. ``proto`` must hold no ``model_sha256`` entry."""
+    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _take_entries(proto: Any, key: str) -> list[str]:
+    """Remove the model's ``key`` metadata entries; their values, in file order."""
+    props = proto.metadata_props
+    values = [entry.value for entry in props if entry.key == key]
+    for index in reversed([i for i, entry in enumerate(props) if entry.key == key]):
+        del props[index]
+    return values
+
+
+def _graph_ops(graph: Any) -> Iterator[tuple[str, str]]:
+    """(domain, op_type) of every node of ``graph`` and of the graphs its nodes hold (an If's branches)."""
+    for node in graph.node:
+        yield node.domain, node.op_type
+        for attr in node.attribute:
+            for sub in [attr.g, *attr.graphs] if attr.HasField("g") else attr.graphs:
+                yield from _graph_ops(sub)
+
+
+def _unknown_ops(proto: Any) -> list[str]:
+    """The op types of ``proto`` outside ``ONNX_OPS`` (with their domain when it is not the standard one)."""
+    found = {op if domain in ONNX_DOMAINS else f"{domain}.{op}" for domain, op in _graph_ops(proto.graph)}
+    return sorted(found - ONNX_OPS)
 
 
 def _onnx_dynamo(graph: ScoringGraph, example: Tensor) -> bytes:
@@ -376,7 +468,10 @@ def onnx_providers(device: str, available: list[str]) -> list[str]:
 def _onnx_session(data: bytes, device: str = "cpu") -> Any:
     ort = require("onnxruntime", extra="export", purpose="running an ONNX export")
     options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: its warnings are coloured lines on stderr
+    # fatal only: onnxruntime's warnings and errors are coloured lines on stderr that quote node and
+    # tensor names from the file raw (escape sequences included); an error reaches the user as drl's
+    # own one line (IntegrityError), escaped by the CLI
+    options.log_severity_level = ONNX_QUIET
     # as many CPU threads as torch uses (torch.set_num_threads), not onnxruntime's own default
     # (every physical core): an ONNX export runs on the same CPU budget as the other formats
     options.intra_op_num_threads = max(1, torch.get_num_threads())
@@ -495,31 +590,38 @@ def _load_onnx(path: Path, device: str = "cpu") -> GraphModel:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise IntegrityError(f"{path} is not a readable ONNX file ({_short(exc)}); export it again") from exc
+    sealed = _take_entries(proto, MODEL_SHA256)
     _check_onnx_graph(path, proto)
     spec: dict[str, Any] = {}
     for entry in proto.metadata_props:
         spec[entry.key] = modelfile.parse_json(path, entry.value) if entry.key in JSON_KEYS else entry.value
     _check_spec(path, spec, "onnx")
+    data = proto.SerializeToString(deterministic=True)  # what onnxruntime gets: the bytes checked here
+    if sealed != [hashlib.sha256(data).hexdigest()]:
+        raise IntegrityError(f"{path} is damaged (graph checksum mismatch); export it again")
     if _onnx_payload_sha256(proto) != spec["payload_sha256"]:
         raise IntegrityError(f"{path} is damaged (checksum mismatch); export it again")
     try:
-        session = _onnx_session(proto.SerializeToString(), device)
+        session = _onnx_session(data, device)
     except Exception as exc:
         raise IntegrityError(f"onnxruntime cannot load {path} ({_short(exc)}); export it again") from exc
-
     names = [o.name for o in session.get_outputs()]
-    if names[:1] != ["scores"] or (spec.get("format_version") != "2" and names != ["scores", "known"]):
+    if names != ONNX_OUTPUTS:
         raise IntegrityError(f"{path} has graph outputs {names}, not a drl export's; export it again")
+    ort = require("onnxruntime", extra="export", purpose="running an ONNX export")
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = ONNX_QUIET  # as the session's (_onnx_session)
 
     def run(images: Tensor) -> Any:
-        outputs = session.run(names, {"images": images.detach().float().cpu().numpy()})
-        return tuple(torch.from_numpy(o) for o in outputs) if len(outputs) > 1 else torch.from_numpy(outputs[0])
+        outputs = session.run(names, {"images": images.detach().float().cpu().numpy()}, quiet)
+        return tuple(torch.from_numpy(o) for o in outputs)
 
     return GraphModel("onnx", spec, run, torch.device("cpu"))
 
 
 def _check_onnx_graph(path: Path, proto: Any) -> None:
-    """Only what drl writes: standard operators, weights inside the file (no paths to other files)."""
+    """Only what drl writes: standard operators its exporters emit (no loops: a crafted trip count
+    would hang predict), no functions, weights inside the file (no paths to other files)."""
     from onnx import TensorProto
 
     domains = {op.domain for op in proto.opset_import} | {f.domain for f in proto.functions}
@@ -529,14 +631,31 @@ def _check_onnx_graph(path: Path, proto: Any) -> None:
         )
     if any(t.data_location == TensorProto.EXTERNAL for t in proto.graph.initializer):
         raise IntegrityError(f"{path} refers to external weight files; drl exports hold their weights inside")
+    if len(proto.functions):
+        raise IntegrityError(f"{path} defines ONNX functions, which drl exports never hold; export it again")
+    unknown = _unknown_ops(proto)
+    if unknown:
+        raise IntegrityError(
+            f"{path} uses operators {unknown[:5]} that drl exports never hold (no loops, no custom ops); "
+            "export the model again with `drl export`"
+        )
 
 
 def _check_spec(path: Path, spec: dict[str, Any], fmt: str) -> None:
     if spec.get("format") != f"drl-{fmt}":
         raise IntegrityError(f"{path} is a {fmt} file but not a drl export; pass a file written by `drl export`")
-    modelfile.check_version(
-        path, spec.get("format_version"), FORMAT_VERSION, what=f"{fmt} export", also=READABLE_VERSIONS
-    )
+    if fmt == "onnx":  # format 4 seals the whole model: an older ONNX file's graph is covered by no checksum
+        modelfile.check_version(
+            path,
+            spec.get("format_version"),
+            ONNX_FORMAT_VERSION,
+            what="drl ONNX export",
+            older="whose checksums leave its graph out",
+        )
+    else:
+        modelfile.check_version(
+            path, spec.get("format_version"), FORMAT_VERSION, what=f"{fmt} export", also=READABLE_VERSIONS
+        )
     modelfile.check_spec_sha256(path, spec)
     modelfile.require_keys(path, spec, {"class_names": list, "data_config": dict, "payload_sha256": str})
     modelfile.check_class_names(path, spec["class_names"])

@@ -178,7 +178,7 @@ def test_help_shows_choices_and_effective_defaults():
         assert "nope" in json_out(result)[0]["error"]["message"]
 
 
-def test_version_prints_drlcli_torch_timm_and_cuda():
+def test_version_prints_drlcli_torch_timm_and_with_verbose_cuda():
     import timm
     import torch
 
@@ -188,20 +188,53 @@ def test_version_prints_drlcli_torch_timm_and_cuda():
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines() == [
         f"drlcli {drlcli.__version__}",
-        f"torch {torch.__version__}",
+        f"torch {torch.__version__}",  # read from torch's files, build tag (+cpu, +cu130) included
         f"timm {timm.__version__}",
-        f"cuda_available {torch.cuda.is_available()}",
     ]
     (obj,) = json_out(drl("--version", "--json"))
-    assert obj == {
-        "ok": True,
-        "drlcli": drlcli.__version__,
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "cuda_available": torch.cuda.is_available(),
-    }
-    misplaced = drl("--json", "info")  # --json belongs to the command; never dropped silently
-    assert misplaced.exit_code == 2 and json_out(misplaced)[0]["error"]["kind"] == "usage"
+    assert obj == {"ok": True, "drlcli": drlcli.__version__, "torch": torch.__version__, "timm": timm.__version__}
+    verbose = drl("--version", "--verbose")  # CUDA availability: only torch can tell (it loads torch)
+    assert verbose.stdout.splitlines()[-1] == f"cuda_available {torch.cuda.is_available()}"
+    (obj,) = json_out(drl("-v", "--version", "--json"))
+    assert obj["cuda_available"] is torch.cuda.is_available() and obj["torch"] == torch.__version__
+    for misplaced in (drl("--json", "info"), drl("--verbose", "info", "--json")):  # never dropped silently
+        assert misplaced.exit_code == 2 and json_out(misplaced)[0]["error"]["kind"] == "usage"
+    assert "--verbose goes after the command" in json_out(drl("--verbose", "info", "--json"))[0]["error"]["message"]
+
+
+def test_version_is_fast_and_does_not_import_torch():
+    """`drl --version` reads the versions from the installed metadata: no torch import (seconds)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; from drlcli.cli import main; sys.argv = ['drl', '--version']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules, 'timm' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("drlcli "), result.stderr
+    assert result.stdout.rstrip().endswith("False False"), result.stdout
+
+
+def test_top_level_help_shows_every_command_summary_whole():
+    """click cuts a command's summary at 45 characters ("..."); each has a short_help shown whole."""
+    out = " ".join(drl("--help").stdout.split())
+    commands = out.split("Commands:", 1)[1].split("Exit codes:", 1)[0]
+    assert "..." not in commands
+    for command in app.registered_commands:
+        assert command.short_help and command.short_help in commands, command.short_help
+
+
+def test_init_config_help_names_every_section():
+    from dataclasses import fields
+
+    from drlcli.config import RunConfig
+
+    sections = [f.name for f in fields(RunConfig) if f.name != "method"]
+    text = " ".join(drl("init", "--help").stdout.split()).split("--config", 1)[1].split("--preset", 1)[0]
+    assert len(sections) >= 5 and all(section in text for section in sections), (sections, text)
 
 
 def test_shell_completion_offers_commands_and_choices():

@@ -28,7 +28,7 @@ from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 OPTS = {"epochs": 2, "batch_size": 8}
 # every primitive a run writer calls (write_atomic and discard are built from them)
-PRIMITIVES = ("write_durable", "replace", "rename", "fsync_dir", "make_dir", "remove", "remove_dir_if_empty")
+PRIMITIVES = ("write_new", "replace", "rename", "fsync_dir", "make_dir", "remove", "remove_dir_if_empty")
 
 
 class Crash(BaseException):
@@ -118,7 +118,7 @@ def test_a_failure_at_any_storage_call_of_a_commit_leaves_a_valid_run(template, 
     faults.arm(None)
     assert learn_stage(straight, data_dir=data, train_overrides=OPTS, device="cpu").resumed_from_epoch == 2
     reference, num_calls = _tensors(straight, 2), len(faults.calls)
-    assert {"write_durable", "replace", "fsync_dir", "remove"} <= set(faults.calls), faults.calls
+    assert {"write_new", "replace", "fsync_dir", "remove"} <= set(faults.calls), faults.calls
     outcomes = set()
     for k in range(1, num_calls + 1):
         run = shutil.copytree(source, tmp_path / f"k{k:02d}")

@@ -72,6 +72,24 @@ def test_truncated_image_is_refused(make_folder):
         validate_images(scan_class_folders(root))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_validate_reports_progress_in_order_up_to_the_total(make_folder, threads):
+    root = make_folder("d", [0, 1, 2], n=5)
+    images = scan_class_folders(root)
+    calls = []
+    validate_images(images, num_threads=threads, progress=lambda step, total: calls.append((step, total)))
+    assert calls == [(step, 15) for step in range(1, 16)]
+    (root / "class_01" / "img_002.png").write_bytes(b"junk")  # the 8th image in order
+    calls.clear()
+    with pytest.raises(DataError, match="img_002.png cannot be decoded"):
+        validate_images(scan_class_folders(root), num_threads=threads, progress=lambda *a: calls.append(a))
+    assert calls == [(step, 15) for step in range(1, 8)]  # the images before the failure
+    dataset = dataset_images(Pairs([(class_image(0, 0), "a"), (class_image(1, 0), "b")]))
+    calls.clear()
+    validate_images(dataset, progress=lambda *a: calls.append(a))  # checked when read: done at once
+    assert calls == [(2, 2)]
+
+
 def test_missing_or_empty_data_folder(tmp_path):
     with pytest.raises(DataError, match="not a directory"):
         scan_class_folders(tmp_path / "nope")
@@ -222,9 +240,11 @@ def test_dataset_of_pil_images_and_tensors_with_names_or_int_labels():
 
 
 def test_a_dataset_image_is_never_changed_and_huge_ones_are_reduced():
-    huge = Image.new("RGB", (3000, 100), (10, 20, 30))
-    images = dataset_images(Pairs([(huge, "a")]))
-    assert images.load(0).size == (2048, 68) and huge.size == (3000, 100)
+    huge = Image.new("RGB", (3000, 200), (10, 20, 30))
+    strip = Image.new("RGB", (3000, 100), (10, 20, 30))  # 30:1, beyond MAX_ASPECT: its middle 16:1
+    images = dataset_images(Pairs([(huge, "a"), (strip, "a")]))
+    assert images.load(0).size == (2048, 137) and huge.size == (3000, 200)
+    assert images.load(1).size == (1600, 100) and strip.size == (3000, 100)
 
 
 def _boom(index):

@@ -334,7 +334,7 @@ def test_a_crash_at_any_storage_call_of_a_forget_leaves_the_old_or_the_new_state
     faults.arm(None)
     forget_class(straight, GONE, purge=purge)
     new, num_calls = _all_tensors(straight), len(faults.calls)
-    assert {"write_durable", "replace", "fsync_dir", "remove"} <= set(faults.calls), faults.calls
+    assert {"write_new", "replace", "fsync_dir", "remove"} <= set(faults.calls), faults.calls
     outcomes = set()
     for k in range(1, num_calls + 1):
         target = shutil.copytree(ridge_run, tmp_path / f"k{k:02d}")

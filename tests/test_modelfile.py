@@ -28,7 +28,7 @@ from drlcli.errors import DrlError, IntegrityError, UsageError
 from drlcli.modelfile import with_checksum
 from drlcli.predict import predict
 from drlcli.rundir import sha256_bytes
-from drlcli.serving import JSON_KEYS, SPEC_FILE
+from drlcli.serving import JSON_KEYS, MODEL_SHA256, SPEC_FILE, seal_onnx
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 runner = CliRunner()
@@ -67,7 +67,8 @@ def _upstream_deprecation(line: str) -> bool:
 
 
 def _predict(model_path: Path, images: list[Path], *extra: str):
-    return runner.invoke(app, ["predict", *map(str, images), "--model", str(model_path), "--json", *extra])
+    # -q: predict's progress and log lines (load, model) stay off stderr, which holds the one error line
+    return runner.invoke(app, ["predict", *map(str, images), "--model", str(model_path), "--json", "-q", *extra])
 
 
 def _error(result) -> str:
@@ -240,7 +241,8 @@ def _read_spec(path: Path, fmt: str) -> dict[str, Any]:
         return json.loads(extra[SPEC_FILE])
     import onnx
 
-    return {p.key: json.loads(p.value) if p.key in JSON_KEYS else p.value for p in onnx.load(str(path)).metadata_props}
+    props = [p for p in onnx.load(str(path)).metadata_props if p.key != MODEL_SHA256]  # the seal, not the spec
+    return {p.key: json.loads(p.value) if p.key in JSON_KEYS else p.value for p in props}
 
 
 def _write_spec(path: Path, fmt: str, spec: Any, out: Path) -> Path:
@@ -261,7 +263,7 @@ def _write_spec(path: Path, fmt: str, spec: Any, out: Path) -> Path:
         for key, value in spec.items():
             entry = proto.metadata_props.add()
             entry.key, entry.value = key, value if isinstance(value, str) else json.dumps(value)
-        onnx.save(proto, str(out))
+        out.write_bytes(seal_onnx(proto))  # a crafter recomputes the model checksum too (drl's own function)
     return out
 
 
@@ -438,7 +440,7 @@ def test_ptm_kwargs_from_run_yaml_are_refused_with_5(learned, images, tmp_path, 
     manifest["files"]["run.yaml"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
     (run / "manifest.json").write_text(json.dumps(manifest))
     for command in (["predict", *map(str, images)], ["export", "--out", str(tmp_path / "m.drl")]):
-        result = runner.invoke(app, [*command, "--run", str(run), "--json"])
+        result = runner.invoke(app, [*command, "--run", str(run), "--json", "-q"])
         assert result.exit_code == 5 and "PTM keyword argument 'checkpoint_path' from run" in _error(result)
     assert _markers(tmp_path) == [] and not (tmp_path / "m.drl").exists()
 

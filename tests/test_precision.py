@@ -18,7 +18,7 @@ from drlcli.data import scan_class_folders
 from drlcli.errors import RunStateError, UsageError
 from drlcli.ipa import IPANetwork
 from drlcli.precision import autocast, check_precision, grad_scaler
-from drlcli.rundir import CHECKPOINT, CHECKPOINT_META, RunDir
+from drlcli.rundir import CHECKPOINT, CHECKPOINT_META, RunDir, seal_checkpoint
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 from drlcli.train import TrainState, train_stage
 
@@ -162,16 +162,17 @@ def test_resume_under_another_precision_is_refused(run_dir, stage_folders):
         )
     meta_path = run_dir / CHECKPOINT / CHECKPOINT_META
     meta = json.loads(meta_path.read_text())
+    meta.pop("sha256")  # its own checksum: rewritten by seal_checkpoint
     assert meta["precision"] == "bf16"
     with pytest.raises(RunStateError, match=r"after epoch 1 in bf16.*asks for fp32.*--precision bf16.*--restart") as e:
         learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
     assert e.value.exit_code == 7
     result = drl("learn-stage", "--run", run_dir, "--data", train, "--epochs", "2", "--batch-size", "12")
     assert result.exit_code == 7 and "--precision bf16 to resume" in result.stderr, result.output
-    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "precision"}))  # an older drl's
+    meta_path.write_bytes(seal_checkpoint({k: v for k, v in meta.items() if k != "precision"}))  # an older drl's
     with pytest.raises(RunStateError, match="in fp32, and this call asks for bf16"):
         learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
-    meta_path.write_text(json.dumps(meta))
+    meta_path.write_bytes(seal_checkpoint(meta))
     resumed = learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
     straight_run = _new_run(run_dir.parent / "straight")
     straight = learn_stage(straight_run, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")

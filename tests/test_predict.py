@@ -84,3 +84,21 @@ def test_graph_exports_predict_like_the_run(learned, stage_folders, tmp_path, su
     assert all(abs(x["top"][0]["score"] - y["top"][0]["score"]) <= 1e-4 for x, y in zip(a, b))
     missing = runner.invoke(app, ["predict", folder, "--model", str(tmp_path / "none.pt"), "--json"])
     assert missing.exit_code == 2 and "not found" in json.loads(missing.stdout)["error"]["message"]
+
+
+def test_fifos_devices_and_folders_get_their_own_error_lines(learned, stage_folders, tmp_path):
+    """Each said as what it is (not "no such file"), never opened in a way that waits; the batch goes on."""
+    import os
+
+    good = sorted((stage_folders[0][1] / "class_01").iterdir())[0]
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    args = ["predict", str(fifo), "/dev/null", str(good), "-", "--run", str(learned), "--json", "--device", "cpu"]
+    result = runner.invoke(app, args, input=f"{tmp_path}\n")
+    assert result.exit_code == 3
+    lines = _lines(result)
+    assert [x["path"] for x in lines] == [str(fifo), "/dev/null", str(good), str(tmp_path)]
+    assert lines[0]["error"] == "is a FIFO (named pipe), not an image file; pass the image file itself"
+    assert lines[1]["error"] == "is a character device, not an image file; pass the image file itself"
+    assert "top" in lines[2]
+    assert lines[3]["error"].startswith("is a folder, not an image file: pass it as a folder source")

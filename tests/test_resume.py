@@ -96,19 +96,20 @@ def test_resume_on_another_device_type_is_refused(run_dir, stage_folders):
     """A checkpoint records its device type; resuming it elsewhere is exit 7 naming --restart (issue 18)."""
     import json
 
-    from drlcli.rundir import CHECKPOINT, CHECKPOINT_META
+    from drlcli.rundir import CHECKPOINT, CHECKPOINT_META, seal_checkpoint
 
     train = stage_folders[0][0]
     _interrupted(run_dir, train)
     meta_path = run_dir / CHECKPOINT / CHECKPOINT_META
     meta = json.loads(meta_path.read_text())
+    meta.pop("sha256")  # its own checksum: rewritten by seal_checkpoint
     assert meta["device"] == "cpu"
-    meta_path.write_text(json.dumps({**meta, "device": "cuda"}))  # as if written on a GPU host
+    meta_path.write_bytes(seal_checkpoint({**meta, "device": "cuda"}))  # as if written on a GPU host
     with pytest.raises(
         RunStateError, match=r"interrupted after epoch 2 on cuda.*on cpu.*--device cuda.*--restart"
     ) as e:
         learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
     assert e.value.exit_code == 7
-    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "device"}))  # written by an older drl
+    meta_path.write_bytes(seal_checkpoint({k: v for k, v in meta.items() if k != "device"}))  # written by an older drl
     resumed = learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
     assert resumed.resumed_from_epoch == 2

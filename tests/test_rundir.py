@@ -107,14 +107,14 @@ def test_crash_debris_is_never_trusted_and_moved_aside_not_deleted(tmp_path):
 def test_failed_commit_takes_back_the_files_it_moved_in(tmp_path, monkeypatch):
     run = _init(tmp_path / "r")
     _add_stage(run, 1)
-    write = storage.write_durable
+    write = storage.write_new
 
     def full_at_manifest(path, data):
         if path.name == "manifest.json":
             raise OSError(errno.ENOSPC, "No space left on device")
         write(path, data)
 
-    monkeypatch.setattr(storage, "write_durable", full_at_manifest)
+    monkeypatch.setattr(storage, "write_new", full_at_manifest)
     with pytest.raises(StorageError, match="nothing was committed"):
         _add_stage(run, 2)
     monkeypatch.undo()
@@ -131,7 +131,7 @@ def test_failing_write_keeps_previous_state(tmp_path, monkeypatch):
     def disk_full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(storage, "write_durable", disk_full)
+    monkeypatch.setattr(storage, "write_new", disk_full)
     with pytest.raises(StorageError, match="free some disk space"):
         _add_stage(run, 2)
     monkeypatch.undo()

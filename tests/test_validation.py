@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 from drlcli import api, jsonio
 from drlcli.cli import Reporter, app
 from drlcli.data import MAX_DECODE_SIDE, load_rgb
+from drlcli.rundir import seal_checkpoint
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 runner = CliRunner()
@@ -287,12 +288,13 @@ def test_a_checkpoint_that_no_longer_fits_says_restart(run, stage_folders, craft
         )
     folder = run / ".checkpoint"
     meta = json.loads((folder / "checkpoint.json").read_text())
+    meta.pop("sha256")  # its own checksum: rewritten by seal_checkpoint
     tensors = load((folder / meta["tensors"]["file"]).read_bytes())
     craft(meta, tensors)
     data = save(tensors)
     (folder / meta["tensors"]["file"]).write_bytes(data)
     meta["tensors"]["sha256"] = hashlib.sha256(data).hexdigest()
-    (folder / "checkpoint.json").write_text(json.dumps(meta))
+    (folder / "checkpoint.json").write_bytes(seal_checkpoint(meta))
     before = _state(run)
     result = drl("learn-stage", "--run", run, "--data", train, *FAST)
     assert result.exit_code == 7 and message in result.stderr and "pass --restart" in result.stderr, result.stderr

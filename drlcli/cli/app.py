@@ -13,8 +13,9 @@ from .. import jsonio
 from ..config import MAX_SEED, MAX_WORKERS
 from ..errors import UsageError
 from . import render
-from .boundary import OneLineErrors, command, execute, fail
+from .boundary import ClickUsageError, OneLineErrors, command, execute, fail
 from .options import (
+    CONFIG_SECTIONS,
     EPILOG,
     DeviceOpt,
     ExportFormat,
@@ -53,42 +54,88 @@ def _api() -> Any:
     return api
 
 
-def _versions() -> dict[str, Any]:
-    import timm
-    import torch
+def _stdout_is_a_terminal() -> bool:
+    """Whether results go to a person (text lines) or to a file or pipe (JSON lines)."""
+    return sys.stdout.isatty()
 
+
+def _installed(distribution: str) -> str | None:
+    """A distribution's version from its metadata (no import: torch alone takes seconds); None if absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def _torch_version() -> str | None:
+    """torch's own ``__version__``, build tag included (``+cu130``, ``+cpu``: the metadata may lack it),
+    read from ``torch/version.py`` without importing torch; the metadata's version if that fails."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return _installed("torch")
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    return _installed("torch")
+
+
+def _versions(*, cuda: bool) -> dict[str, Any]:
+    """drlcli's, torch's and timm's versions; whether CUDA is available only if asked (``cuda``):
+    only torch can tell, and importing it is what makes ``drl --version`` slow."""
     from .. import __version__
 
-    return {
-        "drlcli": __version__,
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "cuda_available": torch.cuda.is_available(),
-    }
+    versions: dict[str, Any] = {"drlcli": __version__, "torch": _torch_version(), "timm": _installed("timm")}
+    if cuda:
+        import torch
+
+        versions["cuda_available"] = torch.cuda.is_available()
+    return versions
 
 
 @app.callback(invoke_without_command=True)
 def _top_level(
     ctx: typer.Context,
     version: bool = typer.Option(
-        False, "--version", help="Print the versions of drlcli, torch and timm and whether CUDA is available."
+        False,
+        "--version",
+        help="Print the versions of drlcli, torch and timm (without loading torch: instant); with --verbose also "
+        "whether CUDA is available (loads torch: seconds).",
     ),
     as_json: bool = typer.Option(False, "--json", help="With --version: one JSON object on stdout."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="With --version: also whether CUDA is available."),
 ) -> None:
     if version:
-        versions = _versions()
+        versions = _versions(cuda=verbose)
         if as_json:
             print(jsonio.dumps({"ok": True, **versions}))
         else:
-            print("\n".join(f"{name} {value}" for name, value in versions.items()))
+            print(
+                "\n".join(f"{name} {'not installed' if value is None else value}" for name, value in versions.items())
+            )
         raise typer.Exit(0)
     if as_json:  # `drl --json eval` would silently drop --json: it belongs to the command
         fail(UsageError("--json goes after the command (e.g. drl eval --json) or with --version"), as_json=True)
+    if verbose:  # the same for --verbose; a click error: OneLineErrors answers a later --json too
+        raise ClickUsageError("--verbose goes after the command (e.g. drl eval --verbose) or with --version", ctx=ctx)
     if ctx.invoked_subcommand is None:
         print(ctx.get_help())
 
 
-@app.command()
+@app.command(short_help="Create a run directory for a PTM (records its name, sha256 and data config).")
 def init(
     ptm: str = typer.Option(
         ...,
@@ -99,7 +146,12 @@ def init(
     random_init: bool = RandomInitOpt,
     ptm_arg: list[str] = PtmArgOpt,
     method: MethodName | None = typer.Option(None, "--method", help="Method; default drl, or the --config file's."),
-    config: Path | None = typer.Option(None, "--config", help="YAML with ipa/train/score sections."),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help=f"YAML run config: method, and any of the sections {', '.join(CONFIG_SECTIONS)} (each a mapping "
+        "of that section's keys; what is left out keeps the method's default).",
+    ),
     preset: str | None = typer.Option(
         None,
         "--preset",
@@ -120,7 +172,7 @@ def init(
     """Create a run directory for a PTM (records its name, sha256 and data config)."""
     from ..config import RunConfig
 
-    def action(_: Reporter) -> Any:
+    def action(reporter: Reporter) -> Any:
         name = method.value if method else None
         if config:
             cfg = RunConfig.from_yaml(config, method=name, preset=preset)
@@ -135,12 +187,16 @@ def init(
             config=cfg,
             seed=seed,
             allow_nonempty=allow_nonempty,
+            progress=reporter,
         )
 
-    execute(action, render.init, as_json=as_json, quiet=quiet, verbose=verbose)
+    execute(action, render.init, name="init", phase=f"creating {run}", as_json=as_json, quiet=quiet, verbose=verbose)
 
 
-@app.command("learn-stage")
+@app.command(
+    "learn-stage",
+    short_help="Learn the classes in --data as a new stage, committed atomically; an interrupted one resumes.",
+)
 def learn_stage(
     data: Path = typer.Option(..., "--data", help="Folder with one sub-folder of images per new class."),
     eval_data: Path | None = typer.Option(None, "--eval-data", help="Test folder, registered for later evals."),
@@ -199,10 +255,22 @@ def learn_stage(
             progress=reporter,
         )
 
-    execute(action, render.learn_stage, as_json=as_json, quiet=quiet, verbose=verbose, device=device)
+    execute(
+        action,
+        render.learn_stage,
+        name="learn-stage",
+        phase="loading the run",
+        as_json=as_json,
+        quiet=quiet,
+        verbose=verbose,
+        device=device,
+    )
 
 
-@app.command("eval")
+@app.command(
+    "eval",
+    short_help="Top-1/top-5 accuracy, per stage group and old/new, most-confused pairs, A_t history, forgetting.",
+)
 def eval_(
     all_seen: bool = typer.Option(False, "--all-seen", help="Every eval set registered by learn-stage."),
     data: Path | None = typer.Option(None, "--data", help="A labelled folder of learned classes."),
@@ -243,10 +311,19 @@ def eval_(
             progress=reporter,
         )
 
-    execute(action, render.evaluate, as_json=as_json, quiet=quiet, verbose=verbose, device=device)
+    execute(
+        action,
+        render.evaluate,
+        name="eval",
+        phase="loading the run",
+        as_json=as_json,
+        quiet=quiet,
+        verbose=verbose,
+        device=device,
+    )
 
 
-@app.command()
+@app.command(short_help="Write one self-contained inference file: .drl, TorchScript, .pt2 or ONNX.")
 def export(
     out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl, model.pt, model.pt2, model.onnx)."),
     fmt: ExportFormat | None = typer.Option(
@@ -265,15 +342,17 @@ def export(
 ) -> None:
     """Write one self-contained inference file (weights, prototypes, classes, preprocessing). Reads the run only."""
 
-    def action(_: Reporter) -> Any:
+    def action(reporter: Reporter) -> Any:
         from ..export import export_run
 
-        return export_run(run, out, fmt=fmt.value if fmt else None, ptm_weights=ptm_weights)
+        return export_run(run, out, fmt=fmt.value if fmt else None, ptm_weights=ptm_weights, progress=reporter)
 
-    execute(action, render.export, as_json=as_json, quiet=quiet, verbose=verbose)
+    execute(action, render.export, name="export", phase=f"writing {out}", as_json=as_json, quiet=quiet, verbose=verbose)
 
 
-@app.command()
+@app.command(
+    short_help="Top-k classes per image: JSON lines on stdout, text lines on a terminal; exit 3 if any failed."
+)
 def predict(
     sources: list[str] = typer.Argument(..., help="Image files, folders, .txt lists of paths, or - (paths on stdin)."),
     model: Path | None = typer.Option(
@@ -301,9 +380,13 @@ def predict(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Top-k classes per image: JSON lines on stdout (a table on a terminal); exit 3 if any image failed."""
-    json_lines = as_json or not sys.stdout.isatty()
-    with command(as_json=as_json, quiet=quiet, verbose=verbose, device=device, interrupted="interrupted") as reporter:
+    json_lines = as_json or not _stdout_is_a_terminal()
+    with command(
+        name="predict", as_json=as_json, quiet=quiet, verbose=verbose, device=device, interrupted="interrupted"
+    ) as reporter:
         from ..predict import PredictStats, predict_sources
+
+        reporter.phase(f"loading {model or 'the run'}")
 
         stats = PredictStats()
         for p in predict_sources(
@@ -320,24 +403,32 @@ def predict(
             stats=stats,
             progress=reporter,
         ):
-            print(render.prediction(p.to_dict(), json_lines=json_lines))
+            reporter.result(render.prediction(p.to_dict(), json_lines=json_lines))
     if stats.failed:
         raise typer.Exit(3)
 
 
-@app.command()
+@app.command(short_help="Check every file of a run against its manifest; exit 5 naming any damage.")
 def verify(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:
     """Check every file of a run against its manifest (sizes, sha256, format); exit 5 naming any damage."""
-    execute(lambda _: _api().verify(run), render.verify, as_json=as_json, quiet=quiet, verbose=verbose)
+    execute(
+        lambda reporter: _api().verify(run, progress=reporter),
+        render.verify,
+        name="verify",
+        phase=f"checking every file of {run}",
+        as_json=as_json,
+        quiet=quiet,
+        verbose=verbose,
+    )
 
 
-@app.command()
+@app.command(short_help="Stages, classes, PTM, forgotten classes and the model's growth per stage (no PTM load).")
 def info(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:
     """Stages, classes, PTM, and the model's growth per stage: parameters and bytes, cumulative (no PTM load)."""
-    execute(lambda _: _api().info(run), render.info, as_json=as_json, quiet=quiet, verbose=verbose)
+    execute(lambda _: _api().info(run), render.info, name="info", as_json=as_json, quiet=quiet, verbose=verbose)
 
 
-@app.command()
+@app.command(short_help="Forget a learned class (a new generation of the run without it), or --restore one.")
 def forget(
     class_name: str | None = typer.Option(
         None, "--class", help="Take this class out of every answer (eval, predict, later exports)."
@@ -364,7 +455,7 @@ def forget(
     What the class's images left in shared statistics and trained stage networks stays; exports made
     before are unchanged. See the README, "Forgetting a class"."""
 
-    def action(_: Reporter) -> Any:
+    def action(reporter: Reporter) -> Any:
         if (class_name is None) == (restore is None):
             raise UsageError("pass exactly one of --class NAME (forget it) or --restore NAME (bring it back)")
         if restore is not None and purge:
@@ -372,13 +463,14 @@ def forget(
         from .. import forget as forgetting
 
         if restore is not None:
-            return forgetting.restore_class(run, restore, reason=reason)
-        return forgetting.forget_class(run, class_name, reason=reason, purge=purge)
+            return forgetting.restore_class(run, restore, reason=reason, progress=reporter)
+        return forgetting.forget_class(run, class_name, reason=reason, purge=purge, progress=reporter)
 
-    execute(action, render.forget, as_json=as_json, quiet=quiet, verbose=verbose)
+    what = f"forgetting {class_name}" if class_name is not None else f"restoring {restore}"
+    execute(action, render.forget, name="forget", phase=what, as_json=as_json, quiet=quiet, verbose=verbose)
 
 
-@app.command()
+@app.command(short_help="Run B-m Inc-n for several methods or variants; write results.json, results.md, a plot.")
 def benchmark(
     data: Path = typer.Option(
         ..., "--data", help="Folder with train/ and test/ class folders, or train.txt + test.txt + one image tree."
@@ -474,10 +566,10 @@ def benchmark(
             settings, methods, seeds=seeds, seed_given=seed is not None, progress=reporter, log=reporter.log
         )
 
-    execute(action, render.benchmark, as_json=as_json, quiet=quiet, verbose=verbose, device=device)
+    execute(action, render.benchmark, name="benchmark", as_json=as_json, quiet=quiet, verbose=verbose, device=device)
 
 
-@app.command()
+@app.command(short_help="Offline end-to-end demo: generated images, a tiny random ViT, three stages.")
 def demo(
     out: Path = typer.Option(Path("drl-demo"), "--out", help="Folder for generated data, run and export."),
     epochs: int = typer.Option(3, "--epochs", min=1),
@@ -493,7 +585,7 @@ def demo(
 
         return run_demo(out, epochs=epochs, device=device, progress=reporter)
 
-    execute(action, render.demo, as_json=as_json, quiet=quiet, verbose=verbose, device=device)
+    execute(action, render.demo, name="demo", as_json=as_json, quiet=quiet, verbose=verbose, device=device)
 
 
 def main() -> None:

@@ -14,10 +14,12 @@ import typer
 from typer.core import TyperGroup
 
 from ..errors import DrlError
+from . import output
 from .output import Reporter, emit, log, print_error, setup_logging
 
 # click's exception base (typer vendors click in recent releases, so take it from typer's own class)
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+ClickUsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 RESUME_HINT = (
     "interrupted; the previous committed state is kept (re-run learn-stage to resume from its last finished epoch)"
 )
@@ -75,26 +77,35 @@ def _join_process_group(device: str | None) -> bool:
 
 @contextlib.contextmanager
 def command(
-    *, as_json: bool, quiet: bool, verbose: bool, device: str | None = None, interrupted: str = RESUME_HINT
+    *,
+    name: str,
+    as_json: bool,
+    quiet: bool,
+    verbose: bool,
+    device: str | None = None,
+    interrupted: str = RESUME_HINT,
 ) -> Iterator[Reporter]:
-    """The body of every command runs inside this: logging and progress set up for it, and any
-    exception it raises turned into the one-line error and its exit code. Under torchrun only rank
-    0 reports (``Reporter.quiet`` elsewhere)."""
+    """The body of every command runs inside this: logging and progress set up for it (with the
+    heartbeat that keeps a silent phase from looking hung, stopped however the body ends: result,
+    error, Ctrl-C, a closed pipe), and any exception it raises turned into the one-line error and its
+    exit code. Under torchrun only rank 0 reports (``Reporter.quiet`` elsewhere)."""
     start = time.perf_counter()
     reporter: Reporter | None = None
     try:
         main_rank = _join_process_group(device)
         quiet = quiet or not main_rank
         setup_logging(quiet=quiet, verbose=verbose and main_rank)
-        reporter = Reporter(quiet=quiet)
+        reporter = Reporter(quiet=quiet, command=name, interval=output.PROGRESS_INTERVAL).start()
         yield reporter
     except (BrokenPipeError, typer.Exit):  # `drl predict ... | head`: the reader has all it wanted
         raise
     except (DrlError, KeyboardInterrupt, Exception) as exc:
         if reporter is not None:
-            reporter.close()
+            reporter.close()  # before the error line: no bar or heartbeat line after it
         fail(exc, as_json=as_json, interrupted=interrupted)
-    reporter.close()
+    finally:
+        if reporter is not None:
+            reporter.close()
     log.debug("done in %.1fs", time.perf_counter() - start)
 
 
@@ -102,15 +113,20 @@ def execute(
     action: Callable[[Reporter], Any],
     render: Callable[[dict[str, Any]], str],
     *,
+    name: str,
     as_json: bool,
     quiet: bool,
     verbose: bool,
     device: str | None = None,
+    phase: str = "",
 ) -> None:
-    """Run a command's one library call inside ``command``, then print its result (rank 0 only)."""
+    """Run a command's one library call inside ``command``, then print its result (rank 0 only).
+    ``phase`` names what the command does until the library reports a step (the heartbeat says it)."""
     from .. import distributed
 
-    with command(as_json=as_json, quiet=quiet, verbose=verbose, device=device) as reporter:
+    with command(name=name, as_json=as_json, quiet=quiet, verbose=verbose, device=device) as reporter:
+        if phase:
+            reporter.phase(phase)
         result = action(reporter)
     if distributed.is_main():
         emit(result, render, as_json=as_json)

@@ -3,6 +3,7 @@ and the top-level help's exit-code table. Imports no torch: ``drl --help`` stays
 
 from __future__ import annotations
 
+import dataclasses
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import typer
 import yaml
 
-from ..config import MAX_WORKERS, PRECISIONS, TrainConfig
+from ..config import MAX_WORKERS, PRECISIONS, RunConfig, TrainConfig
 from ..errors import EXIT_CODES, UsageError
 from ..methods import METHODS
 
@@ -31,6 +32,9 @@ WeightsOpt = typer.Option(
 )
 RandomInitOpt = typer.Option(False, "--random-init", help="Random PTM weights, stored in the run (tests, demos).")
 PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable).")
+
+# the sections of a run config file (init --config): every field of RunConfig but the method's name
+CONFIG_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "method")
 
 # choices that --help and shell completion show (the values are the library's own names)
 MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)

@@ -1,16 +1,27 @@
 """What each command prints on stdout without ``--json``: the text of its result, built from the
 result's JSON payload (so text and ``--json`` show the same facts). Pure functions: a payload in,
-the text out (with its trailing newline); ``output.emit`` prints it."""
+the text out (with its trailing newline); ``output.emit`` prints it.
+
+Every string of the payload a renderer gets is already ``printable`` (``output.emit`` escapes the
+payload first: a class name, path or reason cannot drive the terminal or fake a line), so a
+renderer quotes names with ``_quoted``, never ``!r`` (which would escape the escapes again)."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from .. import jsonio
+from .output import printable_data
 
 
 def _text(lines: list[str]) -> str:
     return "\n".join(lines) + "\n"
+
+
+def _quoted(name: str) -> str:
+    """A (printable) name in quotes, as ``repr`` would quote it."""
+    return f'"{name}"' if "'" in name and '"' not in name else f"'{name}'"
 
 
 def _pct(value: float | None) -> str:
@@ -141,9 +152,11 @@ def export(r: dict[str, Any]) -> str:
 
 
 def prediction(p: dict[str, Any], *, json_lines: bool) -> str:
-    """One image's line: its JSON object (``json_lines``), else ``path: class score, ...``."""
+    """One image's line: its JSON object (``json_lines``, exact), else ``path: class score, ...`` with
+    the path, classes and error text escaped (``printable``): one line per image, whatever the names."""
     if json_lines:
         return jsonio.dumps(p)
+    p = printable_data(p)
     if "error" in p:
         return f"{p['path']}: error: {p['error']}"
     mark = "unknown; closest " if p.get("unknown") else ""
@@ -175,18 +188,19 @@ def info(r: dict[str, Any]) -> str:
     ]
     if r["stages"]:
         lines += growth_lines(r["stages"]) + history_lines(r["history"])
-    return _text(lines + forgotten_lines(r["forgotten"]))
+    return _text(lines + forgotten_lines(r["forgotten"]) + forget_history_lines(r.get("forget_history") or []))
 
 
 def forget(r: dict[str, Any]) -> str:
     what = {"forget": "forgot", "purge": "purged what was kept of forgotten", "restore": "restored"}[r["action"]]
     lines = [
-        f"{what} class {r['class']!r} (stage {r['stage']}) at {r['at']}"
+        f"{what} class {_quoted(r['class'])} (stage {r['stage']}) at {r['at']}"
         + (f" ({r['reason']})" if r["reason"] else "")
         + f"; run {r['run_dir']} is at generation {r['generation']}, answering with {r['num_classes']} classes"
     ]
     if r["action"] == "forget" and r["kept"]:
-        lines.append(f"its slices are kept: `drl forget --restore {r['class']}` brings it back, --purge deletes them")
+        restore = f"drl forget --restore {shlex.quote(r['class'])}"
+        lines.append(f"its slices are kept: `{restore}` brings it back, --purge deletes them")
     elif r["action"] == "forget":
         lines.append("nothing of it was kept (--purge): it cannot be restored")
     if r["forgotten"]:
@@ -197,10 +211,22 @@ def forget(r: dict[str, Any]) -> str:
 def forgotten_lines(entries: list[dict[str, Any]]) -> list[str]:
     """``info``: the classes out of the answers, with when, why and whether they can come back."""
     return [
-        f"forgotten: {e['class']!r} of stage {e['stage']} at {e['at']}"
+        f"forgotten: {_quoted(e['class'])} of stage {e['stage']} at {e['at']}"
         + (f" ({e['reason']})" if e["reason"] else "")
         + ("; restorable" if e["kept"] else "; purged")
         for e in entries
+    ]
+
+
+def forget_history_lines(events: list[dict[str, Any]]) -> list[str]:
+    """``info``: every forget, purge and restore of the run's forget log, oldest first, with its reason."""
+    if not events:
+        return []
+    return ["forget log:"] + [
+        f"  {e['at']} {e['action']} {_quoted(e['class'])} of stage {e['stage']}"
+        + (f" ({e['reason']})" if e.get("reason") else "")
+        + f"; generation {e['generation']}"
+        for e in events
     ]
 
 
