@@ -39,11 +39,12 @@ from pathlib import Path
 import timm
 import torch
 
-from drlcli.config import RunConfig, ScoreConfig
+from drlcli.config import RunConfig
+from drlcli.heads.ridge.head import RanpacHead
 from drlcli.methods import METHODS
-from drlcli.model import IncrementalModel
-from drlcli.ranpac import RanpacHead
-from drlcli.train import CosineClassifier, _StageStep
+from drlcli.model.incremental import IncrementalModel
+from drlcli.options import ScoreConfig
+from drlcli.stage.train import CosineClassifier, _StageStep
 
 CLASSES_PER_STAGE = 10
 
@@ -195,7 +196,9 @@ def cases_for(arch: str, args, device: torch.device, which: str | None = None) -
                 ptm.forward_features(images)
 
         cases["bare_no_grad"] = bare_no_grad
-    inference = [(f"{m}_T{t}", m, t, False) for m, counts in (("drl", args.stages), ("ease", args.ease_stages)) for t in counts]
+    inference = [
+        (f"{m}_T{t}", m, t, False) for m, counts in (("drl", args.stages), ("ease", args.ease_stages)) for t in counts
+    ]
     inference += [(f"drl_default_T{t}", "drl", t, True) for t in args.default_stages]
     for name, method, t, default_head in inference:
         if want(name):
@@ -278,7 +281,8 @@ def disk_bytes(arch: str, args, log) -> dict[str, int]:
     ``paper`` preset: adapters and prototypes (the default ridge head adds its statistics,
     ``statistics.safetensors``, 4·M(M+1) bytes per stage: about 36 MB at M 3000)."""
     from drlcli import api
-    from drlcli.rundir import RunDir, stage_dir
+    from drlcli.run.directory import RunDir
+    from drlcli.run.layout import stage_dir
     from drlcli.synthetic import make_class_folders
 
     with tempfile.TemporaryDirectory() as tmp:

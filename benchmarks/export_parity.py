@@ -31,12 +31,14 @@ from typing import Any
 
 import torch
 
-from drlcli.api import load_run
-from drlcli.data import eval_transform, load_rgb
+from drlcli.commands.export import FORMATS, export_run
+from drlcli.commands.predict import expand_sources
+from drlcli.data.decode import load_rgb
+from drlcli.data.loading import eval_transform
 from drlcli.errors import DependencyError
-from drlcli.export import FORMATS, export_run, load_model
-from drlcli.modelfile import FORMAT_SUFFIX
-from drlcli.predict import expand_sources
+from drlcli.run.load import load_run
+from drlcli.serving.formats import load_model
+from drlcli.serving.modelfile import FORMAT_SUFFIX
 
 DEIT_TINY = "deit_tiny_patch16_224"
 TARGET_SLOWDOWN = 1.1  # issue 17: every format within 1.1x of the run directory's speed
@@ -51,7 +53,8 @@ def caltech_images(root: Path, limit: int) -> list[Path]:
 
 def fresh_run(work: Path, ptm_weights: Path | None, images: int) -> tuple[Path, list[Path]]:
     """A two-stage run on generated images: the tiny random ViT, or DeiT-Tiny from ``ptm_weights``."""
-    from drlcli import init_run, learn_stage
+    from drlcli import learn_stage
+    from drlcli.commands.init import init_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
     per_class = max(4, -(-images // 6))  # 2 stages x 3 classes; enough test images for --images

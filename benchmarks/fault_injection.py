@@ -27,7 +27,7 @@ from typing import Any
 from drlcli import api
 from drlcli.config import RunConfig
 from drlcli.errors import DrlError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 EPOCHS = 8

@@ -23,22 +23,16 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 from drlcli import backbone
-from drlcli.backbone import PTMSource
-from drlcli.benchmark import class_order, load_data, stage_classes
-from drlcli.config import IPAConfig, RunConfig
-from drlcli.data import ImageDataset, ImageSet, eval_transform
-from drlcli.ipa import IPANetwork
+from drlcli.benchmark.protocol import class_order, load_data, stage_classes
+from drlcli.config import RunConfig
+from drlcli.data.images import ImageSet
+from drlcli.data.loading import ImageDataset, eval_transform
+from drlcli.heads.ridge.head import RanpacHead, expand, random_projection
+from drlcli.heads.ridge.statistics import Statistics, choose_lambda, lambda_grid, solve, validation_mask
+from drlcli.methods.drl.network import IPANetwork
+from drlcli.methods.drl.options import IPAConfig
 from drlcli.metrics import accuracy_report, summarize_history
-from drlcli.ranpac import (
-    RanpacHead,
-    Statistics,
-    choose_lambda,
-    expand,
-    lambda_grid,
-    random_projection,
-    solve,
-    validation_mask,
-)
+from drlcli.ptm.backbone import PTMSource
 
 
 def _all_paths(data) -> list[Path]:

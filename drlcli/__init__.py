@@ -11,25 +11,45 @@ The public API: each function backs one CLI command.
     drlcli.forget_class("runs/shop", "cat", reason="wrong label")     # restore_class brings it back
 """
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .config import IPAConfig, RunConfig, ScoreConfig, TrainConfig
+from .config import RunConfig
 from .errors import DrlError
+from .methods.drl.options import IPAConfig
+from .options import ScoreConfig, TrainConfig
+from .version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from .api import evaluate, info, init_run, learn_stage, load_run
-    from .export import export_run, load_export, load_model
-    from .forget import forget_class, restore_class
+    from .api import (
+        evaluate,
+        export_run,
+        forget_class,
+        info,
+        init_run,
+        learn_stage,
+        load_export,
+        load_model,
+        load_run,
+        restore_class,
+    )
 
 # imported on first use, so `drl --help` and `drl --version`'s parsing do not wait for torch
-_LAZY = {
-    **dict.fromkeys(("evaluate", "info", "init_run", "learn_stage", "load_run"), ".api"),
-    **dict.fromkeys(("export_run", "load_export", "load_model"), ".export"),
-    **dict.fromkeys(("forget_class", "restore_class"), ".forget"),
-}
+_LAZY = dict.fromkeys(
+    (
+        "evaluate",
+        "export_run",
+        "forget_class",
+        "info",
+        "init_run",
+        "learn_stage",
+        "load_export",
+        "load_model",
+        "load_run",
+        "restore_class",
+    ),
+    ".api",
+)
 
 
 def __getattr__(name: str) -> Any:

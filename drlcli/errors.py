@@ -1,7 +1,7 @@
 """The DrlError hierarchy: every failure a user can cause, each with its exit code.
 
 The CLI maps these to one-line messages and exit codes in one place (``cli/boundary.py``); the library
-raises them and never prints. Exit codes are part of the public contract (README, "Exit codes").
+raises them and never prints. Exit codes are part of the public contract (README and docs/exit-codes.md).
 """
 
 from __future__ import annotations

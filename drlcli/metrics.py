@@ -85,20 +85,31 @@ def summarize_history(reports: list[AccuracyReport | None]) -> HistorySummary:
     """Summarise the reports taken after each stage (index t-1 holds the one after stage t)."""
     accuracy = [r.top1 if r is not None else None for r in reports]
     known = [a for a in accuracy if a is not None]
-    forgetting: dict[str, float] = {}
-    final = reports[-1] if reports else None
-    if final is not None:
-        for group, last_acc in sorted(final.groups.items(), key=lambda item: int(item[0])):  # stage order
-            past = [r.groups[group] for r in reports[:-1] if r is not None and group in r.groups]
-            if past:
-                forgetting[group] = round(max(past) - last_acc, 4)
+    forgetting = _forgetting(reports)
     num_stages = len(reports)
     matrix = [[r.groups.get(str(g)) if r is not None else None for g in range(1, num_stages + 1)] for r in reports]
     return HistorySummary(
         accuracy=accuracy,
-        average=round(sum(known) / len(known), 4) if known else None,
+        average=_mean(known),
         last=accuracy[-1] if accuracy else None,
         forgetting=forgetting,
-        mean_forgetting=round(sum(forgetting.values()) / len(forgetting), 4) if forgetting else None,
+        mean_forgetting=_mean(list(forgetting.values())),
         matrix=matrix,
     )
+
+
+def _forgetting(reports: list[AccuracyReport | None]) -> dict[str, float]:
+    """Per stage group, its best earlier accuracy minus its final one (groups the last report has)."""
+    final = reports[-1] if reports else None
+    if final is None:
+        return {}
+    out = {}
+    for group, last_acc in sorted(final.groups.items(), key=lambda item: int(item[0])):  # stage order
+        past = [r.groups[group] for r in reports[:-1] if r is not None and group in r.groups]
+        if past:
+            out[group] = round(max(past) - last_acc, 4)
+    return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None

@@ -13,7 +13,7 @@ from typing import Any
 from . import storage
 from .errors import StorageError, UsageError, require
 from .metrics import HistorySummary
-from .rundir import refuse_inside_run
+from .run.access import refuse_inside_run
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 

@@ -18,8 +18,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from .config import PRECISIONS
 from .errors import UsageError
+from .options import PRECISIONS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import StorageError, UsageError, require
 from .metrics import HistorySummary
-from .rundir import refuse_inside_run
+from .run.access import refuse_inside_run
 
 FLUSH_SECONDS = 10  # how stale a live TensorBoard may be during a long stage
 

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import drlcli
+from drlcli.commands.predict import predict
 from drlcli.errors import DrlError, RunStateError
-from drlcli.predict import predict
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
 args = [a for a in sys.argv[1:] if not a.startswith("-")]  # notebooks pass their own flags

@@ -14,8 +14,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from drlcli import backbone  # noqa: E402
-from drlcli.backbone import PTMSource  # noqa: E402
+from drlcli.ptm import backbone  # noqa: E402
+from drlcli.ptm.backbone import PTMSource  # noqa: E402
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders, make_stages  # noqa: E402
 
 # drl trains each new stage under this, though its default head reads none (train.skip_unread):
@@ -39,7 +39,7 @@ def rewrite_stage_weights(run: Path, index: int, change) -> None:
 
     from safetensors.torch import load, save
 
-    from drlcli.rundir import sha256_bytes
+    from drlcli.run.layout import sha256_bytes
 
     name = f"stages/{index:03d}/weights.safetensors"
     tensors = load((run / name).read_bytes())
@@ -94,7 +94,7 @@ def stage_folders(tmp_path_factory) -> list[tuple[Path, Path]]:
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
     """A freshly initialised DRL run on the tiny random ViT that trains its stages (``TRAINS``)."""
-    from drlcli import init_run
+    from drlcli.commands.init import init_run
     from drlcli.config import RunConfig
 
     path = tmp_path / "run"
@@ -111,7 +111,8 @@ FAST = {"epochs": 2, "batch_size": 12}
 def learned_run(tmp_path_factory, stage_folders) -> Path:
     """A DRL run with the first two stages of ``stage_folders`` learned (1 epoch, batch 12, no eval
     data), shared by every module that only reads a learned run: a test that changes it copies it."""
-    from drlcli import init_run, learn_stage
+    from drlcli import learn_stage
+    from drlcli.commands.init import init_run
 
     path = tmp_path_factory.mktemp("learned") / "run"
     init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)

@@ -6,11 +6,13 @@ import pytest
 import torch
 from conftest import TRAINS, Pairs
 
-from drlcli import evaluate, init_run, learn_stage
+from drlcli import evaluate, learn_stage
+from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
-from drlcli.data import load_rgb, scan_class_folders
+from drlcli.data.decode import load_rgb
+from drlcli.data.images import scan_class_folders
 from drlcli.errors import DataError, UsageError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 OPTS = {"epochs": 1, "batch_size": 12}

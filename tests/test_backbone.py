@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from drlcli import backbone
-from drlcli.backbone import PTMSource
 from drlcli.errors import PTMError
+from drlcli.ptm import backbone
+from drlcli.ptm.backbone import PTMSource
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 

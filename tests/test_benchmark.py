@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from drlcli.benchmark import class_order, load_data, parse_methods, parse_split, parse_variant, stage_classes
+from drlcli.benchmark.protocol import class_order, load_data, parse_split, stage_classes
+from drlcli.benchmark.variants import parse_methods, parse_variant
 from drlcli.cli import app
 from drlcli.errors import DataError, UsageError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 TINY_ARGS = ["--ptm", TINY_PTM, "--random-init"] + [
@@ -119,7 +120,7 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
 
 
 def test_validation_split_holds_out_train_images(tmp_path):
-    from drlcli.benchmark import split_validation
+    from drlcli.benchmark.protocol import split_validation
 
     make_class_folders(tmp_path / "d" / "train", [0, 1], images_per_class=10)
     make_class_folders(tmp_path / "d" / "test", [0, 1], images_per_class=2)
@@ -149,7 +150,7 @@ def test_stages_runs_a_prefix_and_a_later_call_continues_it(tmp_path):
 
 
 def test_mean_and_std_over_class_orders_on_known_inputs():
-    from drlcli.benchmark import aggregate, markdown_table
+    from drlcli.benchmark.report import aggregate, markdown_table
 
     def row(label, acc, forgetting, seconds):
         avg = sum(acc) / len(acc)
@@ -216,7 +217,7 @@ def test_several_class_orders_in_one_command_each_in_its_folder(tmp_path):
 
 @pytest.mark.parametrize("text", ["-1,2", "1,99999999999", "1,1", "1,x"])
 def test_bad_seeds_are_usage_errors(text):
-    from drlcli.benchmark import parse_seeds
+    from drlcli.benchmark.protocol import parse_seeds
     from drlcli.errors import UsageError
 
     with pytest.raises(UsageError, match="--seeds"):

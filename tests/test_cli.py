@@ -8,8 +8,8 @@ import pytest
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from drlcli import backbone
 from drlcli.cli import app
+from drlcli.ptm import backbone
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 runner = CliRunner()
@@ -181,7 +181,7 @@ def test_missing_and_wrong_weights(tmp_path, tiny_ptm, stage_folders):
 
 
 def test_busy_run_exit_code(trained):
-    from drlcli.rundir import RunDir
+    from drlcli.run.directory import RunDir
 
     with RunDir(trained).writer():
         result, out = _unchanged(trained, lambda: drl_json("learn-stage", "--run", trained, "--data", trained, *FAST))
@@ -262,8 +262,8 @@ def test_eval_plot_errors(trained, tmp_path, monkeypatch):
 
 
 def test_info_shows_growth_per_stage(trained):
-    from drlcli.config import IPAConfig
-    from drlcli.ipa import IPANetwork
+    from drlcli.methods.drl.network import IPANetwork
+    from drlcli.methods.drl.options import IPAConfig
 
     result, info = drl_json("info", "--run", trained)
     stages = info["stages"]

@@ -58,13 +58,13 @@ def test_alone_no_process_group_is_joined(monkeypatch, tmp_path):
     ],
 )
 def test_predict_errors_go_through_the_same_boundary(monkeypatch, tmp_path, raised, kind, code, message):
-    import drlcli.predict
+    import drlcli.commands.predict
 
     def failing(*args, **kwargs):
         raise raised
         yield  # a generator, like the real one
 
-    monkeypatch.setattr(drlcli.predict, "predict_sources", failing)
+    monkeypatch.setattr(drlcli.commands.predict, "predict_sources", failing)
     result = drl("predict", tmp_path, "--json")
     assert result.exit_code == code
     assert json.loads(result.stdout)["error"] == {"kind": kind, "message": message, "exit_code": code}

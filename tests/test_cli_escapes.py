@@ -3,7 +3,6 @@ newline, C1) or bidi overrides reaches people's output only escaped (``\\x1b``, 
 on every path drl prints for people (result text, predict lines, progress, warnings, log lines, the
 ``error:`` line), while ``--json`` keeps the exact value (JSON escapes, ASCII on the wire)."""
 
-import importlib
 import json
 import logging
 import shutil
@@ -13,12 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from drlcli import api
-from drlcli.cli import Reporter, app, setup_logging
-from drlcli.cli.output import printable, printable_data
+from drlcli.cli import app, output
+from drlcli.cli.output import Reporter, printable, printable_data, setup_logging
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 runner = CliRunner()
-app_module = importlib.import_module("drlcli.cli.app")  # the module (drlcli.cli.app is the Typer app)
 TINY_ARGS = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
 # retitles and clears the terminal, fakes a result line, reverses what follows, opens a C1 CSI
 HOSTILE = "cat\x1b]0;PWNED\x07\x1b[2J\nclass_00 1.000\u202e\x9b\u2066"
@@ -100,7 +98,7 @@ def test_predict_text_lines_and_json_lines(hostile, monkeypatch):
         assert char not in lines.stdout
     objects = [json.loads(line) for line in lines.stdout.splitlines()]
     assert len(objects) == 2 and objects[0]["top"][0]["class"] == HOSTILE and HOSTILE in objects[0]["path"]
-    monkeypatch.setattr(app_module, "_stdout_is_a_terminal", lambda: True)  # the text lines of a terminal
+    monkeypatch.setattr(output, "stdout_is_a_terminal", lambda: True)  # the text lines of a terminal
     text = drl("predict", images, "--run", run, "--device", "cpu", "--top-k", "2")
     assert text.exit_code == 0, text.stderr
     assert_escaped(text.stdout)

@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from drlcli import api
-from drlcli import export as exporting
-from drlcli.cli import Reporter, app, output, setup_logging
+from drlcli.cli import app, output
+from drlcli.cli.output import Reporter, setup_logging
+from drlcli.commands import export as exporting
 from drlcli.errors import StorageError
 
 runner = CliRunner()

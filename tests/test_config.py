@@ -122,7 +122,7 @@ def test_drl_defaults_to_the_ridge_head_and_paper_preset_restores_prototype_scor
 
 
 def test_benchmark_variant_takes_a_preset():
-    from drlcli.benchmark import parse_variant
+    from drlcli.benchmark.variants import parse_variant
 
     variant = parse_variant("drl/preset=paper/lr=0.05")
     config = variant.config(epochs=3, seed=1)

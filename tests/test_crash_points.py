@@ -19,11 +19,12 @@ import pytest
 import torch
 from conftest import TRAINS
 
-from drlcli import init_run, learn_stage, storage
+from drlcli import learn_stage, storage
 from drlcli.api import verify
+from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import StorageError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 OPTS = {"epochs": 2, "batch_size": 8}

@@ -6,20 +6,12 @@ import torch
 from conftest import Pairs
 from PIL import Image
 
-from drlcli import backbone
-from drlcli.data import (
-    ImageDataset,
-    dataset_images,
-    eval_transform,
-    image_extensions,
-    load_rgb,
-    scan_class_folders,
-    to_rgb,
-    train_transform,
-    validate_images,
-)
+from drlcli.commands.predict import expand_sources
+from drlcli.data.decode import load_rgb, to_rgb
+from drlcli.data.images import dataset_images, image_extensions, scan_class_folders, validate_images
+from drlcli.data.loading import ImageDataset, eval_transform, train_transform
 from drlcli.errors import DataError, UsageError
-from drlcli.predict import expand_sources
+from drlcli.ptm import backbone
 from drlcli.synthetic import class_image
 
 CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
@@ -306,7 +298,7 @@ def test_make_loader_pins_memory_for_a_gpu_only(make_folder):
     """Batches bound for CUDA are page-locked (the copy then overlaps loading); a CPU pass is left as it is."""
     import warnings
 
-    from drlcli.data import make_loader
+    from drlcli.data.loading import make_loader
 
     dataset = ImageDataset(scan_class_folders(make_folder("d", [0], n=2)), eval_transform(CFG))
     with warnings.catch_warnings():  # without CUDA torch may warn that pinning is moot
@@ -320,8 +312,12 @@ def test_make_loader_pins_memory_for_a_gpu_only(make_folder):
 def test_every_pass_loads_with_the_workers_asked_for(stage_folders, tmp_path, monkeypatch):
     """Training, the classifier's prototype start, the prototype/statistics pass, evaluation and predict
     all build their loader with the requested workers and their device (pin_memory follows it)."""
-    from drlcli import data, evaluate, init_run, learn_stage, model, predict, train
-    from drlcli.predict import predict_sources
+    from drlcli import data, evaluate, learn_stage
+    from drlcli.commands import predict
+    from drlcli.commands.init import init_run
+    from drlcli.commands.predict import predict_sources
+    from drlcli.model import incremental as model
+    from drlcli.stage import train
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     built = []

@@ -4,8 +4,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from drlcli import distributed, export_run, learn_stage
+from drlcli import distributed, learn_stage
 from drlcli.cli import app
+from drlcli.commands.export import export_run
 
 runner = CliRunner()
 
@@ -38,7 +39,7 @@ def test_no_rng_fork_touches_cuda(run_dir, stage_folders, tmp_path, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.random, "fork_rng", checked)
-    from drlcli import init_run
+    from drlcli.commands.init import init_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     init_run(tmp_path / "r", ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
@@ -67,10 +68,11 @@ def test_process_group_is_bound_to_the_local_gpu(monkeypatch):
 def test_scoring_state_is_built_once_per_device(stage_folders, tmp_path, monkeypatch):
     """The bank and score weights are made once and reused batch after batch (on a GPU each rebuild
     is a host-to-device copy and a sync); adding classes rebuilds them."""
-    from drlcli import init_run, load_run
-    from drlcli import model as model_module
+    from drlcli.commands.init import init_run
     from drlcli.config import RunConfig
-    from drlcli.prototypes import score
+    from drlcli.heads.prototypes import score
+    from drlcli.model import incremental as model_module
+    from drlcli.run.load import load_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     run = tmp_path / "r"
@@ -101,7 +103,7 @@ def test_the_analytic_head_scores_features_from_any_device(learned_run):
     """drl's default head lives on the model's device; evaluate scores the CPU features embed_images
     gives. The features go to the head (on a GPU host: CPU features against a CUDA head failed).
     A second device is simulated with ``meta``: there the head's tensors hold no data."""
-    from drlcli import load_run
+    from drlcli.run.load import load_run
 
     model = load_run(learned_run, device="cpu").model
     assert model.head is not None  # drl's default scoring: the ridge + class-covariance head
@@ -116,8 +118,9 @@ def test_the_analytic_head_scores_features_from_any_device(learned_run):
 def test_fitting_a_stage_reads_nothing_from_the_head_on_its_device(learned_run):
     """A stage's statistics are summed on the CPU from R as stage 1 stored it: the loaded head (on a
     GPU host, on CUDA) is never mixed with the CPU statistics. Same fit with the head on ``meta``."""
-    from drlcli import load_run
-    from drlcli.ranpac import fit_stage
+    from drlcli.heads import EarlierStages
+    from drlcli.heads.ridge.fit import fit_stage
+    from drlcli.run.load import load_run
 
     loaded = load_run(learned_run, device="cpu")
     model = loaded.model
@@ -126,8 +129,13 @@ def test_fitting_a_stage_reads_nothing_from_the_head_on_its_device(learned_run):
     labels = torch.arange(3).repeat_interleave(4)
 
     def fit():
+        earlier = EarlierStages(
+            head=loaded.model.head,
+            tensors=loaded.stage_tensors,
+            statistics=lambda: [loaded.run.stage_statistics(i, loaded.manifest) for i in loaded.run.stage_indices()],
+        )
         return fit_stage(
-            loaded,
+            earlier,
             features,
             labels,
             image_labels=labels.tolist(),
@@ -150,7 +158,7 @@ def test_benchmark_timing_synchronizes_the_runs_gpu(stage_folders, monkeypatch):
     the batch stays on the CPU and synchronize records its device."""
     from types import SimpleNamespace
 
-    from drlcli.benchmark import runner
+    from drlcli.benchmark import scoring
 
     data_config = {
         "input_size": [3, 32, 32],
@@ -164,7 +172,7 @@ def test_benchmark_timing_synchronizes_the_runs_gpu(stage_folders, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self if a and a[0] == gpu else real_to(self, *a, **k))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
     model = SimpleNamespace(data_config=data_config, device=gpu, score_images=lambda x: calls.append(x.shape))
-    seconds = runner._timing(SimpleNamespace(model=model), stage_folders[0][1], 4)
+    seconds = scoring.timing(SimpleNamespace(model=model), stage_folders[0][1], 4)
     assert seconds >= 0 and len(calls) == 6 and synced == [gpu] * 6
 
 
@@ -226,9 +234,12 @@ class _Interrupt(Exception):
 def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
     """The whole cycle on CUDA: learn two stages (the second interrupted and resumed), evaluate,
     predict; a CUDA checkpoint is refused on CPU; the run's scores on CUDA match CPU's."""
-    from drlcli import RunConfig, evaluate, init_run, load_run
+    from drlcli import evaluate
+    from drlcli.commands.init import init_run
+    from drlcli.config import RunConfig
     from drlcli.errors import RunStateError
     from drlcli.precision import autocast
+    from drlcli.run.load import load_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     run, opts = tmp_path / "r", {"epochs": 2, "batch_size": 12}
@@ -265,7 +276,7 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
 
 def test_prototype_scoring_is_fp32_under_bf16_autocast(run_dir, stage_folders):
     """The cosine scoring runs in fp32 whatever autocast does to the network (CPU autocast here)."""
-    from drlcli import load_run
+    from drlcli.run.load import load_run
 
     learn_stage(run_dir, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
     model = load_run(run_dir, device="cpu").model

@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import TRAINS
 
-from drlcli import init_run, learn_stage
+from drlcli import learn_stage
+from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 OPTS = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cpu"]

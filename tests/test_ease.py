@@ -2,13 +2,19 @@
 
 import torch
 
-from drlcli import evaluate, export_run, init_run, learn_stage, load_export, load_run
-from drlcli.config import EaseConfig, RunConfig, TrainConfig
-from drlcli.data import scan_class_folders
-from drlcli.ease import EaseNetwork
-from drlcli.model import embed_images
+from drlcli import evaluate, learn_stage
+from drlcli.commands.export import export_run
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.data.images import scan_class_folders
+from drlcli.methods.ease.network import EaseNetwork
+from drlcli.methods.ease.options import EaseConfig
+from drlcli.model.incremental import embed_images
+from drlcli.options import TrainConfig
+from drlcli.run.load import load_run
+from drlcli.serving.drlfile import load_export
+from drlcli.stage.train import train_stage
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
-from drlcli.train import train_stage
 
 CFG = {"input_size": (3, 32, 32), "interpolation": "bicubic", "mean": (0.5,) * 3, "std": (0.5,) * 3, "crop_pct": 1.0}
 

@@ -7,12 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from drlcli import export_run, learn_stage, load_export, load_model, load_run
-from drlcli.data import eval_transform, load_rgb, scan_class_folders
+from drlcli import learn_stage
+from drlcli.commands.export import export_run, resolve_format
+from drlcli.data.decode import load_rgb
+from drlcli.data.images import scan_class_folders
+from drlcli.data.loading import eval_transform
 from drlcli.errors import DependencyError, IntegrityError, RunStateError, UsageError
-from drlcli.export import resolve_format
-from drlcli.model import embed_images
+from drlcli.model.incremental import embed_images
 from drlcli.precision import autocast
+from drlcli.run.load import load_run
+from drlcli.serving.drlfile import load_export
+from drlcli.serving.formats import load_model
 
 HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 
@@ -74,7 +79,8 @@ CODE = ("torchscript", "pt2")  # loaded only with trust_code
 @pytest.fixture(scope="module")
 def method_runs(tmp_path_factory, stage_folders, learned_run):
     """A two-stage run of each method (ease: one ViT pass per stage)."""
-    from drlcli import RunConfig, init_run
+    from drlcli.commands.init import init_run
+    from drlcli.config import RunConfig
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     runs = {"drl": learned_run}
@@ -216,7 +222,7 @@ def test_missing_onnx_extra_names_the_fix(method_runs, tmp_path, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("onnxscript") is None, reason="onnxscript (export extra) is missing")
 def test_onnx_uses_the_torch_export_based_exporter_and_falls_back(method_runs, tmp_path, monkeypatch):
     """dynamo=True first (the TorchScript-based exporter is deprecated upstream); the old one only when it fails."""
-    from drlcli import serving
+    from drlcli.serving import onnx as serving
 
     warned = []
     monkeypatch.setattr(serving.log, "warning", lambda message, *args: warned.append(message % args))
@@ -253,7 +259,7 @@ def test_damaged_graph_is_refused(exported, tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", GRAPHS)
 def test_a_graph_that_disagrees_with_the_run_is_never_written(method_runs, tmp_path, monkeypatch, fmt):
-    from drlcli import serving
+    from drlcli.serving import formats as serving
 
     real_load = serving.load_graph
 
@@ -290,7 +296,7 @@ def test_torchscript_graph_has_no_device_constant(exported, method):
 
 def test_fresh_graph_is_checked_on_every_device_type(method_runs, tmp_path, monkeypatch):
     """CPU always; CUDA too on a host that has it (faked here: the CUDA load is redirected to CPU)."""
-    from drlcli import serving
+    from drlcli.serving import formats as serving
 
     assert serving.check_devices("torchscript") == ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -373,8 +379,8 @@ def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt, method):
 
 
 def test_onnx_runs_on_the_best_provider_for_the_device(monkeypatch):
-    from drlcli import serving
-    from drlcli.serving import onnx_providers
+    from drlcli.serving import onnx as serving
+    from drlcli.serving.onnx import onnx_providers
 
     warned = []
     monkeypatch.setattr(serving.log, "warning", lambda message, *args: warned.append(message % args))

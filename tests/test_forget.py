@@ -16,11 +16,12 @@ from safetensors.torch import load_file, save_file
 from test_crash_points import Crash, FailAt  # the storage fault injector of the learn-stage crash points
 from typer.testing import CliRunner
 
-from drlcli import forget_class, load_run
 from drlcli.api import verify
 from drlcli.cli import app
+from drlcli.commands.forget import forget_class
 from drlcli.errors import RunStateError, StorageError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
+from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 runner = CliRunner()

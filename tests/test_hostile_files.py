@@ -18,11 +18,14 @@ import torch
 from safetensors.torch import load, save
 from typer.testing import CliRunner
 
-from drlcli import api, forget_class, init_run, learn_stage, restore_class, storage
+from drlcli import api, learn_stage, storage
 from drlcli.cli import app
+from drlcli.commands.forget import forget_class, restore_class
+from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import IntegrityError, UsageError
-from drlcli.rundir import CHECKPOINT, CHECKPOINT_META, RunDir, sha256_bytes
+from drlcli.run.directory import RunDir
+from drlcli.run.layout import CHECKPOINT, CHECKPOINT_META, sha256_bytes
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 runner = CliRunner()
@@ -97,8 +100,11 @@ def test_write_atomic_never_writes_into_an_existing_file(tmp_path):
 # --------------------------------------------------------------------- 3. the checkpoint's own bytes
 
 
-def test_one_changed_byte_in_the_checkpoint_json_is_never_resumed(run_dir, stage_folders, caplog):
+def test_one_changed_byte_in_the_checkpoint_json_is_never_resumed(run_dir, stage_folders, caplog, monkeypatch):
     """Before: "epoch": 1 -> 4 made the next run resume "after epoch 4" and commit an under-trained stage."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("drlcli"), "propagate", True)  # a CLI test may have turned it off
     train = stage_folders[0][0]
     _interrupted(run_dir, train)
     path = run_dir / CHECKPOINT / CHECKPOINT_META
@@ -253,7 +259,7 @@ def test_verify_compares_the_size_before_reading_a_sparse_giant(learned_run, tmp
 
 def test_hub_config_that_is_a_device_or_fifo_is_refused_without_reading(tmp_path):
     from drlcli.errors import PTMError
-    from drlcli.hub import read_config
+    from drlcli.ptm.hub import read_config
 
     link = tmp_path / "config.json"
     link.symlink_to("/dev/zero")
@@ -269,7 +275,7 @@ def test_hub_config_that_is_a_device_or_fifo_is_refused_without_reading(tmp_path
 
 
 def test_the_demo_never_writes_into_a_run_or_a_used_folder(learned_run, tmp_path):
-    from drlcli.demo import run_demo
+    from drlcli.commands.demo import run_demo
 
     with pytest.raises(UsageError, match="inside the drl run directory"):
         run_demo(learned_run / "stages")

@@ -14,25 +14,21 @@ from conftest import Pairs
 from PIL import Image
 from typer.testing import CliRunner
 
-from drlcli import data
 from drlcli.cli import app
-from drlcli.data import (
+from drlcli.commands.predict import _PathDataset, expand_sources
+from drlcli.data import decode
+from drlcli.data.decode import (
     MAX_ASPECT,
     MAX_DECODE_SIDE,
-    ImageDataset,
     ImagePathError,
     aspect_box,
-    dataset_images,
-    eval_transform,
     load_rgb,
     open_image_file,
-    scan_class_folders,
     to_rgb,
-    train_transform,
-    validate_images,
 )
+from drlcli.data.images import dataset_images, scan_class_folders, validate_images
+from drlcli.data.loading import ImageDataset, eval_transform, train_transform
 from drlcli.errors import DataError
-from drlcli.predict import _PathDataset, expand_sources
 
 # a 224 px PTM's evaluation transform: shorter side to int(224 / 0.875) = 256, then the middle 224
 CFG = {"input_size": [3, 224, 224], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
@@ -45,7 +41,7 @@ def _before(image: Image.Image, max_side: int = MAX_DECODE_SIDE) -> Image.Image:
     image.draft("RGB", (max_side, max_side))
     if max(image.size) > max_side:
         image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
-    return data.eight_bit(image).convert("RGB")
+    return decode.eight_bit(image).convert("RGB")
 
 
 def _smooth(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -209,7 +205,7 @@ def test_load_rgb_says_what_a_path_is_without_opening_it(tmp_path, fifo, make, k
 
 def test_a_file_swapped_for_a_fifo_after_the_check_is_refused_not_waited_on(fifo, monkeypatch):
     """``os.stat`` saw a regular file; the open is non-blocking and ``fstat`` sees the FIFO."""
-    monkeypatch.setattr(data, "path_problem", lambda path: None)
+    monkeypatch.setattr(decode, "path_problem", lambda path: None)
     with pytest.raises(ImagePathError, match="is a FIFO"):
         _returns_promptly(open_image_file, fifo)
 

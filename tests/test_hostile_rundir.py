@@ -232,7 +232,12 @@ def test_init_in_a_non_empty_folder_needs_allow_nonempty_and_keeps_the_files(tmp
 
 
 def test_init_after_a_failed_init_reuses_its_leftovers(tmp_path):
+    """A failed init removes the folder it made (issue 30); in a folder that was there, its lock
+    stays, and the next init takes it over."""
     run = tmp_path / "run"
+    result = drl("init", "--run", run, *TINY_ARGS, "--ptm-weights", tmp_path / "missing.safetensors")
+    assert result.exit_code == 6 and not run.exists()
+    run.mkdir()
     result = drl("init", "--run", run, *TINY_ARGS, "--ptm-weights", tmp_path / "missing.safetensors")
     assert result.exit_code == 6 and (run / ".lock").exists()
     assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0

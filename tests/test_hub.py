@@ -17,12 +17,16 @@ import yaml
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from drlcli import backbone, hub, init_run, learn_stage, load_run
-from drlcli.backbone import PTMSource
+from drlcli import learn_stage
 from drlcli.cli import app
-from drlcli.config import RunConfig, check_ptm_record
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
 from drlcli.errors import IntegrityError, PTMError, UsageError
-from drlcli.rundir import sha256_bytes
+from drlcli.ptm import backbone, hub
+from drlcli.ptm.backbone import PTMSource
+from drlcli.ptm.record import check_ptm_record
+from drlcli.run.layout import sha256_bytes
+from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 runner = CliRunner()
@@ -215,7 +219,7 @@ def _pretrained(**changes):
         (b'{"architecture": "vit_tiny_patch16_224", "pretrained_cfg": {"mean": [NaN, 0, 0]}}', "not valid JSON"),
         (b"\x80\x03cos\nsystem\n", "not valid JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (b" " * (hub.MAX_CONFIG_BYTES + 1), "more than the 1,048,576 bytes drl reads"),
+        (b" " * (hub.MAX_CONFIG_BYTES + 1), "more than the 1,048,576 drl reads"),
     ],
 )
 def test_hostile_config_json_is_refused_and_runs_nothing(cache, tmp_path, config, message):

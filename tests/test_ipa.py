@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from drlcli import backbone
-from drlcli.config import IPAConfig
-from drlcli.ipa import IPANetwork
+from drlcli.methods.drl.network import IPANetwork
+from drlcli.methods.drl.options import IPAConfig
+from drlcli.ptm import backbone
 
 
 def _network(ptm, stages=0, randomize=False, **cfg):
@@ -129,7 +129,7 @@ def test_fast_path_equals_the_plain_reference(tiny_ptm, images, cfg):
 def test_stacked_weights_are_reused_and_follow_every_parameter_change(tiny_ptm, images, monkeypatch):
     """Frozen stages are stacked once, not per forward, and a forward after any change of their
     parameters (in place, or by load_state_dict) computes with the new values."""
-    from drlcli import ipa
+    from drlcli.methods.drl import network as ipa
 
     net = _network(tiny_ptm, stages=2)
     stacks, stack = [], ipa._stack
@@ -157,7 +157,7 @@ def test_stacked_weights_are_reused_and_follow_every_parameter_change(tiny_ptm, 
 def test_functional_path_equals_the_in_place_one(tiny_ptm, images, cfg, monkeypatch):
     """The exportable (functional) body, which serving graphs record, gives the in-place body's
     numbers for several frozen stages at once; serving.exportable selects it only for its block."""
-    from drlcli.serving import exportable
+    from drlcli.serving.graph import exportable
 
     bodies = []
     for name in ("_attend", "_attend_in_place"):
@@ -324,8 +324,8 @@ def test_under_bf16_autocast_the_in_place_streams_stay_fp32(tiny_ptm, images, mo
     matmuls writing into them and the gate's mixing, are in the streams' dtype, fp32 (autocast does
     not apply to out= calls; the PTM's own matmuls and the adapters' hidden run in bf16). The
     functional body (training, export) lets autocast choose; both stay close to fp32."""
-    from drlcli import ipa
-    from drlcli.serving import exportable
+    from drlcli.methods.drl import network as ipa
+    from drlcli.serving.graph import exportable
 
     net = _network(tiny_ptm, stages=2, randomize=True)
     made, real = [], ipa._buffer

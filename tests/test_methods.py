@@ -7,10 +7,12 @@ import sys
 import pytest
 import torch
 
-from drlcli.config import RunConfig, TrainConfig
+from drlcli.config import RunConfig
 from drlcli.errors import UsageError
-from drlcli.methods import METHODS, Method, StageNetwork, get_method, method_of, stage_is_read
+from drlcli.methods import METHODS, get_method, method_of, stage_is_read
+from drlcli.methods.base import Method, StageNetwork
 from drlcli.methods.drl import build_ipa
+from drlcli.options import TrainConfig
 
 
 def test_the_registry_is_the_cli_s_list_of_methods():
@@ -29,7 +31,7 @@ def test_the_facts_of_each_method():
         "drl": (True, 1, "ipa.", False),
         "simplecil": (False, 1, "", False),
         "ease": (True, 0, "ease.", False),
-        "ranpac": (False, 1, "ranpac.", True),
+        "ranpac": (False, 1, "", True),  # the ridge head names its own tensors
     }
     differing = {n: m.train_defaults for n, m in METHODS.items() if m.train_defaults != TrainConfig()}
     assert differing == {"ease": METHODS["ease"].train_defaults}  # what `learn-stage --help` names beside drl's
@@ -96,7 +98,8 @@ def test_a_stage_is_read_by_the_prototype_bank_always_by_the_ridge_head_as_confi
 
 
 def _learned(path, stages, config):
-    from drlcli import init_run, learn_stage
+    from drlcli import learn_stage
+    from drlcli.commands.init import init_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
@@ -108,10 +111,12 @@ def test_a_stage_nothing_reads_is_created_untrained_and_changes_no_answer(tmp_pa
     """The default drl head reads the PTM only: learn-stage creates each stage's adapters (stored, as
     initialised) but trains none, and every answer (scores, the "unknown" margin) is the answer of a
     run that trained them."""
-    from drlcli import load_run
     from drlcli.cli.render import learn_stage as render
-    from drlcli.data import eval_transform, load_rgb, scan_class_folders
-    from drlcli.ipa import IPANetwork
+    from drlcli.data.decode import load_rgb
+    from drlcli.data.images import scan_class_folders
+    from drlcli.data.loading import eval_transform
+    from drlcli.methods.drl.network import IPANetwork
+    from drlcli.run.load import load_run
 
     stages = stage_folders[:2]
     skipped = _learned(tmp_path / "skipped", stages, RunConfig.for_method("drl"))
@@ -150,7 +155,7 @@ def test_a_stage_nothing_reads_is_created_untrained_and_changes_no_answer(tmp_pa
 
 def test_a_stage_the_head_reads_is_trained(tmp_path, stage_folders):
     """ranpac.subspaces 2 reads stage 1's subspace: stage 1 is trained, stage 2 is not."""
-    from drlcli import load_run
+    from drlcli.run.load import load_run
 
     config = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
     first, second = _learned(tmp_path / "run", stage_folders[:2], config)

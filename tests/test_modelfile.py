@@ -22,13 +22,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from drlcli import export_run, init_run, load_model
 from drlcli.cli import app
+from drlcli.commands.export import export_run
+from drlcli.commands.init import init_run
+from drlcli.commands.predict import predict
 from drlcli.errors import DrlError, IntegrityError, UsageError
-from drlcli.modelfile import with_checksum
-from drlcli.predict import predict
-from drlcli.rundir import sha256_bytes
-from drlcli.serving import JSON_KEYS, MODEL_SHA256, SPEC_FILE, seal_onnx
+from drlcli.run.layout import sha256_bytes
+from drlcli.serving.formats import load_model
+from drlcli.serving.graph import JSON_KEYS, MODEL_SHA256, SPEC_FILE
+from drlcli.serving.modelfile import with_checksum
+from drlcli.serving.onnx import seal_onnx
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 runner = CliRunner()

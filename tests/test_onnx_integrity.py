@@ -20,11 +20,13 @@ import torch
 from typer.testing import CliRunner
 
 import drlcli
-from drlcli import export_run, load_model
 from drlcli.cli import app
+from drlcli.commands.export import export_run
 from drlcli.errors import IntegrityError
-from drlcli.modelfile import with_checksum
-from drlcli.serving import JSON_KEYS, MODEL_SHA256, _onnx_payload_sha256, seal_onnx
+from drlcli.serving.formats import load_model
+from drlcli.serving.graph import JSON_KEYS, MODEL_SHA256
+from drlcli.serving.modelfile import with_checksum
+from drlcli.serving.onnx import _onnx_payload_sha256, seal_onnx
 
 HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 pytestmark = pytest.mark.skipif(not HAS_ONNX, reason="the export extra (onnx, onnxruntime) is missing")
@@ -250,7 +252,7 @@ def test_operators_the_exporter_never_writes_are_refused(exported, images, tmp_p
 
 def test_what_the_exporters_write_is_allowed_and_sealed(exported):
     """Every op of a fresh export is allowlisted; the file's checksum covers it as written."""
-    from drlcli.serving import ONNX_OPS, _graph_ops, onnx_model_sha256  # the loader's own walk and digest
+    from drlcli.serving.onnx import ONNX_OPS, _graph_ops, onnx_model_sha256
 
     proto = _proto(exported)
     assert {op for _, op in _graph_ops(proto.graph)} <= ONNX_OPS

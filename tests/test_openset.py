@@ -13,26 +13,12 @@ from safetensors.torch import load as st_load
 from typer.testing import CliRunner
 
 from drlcli.cli import app
-from drlcli.config import OpenSetConfig
-from drlcli.openset import (
-    BIAS,
-    RMD_BIAS,
-    RMD_MEAN,
-    RMD_SCATTER,
-    RMD_TENSORS,
-    Moments,
-    RmdKnown,
-    auroc,
-    balanced_quantile,
-    balanced_rate,
-    calibrate,
-    holdout_mask,
-    known_scores,
-    open_set_report,
-    probe_block,
-    rmd_input,
-)
-from drlcli.ranpac import shrunk
+from drlcli.heads.linalg import shrunk
+from drlcli.heads.openset import BIAS, RMD_BIAS, RMD_MEAN, RMD_SCATTER, RMD_TENSORS
+from drlcli.heads.openset.calibrate import balanced_quantile, balanced_rate, calibrate, holdout_mask
+from drlcli.heads.openset.report import auroc, open_set_report
+from drlcli.heads.openset.rmd import Moments, RmdKnown, known_scores, probe_block, rmd_input
+from drlcli.options import OpenSetConfig
 
 runner = CliRunner()
 
@@ -334,8 +320,10 @@ def test_a_run_without_rmd_statistics_answers_by_the_cosine(learned, stage_folde
 def test_the_cosine_rule_stays_reachable_by_config(stage_folders, tmp_path):
     from conftest import TINY_PTM, TINY_PTM_KWARGS
 
-    from drlcli import init_run, learn_stage, load_run
+    from drlcli import learn_stage
+    from drlcli.commands.init import init_run
     from drlcli.config import RunConfig
+    from drlcli.run.load import load_run
 
     run = tmp_path / "cos"
     config = RunConfig.for_method("drl", {"open_set": {"score": "cosine"}})
@@ -356,7 +344,7 @@ def test_probe_block_is_the_block_at_the_configured_share_of_the_depth():
 
 
 def test_the_rmd_score_reads_f0_and_the_probe_blocks_class_token(learned):
-    from drlcli import load_run
+    from drlcli.run.load import load_run
 
     model = load_run(learned).model
     ptm, d = model.network.ptm, model.network.width
@@ -378,7 +366,7 @@ def _rewrite_config(run: Path, change) -> None:
     """Change run.yaml's hyper-parameters with ``change(config)`` and its manifest entry consistently."""
     import yaml
 
-    from drlcli.rundir import sha256_bytes
+    from drlcli.run.layout import sha256_bytes
 
     record = yaml.safe_load((run / "run.yaml").read_text())
     change(record["config"])
@@ -392,8 +380,10 @@ def _rewrite_config(run: Path, change) -> None:
 def test_a_run_learned_before_the_probe_block_keeps_f0_alone(stage_folders, tmp_path):
     from conftest import TINY_PTM, TINY_PTM_KWARGS
 
-    from drlcli import init_run, learn_stage, load_run
+    from drlcli import learn_stage
+    from drlcli.commands.init import init_run
     from drlcli.config import RunConfig
+    from drlcli.run.load import load_run
 
     run = tmp_path / "f0"
     config = RunConfig.for_method("drl", {"open_set": {"probe_depth": None}})
@@ -415,8 +405,8 @@ def test_a_run_learned_before_the_probe_block_keeps_f0_alone(stage_folders, tmp_
 def test_restoring_rmd_statistics_of_any_shape_gives_a_clean_error(learned):
     """The one loader behind runs and .drl files: a crafted unknown_mean of any rank is the caller's
     fit error naming it, never a crash (a .drl reaches it with only its checksums checked)."""
-    from drlcli import load_run
-    from drlcli.restore import model_tensors, restore_model
+    from drlcli.model.restore import model_tensors, restore_model
+    from drlcli.run.load import load_run
 
     loaded = load_run(learned)
     model = loaded.model

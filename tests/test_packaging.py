@@ -23,7 +23,7 @@ MODULE_OF = {"pillow": "PIL", "pyyaml": "yaml"}
 def _imported_modules() -> set[str]:
     """Top-level modules imported by drlcli, including optional ones loaded through ``errors.require``."""
     found: set[str] = set()
-    for path in (ROOT / "drlcli").glob("*.py"):
+    for path in (ROOT / "drlcli").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 found.update(alias.name.split(".")[0] for alias in node.names)
@@ -60,14 +60,14 @@ def test_distribution_name_version_and_license():
     assert project["name"] == "drlcli"  # `drl` on the public index is an unrelated package
     assert PYPROJECT["project"]["scripts"] == {"drl": "drlcli.cli:main"}
     assert "version" not in project and project["dynamic"] == ["version"]
-    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "drlcli.__version__"}
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "drlcli.version.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", drlcli.__version__)
     assert project["license"] == "Apache-2.0"  # SPDX expression, not the deprecated table
 
 
 def test_install_hints_name_the_distribution():
     """Every `pip install '...[extra]'` hint in the package and README names drlcli, never `drl`."""
-    for path in [*(ROOT / "drlcli").glob("*.py"), ROOT / "README.md"]:
+    for path in [*(ROOT / "drlcli").rglob("*.py"), ROOT / "README.md"]:
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"pip install ['\"]?drl\[", text), path
 

@@ -11,16 +11,23 @@ import torch
 from conftest import TRAINS
 from typer.testing import CliRunner
 
-from drlcli import evaluate, init_run, learn_stage, load_run
+from drlcli import evaluate, learn_stage
 from drlcli.cli import app
-from drlcli.config import IPAConfig, RunConfig, TrainConfig
-from drlcli.data import scan_class_folders
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.data.images import scan_class_folders
 from drlcli.errors import RunStateError, UsageError
-from drlcli.ipa import IPANetwork
+from drlcli.methods.drl.network import IPANetwork
+from drlcli.methods.drl.options import IPAConfig
+from drlcli.options import TrainConfig
 from drlcli.precision import autocast, check_precision, grad_scaler
-from drlcli.rundir import CHECKPOINT, CHECKPOINT_META, RunDir, seal_checkpoint
+from drlcli.run.checkpoint import seal_checkpoint
+from drlcli.run.directory import RunDir
+from drlcli.run.layout import CHECKPOINT, CHECKPOINT_META
+from drlcli.run.load import load_run
+from drlcli.stage.train import train_stage
+from drlcli.stage.train_state import TrainState
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
-from drlcli.train import TrainState, train_stage
 
 runner = CliRunner()
 OPTS = {"epochs": 2, "batch_size": 12}
@@ -218,7 +225,7 @@ def test_fp16_training_scales_the_loss_and_resumes_with_its_scale(tiny_ptm, make
 
 
 def test_graph_models_refuse_a_precision(learned_run, stage_folders, tmp_path):
-    from drlcli import export_run
+    from drlcli.commands.export import export_run
 
     export_run(learned_run, tmp_path / "m.pt", fmt="torchscript")
     export_run(learned_run, tmp_path / "m.drl")

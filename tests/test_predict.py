@@ -6,10 +6,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from drlcli import export_run
 from drlcli.cli import app
+from drlcli.commands.export import export_run
+from drlcli.commands.predict import expand_sources
 from drlcli.errors import UsageError
-from drlcli.predict import expand_sources
 
 runner = CliRunner()
 needs_onnx = pytest.mark.skipif(

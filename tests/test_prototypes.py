@@ -3,7 +3,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from drlcli.prototypes import score, score_weights, synthesize
+from drlcli.heads.prototypes import score, score_weights, synthesize
 
 
 def test_synthesis_matches_hand_computed_example():

@@ -10,27 +10,30 @@ from conftest import rewrite_stage_weights
 from PIL import Image
 from typer.testing import CliRunner
 
-from drlcli import evaluate, export_run, init_run, learn_stage, load_export, load_run
+from drlcli import evaluate, learn_stage
 from drlcli.api import info, verify
 from drlcli.cli import app
+from drlcli.commands.export import export_run
+from drlcli.commands.init import init_run
+from drlcli.commands.predict import expand_sources, predict
 from drlcli.config import RunConfig
-from drlcli.data import eval_transform, scan_class_folders
+from drlcli.data.images import scan_class_folders
+from drlcli.data.loading import eval_transform
 from drlcli.errors import UsageError
-from drlcli.model import embed_images
-from drlcli.predict import expand_sources, predict
-from drlcli.ranpac import (
-    LAYOUT,
-    RanpacHead,
+from drlcli.heads.ridge import LAYOUT
+from drlcli.heads.ridge.head import RanpacHead, expand, random_projection
+from drlcli.heads.ridge.statistics import (
     Statistics,
     choose_lambda,
-    expand,
     pack,
-    random_projection,
     solve,
     unpack,
     validation_errors,
     validation_mask,
 )
+from drlcli.model.incremental import embed_images
+from drlcli.run.load import load_run
+from drlcli.serving.drlfile import load_export
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 PROJ = {"ranpac": {"proj_dim": 96}}
@@ -321,7 +324,7 @@ def test_class_covariance_width_must_be_the_networks(covariance_run, stage_folde
 @pytest.mark.parametrize("threads", [1, 2])
 def test_precisions_of_real_widths_under_several_threads(threads):
     """d 192 and 768 (DeiT-Tiny, ViT-B): batched LU inverses fail or hang under several MKL threads."""
-    from drlcli.ranpac import precisions
+    from drlcli.heads.ridge.covariance import precisions
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -4,11 +4,12 @@ import pytest
 import torch
 from conftest import TRAINS
 
-from drlcli import learn_stage, load_run
+from drlcli import learn_stage
 from drlcli.api import verify
 from drlcli.config import RunConfig
 from drlcli.errors import RunStateError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
+from drlcli.run.load import load_run
 
 OPTS = {"epochs": 3, "batch_size": 12}
 
@@ -37,7 +38,7 @@ def _interrupted(run, data):
 
 
 def test_resume_gives_the_same_stage_as_an_uninterrupted_run(tmp_path, stage_folders):
-    from drlcli import init_run
+    from drlcli.commands.init import init_run
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     runs = []
@@ -96,7 +97,8 @@ def test_resume_on_another_device_type_is_refused(run_dir, stage_folders):
     """A checkpoint records its device type; resuming it elsewhere is exit 7 naming --restart (issue 18)."""
     import json
 
-    from drlcli.rundir import CHECKPOINT, CHECKPOINT_META, seal_checkpoint
+    from drlcli.run.checkpoint import seal_checkpoint
+    from drlcli.run.layout import CHECKPOINT, CHECKPOINT_META
 
     train = stage_folders[0][0]
     _interrupted(run_dir, train)

@@ -9,7 +9,7 @@ import pytest
 
 from drlcli import rundir, storage
 from drlcli.errors import IntegrityError, RunBusyError, RunStateError, StorageError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 
 
 def _init(path):
@@ -163,7 +163,7 @@ import sys
 sys.modules["fcntl"] = None  # import fcntl raises ImportError
 import drlcli
 from drlcli.errors import StorageError
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 try:
     with RunDir({str(tmp_path / "run")!r}).writer(create=True):
         pass

@@ -1,10 +1,11 @@
 import torch
 
-from drlcli.config import IPAConfig, TrainConfig
-from drlcli.data import scan_class_folders
-from drlcli.ipa import IPANetwork
+from drlcli.data.images import scan_class_folders
+from drlcli.methods.drl.network import IPANetwork
+from drlcli.methods.drl.options import IPAConfig
+from drlcli.options import TrainConfig
 from drlcli.seeding import reseed, seeded
-from drlcli.train import train_stage
+from drlcli.stage.train import train_stage
 
 CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
 

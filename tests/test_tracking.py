@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from drlcli.cli import app
-from drlcli.rundir import RunDir
+from drlcli.run.directory import RunDir
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 pytest.importorskip("tensorboard")  # the `test` extra brings it
@@ -90,7 +90,9 @@ def test_python_api_takes_tensorboard_dir(run_dir, stage_folders, tmp_path):
 
 def test_a_stage_with_nothing_to_log_writes_no_file(tmp_path, stage_folders):
     """simplecil trains nothing; without eval data there is no A_t: no event file, no tensorboard_dir."""
-    from drlcli import RunConfig, init_run, learn_stage
+    from drlcli import learn_stage
+    from drlcli.commands.init import init_run
+    from drlcli.config import RunConfig
 
     run = tmp_path / "run"
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("simplecil"))

@@ -3,11 +3,13 @@ import random
 import pytest
 import torch
 
-import drlcli.train as train_module
-from drlcli.config import IPAConfig, TrainConfig
-from drlcli.data import ImageDataset, eval_transform, scan_class_folders
-from drlcli.ipa import IPANetwork
-from drlcli.train import PROGRESS_EVERY, CosineClassifier, initial_class_means, train_stage
+import drlcli.stage.train as train_module
+from drlcli.data.images import scan_class_folders
+from drlcli.data.loading import ImageDataset, eval_transform
+from drlcli.methods.drl.network import IPANetwork
+from drlcli.methods.drl.options import IPAConfig
+from drlcli.options import TrainConfig
+from drlcli.stage.train import PROGRESS_EVERY, CosineClassifier, initial_class_means, train_stage
 
 CFG = {"input_size": [3, 32, 32], "interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3, "crop_pct": 0.875}
 
@@ -123,7 +125,7 @@ def _eval_image(images, index):
 def test_weight_decay_covers_the_stage_and_class_weights_but_not_the_scale(tiny_ptm):
     """One place decides the optimiser's groups: decay on the trainable stage parameters and the
     class weights, none on σ; a stage's frozen parameters (gate=sum) are not optimised at all."""
-    from drlcli.train import _optimizer
+    from drlcli.stage.train import _optimizer
 
     net = IPANetwork(tiny_ptm, IPAConfig(gate="sum"))
     stage = net.new_stage(seed=0)

@@ -25,9 +25,10 @@ from safetensors.torch import load, save
 from typer.testing import CliRunner
 
 from drlcli import api, jsonio
-from drlcli.cli import Reporter, app
-from drlcli.data import MAX_DECODE_SIDE, load_rgb
-from drlcli.rundir import seal_checkpoint
+from drlcli.cli import app
+from drlcli.cli.output import Reporter
+from drlcli.data.decode import MAX_DECODE_SIDE, load_rgb
+from drlcli.run.checkpoint import seal_checkpoint
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 runner = CliRunner()
@@ -120,15 +121,15 @@ def test_run_yaml_with_invalid_numbers_is_an_integrity_error(run, stage_folders)
 
 def _nan_loss_after(monkeypatch, steps):
     """From step ``steps`` + 1 on, the loss is NaN (what a learning rate far too high ends in)."""
-    import drlcli.train
+    import drlcli.stage.train
 
-    real, calls = drlcli.train.stage_loss, []
+    real, calls = drlcli.stage.train.stage_loss, []
 
     def loss(*args):
         calls.append(1)
         return real(*args) * (math.nan if len(calls) > steps else 1.0)
 
-    monkeypatch.setattr(drlcli.train, "stage_loss", loss)
+    monkeypatch.setattr(drlcli.stage.train, "stage_loss", loss)
 
 
 def test_diverged_training_is_refused_and_leaves_no_checkpoint(run, stage_folders, monkeypatch):
@@ -147,8 +148,10 @@ def test_diverged_training_is_refused_and_leaves_no_checkpoint(run, stage_folder
 
 def test_non_finite_stage_tensors_are_refused_before_the_commit(run, stage_folders, monkeypatch):
     before = _state(run)
-    real = api.class_means
-    monkeypatch.setattr(api, "class_means", lambda *a: real(*a) * math.inf)
+    from drlcli.stage import fit
+
+    real = fit.class_means
+    monkeypatch.setattr(fit, "class_means", lambda *a: real(*a) * math.inf)
     result = drl("learn-stage", "--run", run, "--data", stage_folders[1][0], *FAST, "--json")
     assert result.exit_code == 3
     error = _strict(result.stdout)["error"]
@@ -495,7 +498,7 @@ def test_seeds_out_of_range_are_usage_errors(tmp_path, command):
 def test_recorded_seconds_must_be_numbers_of_seconds():
     """Every reader of a stage's seconds (info, benchmark rows) gets a checked stage.json: a crafted
     value (huge, non-finite, negative, not a number) is a damaged stage, never an internal error."""
-    from drlcli.api import _stage_meta_problem
+    from drlcli.run.records import _stage_meta_problem
 
     def meta(train, learn):
         return {

@@ -2,10 +2,12 @@
 data and class order, each in its own run directory, through the same library calls as the CLI.
 
 Three parts: ``protocol`` (pure: data layouts, class order, stages, validation split, caps),
-``variants`` + ``runner`` (what runs: variants, resume, timing, rescoring) and ``report`` (result
+``folders`` (the stages' class folders on disk), ``variants`` + ``runner`` (what runs: variants,
+resume), ``scoring`` (timing, rescoring) and ``report`` (result
 rows, mean ± std over class orders, tables, plot, files). ``benchmark`` is the command's one call.
 """
 
+from .folders import materialise
 from .protocol import (
     DEFAULT_SEED,
     BenchmarkData,
@@ -17,7 +19,8 @@ from .protocol import (
     stage_classes,
 )
 from .report import aggregate, markdown_table, mean_std, seeds_markdown, write_reports
-from .runner import BenchmarkSettings, benchmark, materialise, rescore, run_benchmark, run_seeds
+from .runner import BenchmarkSettings, benchmark, run_benchmark, run_seeds
+from .scoring import rescore
 from .variants import Variant, parse_methods, parse_score, parse_variant
 
 __all__ = [

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import MAX_SEED
 from ..data import scan_class_folders
 from ..errors import DataError, UsageError
+from ..options import MAX_SEED
 
 DEFAULT_SEED = 1993  # PILOT's class-order seed
 

@@ -9,9 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import api, jsonio, storage
+from .. import jsonio, storage
 from ..config import RunConfig
 from ..metrics import AccuracyReport, summarize_history
+from ..run.load import LoadedRun
+from ..run.records import history_of, train_metrics
 from .variants import Variant
 
 SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "learn_seconds", "inference_ms_per_image")
@@ -32,19 +34,7 @@ def aggregate(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     every order's own results kept under ``per_seed``."""
     seeds = list(reports)
     first = reports[seeds[0]]
-    summary = []
-    for row in first["results"]:
-        rows = [next(r for r in reports[seed]["results"] if r["label"] == row["label"]) for seed in seeds]
-        num_stages = min(len(r["accuracy"]) for r in rows)
-        summary.append(
-            {
-                "label": row["label"],
-                "method": row["method"],
-                "num_seeds": len(rows),
-                **{key: mean_std([r.get(key) for r in rows]) for key in SUMMARY_KEYS},
-                "accuracy": [mean_std([r["accuracy"][t] for r in rows]) for t in range(num_stages)],
-            }
-        )
+    summary = [_across_seeds(row, [_row_of(reports[seed], row["label"]) for seed in seeds]) for row in first["results"]]
     protocol = {k: v for k, v in first["protocol"].items() if k not in ("seed", "class_order")}
     return {
         "protocol": {
@@ -58,17 +48,31 @@ def aggregate(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _row_of(report: dict[str, Any], label: str) -> dict[str, Any]:
+    return next(r for r in report["results"] if r["label"] == label)
+
+
+def _across_seeds(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's row over the orders: mean ± std of each figure and of each A_t they all have."""
+    num_stages = min(len(r["accuracy"]) for r in rows)
+    return {
+        "label": row["label"],
+        "method": row["method"],
+        "num_seeds": len(rows),
+        **{key: mean_std([r.get(key) for r in rows]) for key in SUMMARY_KEYS},
+        "accuracy": [mean_std([r["accuracy"][t] for r in rows]) for t in range(num_stages)],
+    }
+
+
 # ------------------------------------------------------------------------------- rows
 
 
-def summary_row(
-    label: str, variant: Variant, loaded: api.LoadedRun, config: RunConfig, seconds_per_image: float
-) -> dict:
+def summary_row(label: str, variant: Variant, loaded: LoadedRun, config: RunConfig, seconds_per_image: float) -> dict:
     """A variant's results row: A_t, Ā, forgetting, parameters, bytes and times from its loaded run
-    (its stage metadata checked by ``api.check_stage_meta``)."""
+    (its stage metadata checked by ``check_stage_meta``)."""
     run, manifest, metas = loaded.run, loaded.manifest, loaded.stage_metas
-    history = api.history_of(metas)
-    train = [api.train_metrics(m).get("seconds", 0.0) for m in metas]
+    history = history_of(metas)
+    train = [train_metrics(m).get("seconds", 0.0) for m in metas]
     learn = [m["metrics"].get("learn_seconds") for m in metas]  # None: a stage from before learn_seconds
     return {
         "label": label,

@@ -11,8 +11,6 @@ variant's event files go to ``TB/<variant>`` (``TB/seed_<seed>/<variant>``), one
 from __future__ import annotations
 
 import dataclasses
-import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,29 +19,32 @@ from typing import Any
 
 import torch
 
-from .. import api, distributed, jsonio
+from .. import distributed
+from ..commands.init import init_run
 from ..config import RunConfig
-from ..data import ImageDataset, check_workers, eval_transform, scan_class_folders
+from ..data import check_workers
+from ..device import resolve_device
 from ..errors import UsageError
 from ..methods import method_of
-from ..metrics import AccuracyReport, accuracy_report
-from ..model import embed_images
-from ..precision import autocast, check_precision
-from ..prototypes import score, synthesize
-from ..rundir import RunDir
+from ..precision import check_precision
+from ..progress import Progress, ProgressFn
+from ..run.directory import RunDir
+from ..run.load import load_run
+from ..run.records import train_metrics
+from ..stage import learn_stage
 from ..tracking import check_tensorboard_dir
+from .folders import check_protocol, materialise, protocol_record
 from .protocol import (
     DEFAULT_SEED,
-    BenchmarkData,
     StagePlan,
-    capped,
     load_data,
     num_images,
     parse_seeds,
     parse_split,
     plan_stages,
 )
-from .report import aggregate, atomic_write, rescored_row, summary_row, write_reports
+from .report import aggregate, rescored_row, summary_row, write_reports
+from .scoring import rescore, timing
 from .variants import Variant, parse_methods, parse_score
 
 LogFn = Callable[[str], None]
@@ -80,7 +81,7 @@ def benchmark(
     *,
     seeds: str | None = None,
     seed_given: bool = False,
-    progress: api.ProgressFn | None = None,
+    progress: ProgressFn | None = None,
     log: LogFn | None = None,
 ) -> dict[str, Any]:
     """``drl benchmark``: parse ``methods`` (``drl,drl/loss=ce,...``) and the class orders
@@ -102,7 +103,7 @@ def check_settings(settings: BenchmarkSettings, outs: list[Path]) -> None:
     directory or among the runs under ``OUT/runs`` (``outs``: each class order's OUT)."""
     if settings.num_workers is not None:
         check_workers(settings.num_workers)
-    check_precision(settings.precision, api.resolve_device(settings.device))
+    check_precision(settings.precision, resolve_device(settings.device))
     if settings.tensorboard_dir is None:
         return
     check_tensorboard_dir(settings.tensorboard_dir)
@@ -118,152 +119,7 @@ def check_settings(settings: BenchmarkSettings, outs: list[Path]) -> None:
 # ------------------------------------------------------------------------------ stage data
 
 
-def materialise(
-    stages: list[list[str]],
-    data: BenchmarkData,
-    out: Path,
-    *,
-    max_train: int | None,
-    max_test: int | None,
-    write: bool = True,
-) -> list[tuple[Path, Path]]:
-    """Symlink each stage's images into OUT/data/stage_NN/{train,test}/<class>/ (idempotent);
-    with ``write`` False only the folder names are returned."""
-    folders = []
-    for k, classes in enumerate(stages, 1):
-        pair = []
-        for split, source, cap in (("train", data.train, max_train), ("test", data.test, max_test)):
-            root = out / f"stage_{k:02d}" / split
-            pair.append(root)
-            for cls in classes if write else []:
-                _link_class(root / cls, capped(source[cls], cap))
-        folders.append(tuple(pair))
-    return folders
-
-
-def _link_class(folder: Path, paths: list[Path]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    wanted = {f"{i:05d}_{p.name}": p.resolve() for i, p in enumerate(paths)}
-    for name, target in wanted.items():
-        link = folder / name
-        if link.is_symlink() and Path(link.readlink()) != target:
-            link.unlink()
-        if not link.is_symlink():
-            link.symlink_to(target)
-    for stale in folder.iterdir():
-        if stale.name not in wanted:
-            stale.unlink()
-
-
-def _protocol_record(settings: BenchmarkSettings) -> dict[str, Any]:
-    return {
-        "data": str(Path(settings.data_dir).resolve()),
-        "split": settings.split,
-        "seed": settings.seed,
-        "shuffle": settings.shuffle,
-        "max_train_per_class": settings.max_train_per_class,
-        "max_test_per_class": settings.max_test_per_class,
-        "val_fraction": settings.val_fraction,
-        "skip_classes": sorted(settings.skip_classes),
-        "ptm": settings.ptm,
-    }
-
-
-def _check_protocol(path: Path, protocol: dict[str, Any], *, write: bool) -> None:
-    """An --out folder holds one protocol: continuing it with other data or split would mix them."""
-    if path.exists():
-        try:
-            stored = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"{path} is unreadable ({exc}); pass another --out") from exc
-        changed = sorted(k for k in protocol if stored.get(k) != protocol[k])
-        if changed:
-            raise UsageError(
-                f"--out {path.parent} holds a benchmark with other {', '.join(changed)}; "
-                "pass another --out or the same options"
-            )
-    elif write:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, jsonio.dumps(protocol, indent=2) + "\n")
-
-
 # ------------------------------------------------------------------------- timing, scoring
-
-
-def _timing(loaded: api.LoadedRun, test_dir: Path, batch: int, *, precision: str = "fp32") -> float:
-    """Median seconds per image of network + scoring on one batch of test images (after 1 warm-up),
-    the network in ``precision``."""
-    model = loaded.model
-    images = scan_class_folders(test_dir, what="timing images")
-    dataset = ImageDataset(images, eval_transform(model.data_config))
-    n = min(batch, len(dataset))
-    device = model.device
-    x = torch.stack([dataset[i][0] for i in range(n)]).to(device)
-    times = []
-    with torch.inference_mode(), autocast(device, precision):
-        for _ in range(6):  # the first is a warm-up
-            start = time.perf_counter()
-            model.score_images(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the run's GPU, not the current one
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / n
-
-
-def rescore(
-    loaded: api.LoadedRun,
-    test_dirs: list[Path],
-    scores: list[dict[str, Any]],
-    *,
-    num_workers: int = 0,
-    precision: str = "fp32",
-) -> list[tuple[dict[str, Any], list[AccuracyReport]]]:
-    """A_t after every stage under other scoring options, without retraining.
-
-    Stage t's model is the final one restricted to the classes of stages 1..t and their
-    subspaces: a subspace never depends on later stages, so this is exact (with the run's own
-    options it reproduces the recorded A_t). One pass of the final network over the test images.
-    """
-    model = loaded.model
-    index = model.class_index()
-    feats, targets = [], []
-    for test_dir in test_dirs[: model.num_stages]:
-        images = scan_class_folders(test_dir, what="test data")
-        f, y = embed_images(
-            model.network,
-            images,
-            model.data_config,
-            batch_size=api.EVAL_BATCH_SIZE,
-            num_workers=num_workers,
-            precision=precision,
-        )
-        feats.append(f)
-        targets.append(torch.tensor([index[name] for name in images.class_names])[y])
-    features, target = torch.cat(feats), torch.cat(targets)
-    stage_of = model.class_stage
-    out = []
-    for options in scores:
-        cfg = dataclasses.replace(model.score_cfg, **options)
-        reports = []
-        for t in range(1, model.num_stages + 1):
-            classes = stage_of <= t
-            width = min(model.num_subspaces, model.offset + t)
-            real = model.real_prototypes[classes][:, :width]
-            bank = synthesize(real, stage_of[classes], tau=cfg.tau, offset=model.offset)
-            rows = stage_of[target] <= t
-            logits = score(
-                features[rows][:, :width],
-                bank,
-                stage_of[classes],
-                rule=cfg.rule,
-                rho=cfg.rho,
-                beta=cfg.beta,
-                offset=model.offset,
-            )
-            # classes of stages <= t come first in the class list, so indices are unchanged
-            reports.append(accuracy_report(logits.argmax(1), target[rows], stage_of, num_stages=t))
-        out.append((options, reports))
-    return out
 
 
 # -------------------------------------------------------------------------------- running
@@ -278,7 +134,7 @@ class _Session:
     plan: StagePlan
     folders: list[tuple[Path, Path]]
     num_variants: int
-    progress: api.ProgressFn | None
+    progress: ProgressFn | None
     say: LogFn
     main: bool  # under torchrun rank 0 alone writes files; all ranks train
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -306,7 +162,7 @@ class _Session:
                 )
             return len(run.stage_indices())
         if self.main:
-            api.init_run(
+            init_run(
                 run_dir,
                 ptm=settings.ptm,
                 ptm_weights=settings.ptm_weights,
@@ -331,13 +187,13 @@ class _Session:
         self.stages_run += 1
         tag = f"{variant.label} stage {k + 1}/{num_stages}"
 
-        def relay(event: api.Progress) -> None:
+        def relay(event: Progress) -> None:
             if self.progress:
                 self.progress(replace(event, detail=f"{tag} {event.detail}".strip()))
 
         train_dir, test_dir = self.folders[k]
         settings = self.settings
-        result = api.learn_stage(
+        result = learn_stage(
             run_dir,
             data_dir=train_dir,
             eval_data_dir=test_dir,
@@ -354,12 +210,12 @@ class _Session:
     def _rows(self, variant: Variant, run_dir: Path, config: RunConfig, score_options: list[dict]) -> list[dict]:
         """The variant's results row, then one per ``--rescore`` option (trained methods only)."""
         settings = self.settings
-        loaded = api.load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
-        per_image = _timing(loaded, self.folders[-1][1], settings.timing_batch, precision=settings.precision)
+        loaded = load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
+        per_image = timing(loaded, self.folders[-1][1], settings.timing_batch, precision=settings.precision)
         row = summary_row(variant.label, variant, loaded, config, per_image)
         if not (score_options and method_of(config).trains):
             return [row]
-        if any(api.train_metrics(meta).get("skipped") is True for meta in loaded.stage_metas):
+        if any(train_metrics(meta).get("skipped") is True for meta in loaded.stage_metas):
             # scoring by other options would read subspaces of stages that were never trained
             self.say(f"[{variant.label}] not rescored: its stages were not trained (train.skip_unread)")
             return [row]
@@ -378,7 +234,7 @@ def run_benchmark(
     settings: BenchmarkSettings,
     variants: list[Variant],
     *,
-    progress: api.ProgressFn | None = None,
+    progress: ProgressFn | None = None,
     log: LogFn | None = None,
 ) -> dict[str, Any]:
     """Run every variant over the same stages; write results.json, results.md and (if matplotlib) a plot."""
@@ -395,8 +251,8 @@ def run_benchmark(
     )
     out = Path(settings.out_dir)
     main = distributed.is_main()
-    protocol = _protocol_record(settings)
-    _check_protocol(out / "protocol.json", protocol, write=main)
+    protocol = protocol_record(settings)
+    check_protocol(out / "protocol.json", protocol, write=main)
     folders = materialise(
         plan.stages,
         plan.data,
@@ -436,7 +292,7 @@ def _plan_record(settings: BenchmarkSettings, plan: StagePlan) -> dict[str, Any]
         "train_images": num_images(plan.data.train, plan.stages, settings.max_train_per_class),
         "test_images": num_images(plan.data.test, plan.stages, settings.max_test_per_class),
         "epochs": settings.epochs,
-        "device": str(api.resolve_device(settings.device)),
+        "device": str(resolve_device(settings.device)),
         "precision": settings.precision,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -448,7 +304,7 @@ def run_seeds(
     variants: list[Variant],
     seeds: tuple[int, ...],
     *,
-    progress: api.ProgressFn | None = None,
+    progress: ProgressFn | None = None,
     log: LogFn | None = None,
 ) -> dict[str, Any]:
     """``run_benchmark`` once per class order, in ``OUT/seed_<seed>/``; then the mean ± std report."""

@@ -1,7 +1,9 @@
-"""The ``drl`` command line: a thin Typer layer over the library (``drlcli.api`` and the modules
-that own each command: ``export``, ``predict``, ``benchmark``, ``demo``).
+"""The ``drl`` command line: a thin Typer layer over the library (``drlcli.api``: the modules that
+own each command, ``commands/``, ``stage/``, ``benchmark/``).
 
-    app.py       the commands: parse options, make one library call, hand the result to render
+    app.py       the Typer app, its top-level options (--version), the entry point
+    commands.py  the commands on a run: parse options, make one library call, hand the result to render
+    bench.py     benchmark and demo
     boundary.py  the one error boundary: every failure -> one ``error:`` line and its exit code
     output.py    stdout/stderr plumbing: logging, progress (rich bar or plain lines), JSON emitters
     render.py    the text of each command's result (what ``--json`` prints as one object)
@@ -12,6 +14,7 @@ Results go to stdout (text, or one JSON object with ``--json``); logs and progre
 
 import time  # noqa: F401  (drlcli.cli.time: tests pin the progress clock through it)
 
+from . import bench  # noqa: F401  (it and commands.py, which it imports first, register the commands)
 from .app import app, main
 from .output import Reporter, setup_logging
 

@@ -3,7 +3,6 @@ and the top-level help's exit-code table. Imports no torch: ``drl --help`` stays
 
 from __future__ import annotations
 
-import dataclasses
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -11,9 +10,10 @@ from typing import Any
 import typer
 import yaml
 
-from ..config import MAX_WORKERS, PRECISIONS, RunConfig, TrainConfig
+from ..config import config_sections
 from ..errors import EXIT_CODES, UsageError
 from ..methods import METHODS
+from ..options import MAX_WORKERS, PRECISIONS, TrainConfig
 
 # "\b" keeps click from re-wrapping the list into one paragraph
 EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
@@ -34,7 +34,7 @@ RandomInitOpt = typer.Option(False, "--random-init", help="Random PTM weights, s
 PtmArgOpt = typer.Option([], "--ptm-arg", help="timm create_model KEY=VALUE (repeatable).")
 
 # the sections of a run config file (init --config): every field of RunConfig but the method's name
-CONFIG_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "method")
+CONFIG_SECTIONS = tuple(config_sections())
 
 # choices that --help and shell completion show (the values are the library's own names)
 MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)

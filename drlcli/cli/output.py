@@ -21,7 +21,7 @@ from .. import jsonio
 from ..errors import UsageError
 
 if TYPE_CHECKING:  # torch loads with the first command that runs, not for --help or --version
-    from .. import api
+    from ..progress import Progress
 
 log = logging.getLogger("drlcli")
 
@@ -109,7 +109,7 @@ def _warning_line(message: Warning | str, category: type[Warning], filename: str
 
 
 # A plain progress line at most this often, and a heartbeat line when this long passes without one:
-# no phase is silent longer (README). ``command`` reads it at each call: tests shorten it.
+# no phase is silent longer (docs/cli.md). ``command`` reads it at each call: tests shorten it.
 PROGRESS_INTERVAL = 10.0
 # On a terminal, a phase silent this long gets a spinner with its elapsed time.
 SPINNER_AFTER = 1.0
@@ -200,7 +200,7 @@ class Reporter:
 
     # ---------------------------------------------------------------- events
 
-    def __call__(self, event: api.Progress) -> None:
+    def __call__(self, event: Progress) -> None:
         if event.phase == "warning":  # shown even with --quiet: the user must know
             self.warn(event.detail)
             return
@@ -215,7 +215,7 @@ class Reporter:
             else:
                 self._plain(event, new_phase, now)
 
-    def _track(self, event: api.Progress, now: float) -> bool:
+    def _track(self, event: Progress, now: float) -> bool:
         """Follow the phases; True when ``event`` starts one (or its next pass, e.g. the next eval set)."""
         new_phase = event.phase != self._phase
         if new_phase or event.step < self._step:
@@ -229,7 +229,7 @@ class Reporter:
         self._finished = final
         return new_phase
 
-    def _plain(self, event: api.Progress, new_phase: bool, now: float) -> None:
+    def _plain(self, event: Progress, new_phase: bool, now: float) -> None:
         """A line when a phase starts, then at most one per ``interval``, and one at its last step. A
         phase without steps (``total`` 0: loading, the head's fit, a commit) prints nothing by itself:
         it names what runs for the heartbeat, whose line comes when it lasts ``interval``; so a command
@@ -280,7 +280,7 @@ class Reporter:
 
     # ---------------------------------------------------------------- the terminal's bar
 
-    def _rich(self, event: api.Progress) -> None:
+    def _rich(self, event: Progress) -> None:
         self._rich_task(event.phase, event.phase, event.step, event.total, progress_text(event))
 
     def _rich_task(self, phase: str | None, description: str, step: int, total: int, detail: str) -> None:
@@ -336,7 +336,7 @@ def _new_bar() -> Any:
     )
 
 
-def progress_text(event: api.Progress) -> str:
+def progress_text(event: Progress) -> str:
     """A progress event's figures as the words beside its bar: e.g. ``epoch 2/5 loss 0.4321 lr 0.00905``.
     The detail (a folder being validated, a benchmark variant) is data: ``printable``."""
     words = [printable(event.detail)] if event.detail else []
@@ -372,3 +372,8 @@ def print_error(kind: str, message: str, code: int, as_json: bool) -> None:
     if as_json:
         print(jsonio.dumps({"ok": False, "error": {"kind": kind, "message": message, "exit_code": code}}))
     typer.echo(f"error: {printable(message)}", err=True)  # ESC, BEL, bidi are no whitespace: escaped
+
+
+def stdout_is_a_terminal() -> bool:
+    """Whether results go to a person (text lines) or to a file or pipe (JSON lines)."""
+    return sys.stdout.isatty()

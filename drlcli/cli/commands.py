@@ -1,0 +1,377 @@
+"""The commands on a run: each parses its options, makes one library call inside the error boundary
+(``boundary.execute``) and hands the result to its renderer (``render``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..errors import UsageError
+from ..options import MAX_SEED, MAX_WORKERS
+from . import output, render
+from .app import app
+from .boundary import command, execute
+from .options import (
+    CONFIG_SECTIONS,
+    DeviceOpt,
+    ExportFormat,
+    JsonOpt,
+    MethodName,
+    PrecisionName,
+    PrecisionOpt,
+    PtmArgOpt,
+    QuietOpt,
+    RandomInitOpt,
+    RunOpt,
+    TensorBoardOpt,
+    VerboseOpt,
+    WeightsOpt,
+    WorkersOpt,
+    parse_ptm_args,
+    train_default,
+)
+from .output import Reporter
+
+
+def _api() -> Any:
+    """``drlcli.api``, imported when a command runs (torch with it), looked up at call time."""
+    from .. import api
+
+    return api
+
+
+@app.command(short_help="Create a run directory for a PTM (records its name, sha256 and data config).")
+def init(
+    ptm: str = typer.Option(
+        ...,
+        "--ptm",
+        help="timm ViT name, e.g. deit_tiny_patch16_224, or hf-hub:timm/REPO[@REVISION] from the Hugging Face cache.",
+    ),
+    ptm_weights: Path | None = WeightsOpt,
+    random_init: bool = RandomInitOpt,
+    ptm_arg: list[str] = PtmArgOpt,
+    method: MethodName | None = typer.Option(None, "--method", help="Method; default drl, or the --config file's."),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help=f"YAML run config: method, and any of the sections {', '.join(CONFIG_SECTIONS)} (each a mapping "
+        "of that section's keys; what is left out keeps the method's default).",
+    ),
+    preset: str | None = typer.Option(
+        None,
+        "--preset",
+        help="A named recipe of the method under --config's sections: paper (drl: the paper's scoring).",
+    ),
+    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
+    allow_nonempty: bool = typer.Option(
+        False,
+        "--allow-nonempty",
+        help="Create the run in a folder that holds other files (never changed). Without it init needs an "
+        "empty folder; a file under one of the run's own names (ptm.safetensors, stages, ...) is refused either way.",
+    ),
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Create a run directory for a PTM (records its name, sha256 and data config)."""
+    from ..config import RunConfig
+
+    def action(reporter: Reporter) -> Any:
+        name = method.value if method else None
+        if config:
+            cfg = RunConfig.from_yaml(config, method=name, preset=preset)
+        else:
+            cfg = RunConfig.for_method(name or "drl", preset=preset)
+        return _api().init_run(
+            run,
+            ptm=ptm,
+            ptm_weights=ptm_weights,
+            random_init=random_init,
+            ptm_kwargs=parse_ptm_args(ptm_arg),
+            config=cfg,
+            seed=seed,
+            allow_nonempty=allow_nonempty,
+            progress=reporter,
+        )
+
+    execute(action, render.init, name="init", phase=f"creating {run}", as_json=as_json, quiet=quiet, verbose=verbose)
+
+
+@app.command(
+    "learn-stage",
+    short_help="Learn the classes in --data as a new stage, committed atomically; an interrupted one resumes.",
+)
+def learn_stage(
+    data: Path = typer.Option(..., "--data", help="Folder with one sub-folder of images per new class."),
+    eval_data: Path | None = typer.Option(None, "--eval-data", help="Test folder, registered for later evals."),
+    epochs: int | None = typer.Option(
+        None,
+        "--epochs",
+        min=1,
+        show_default=False,
+        help=f"Training epochs for this stage, if it is trained (drl's default head reads no stage: "
+        f"train.skip_unread); {train_default('epochs')}.",
+    ),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", min=1, show_default=False, help=f"Images per step; {train_default('batch_size')}."
+    ),
+    lr: float | None = typer.Option(
+        None, "--lr", min=0.0, show_default=False, help=f"SGD learning rate; {train_default('lr')}."
+    ),
+    workers: int | None = typer.Option(
+        None,
+        "--workers",
+        min=0,
+        max=MAX_WORKERS,
+        show_default=False,
+        help=f"DataLoader worker processes of every pass (training, prototypes, evaluation); "
+        f"{train_default('num_workers')}.",
+    ),
+    restart: bool = typer.Option(
+        False, "--restart", help="Discard an interrupted run's epoch checkpoint instead of resuming it."
+    ),
+    precision: PrecisionName = PrecisionOpt,
+    tensorboard: Path | None = TensorBoardOpt,
+    device: str = DeviceOpt,
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Learn the classes in --data as a new stage; commit it atomically.
+
+    An interrupted run resumes from its last finished epoch when re-run with the same data and
+    options; re-running a committed stage with the same data does nothing."""
+    overrides = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "num_workers": workers}
+
+    def action(reporter: Reporter) -> Any:
+        return _api().learn_stage(
+            run,
+            data_dir=data,
+            eval_data_dir=eval_data,
+            train_overrides=overrides,
+            device=device,
+            ptm_weights=ptm_weights,
+            restart=restart,
+            precision=precision.value,
+            tensorboard_dir=tensorboard,
+            progress=reporter,
+        )
+
+    execute(
+        action,
+        render.learn_stage,
+        name="learn-stage",
+        phase="loading the run",
+        as_json=as_json,
+        quiet=quiet,
+        verbose=verbose,
+        device=device,
+    )
+
+
+@app.command(
+    "eval",
+    short_help="Top-1/top-5 accuracy, per stage group and old/new, most-confused pairs, A_t history, forgetting.",
+)
+def eval_(
+    all_seen: bool = typer.Option(False, "--all-seen", help="Every eval set registered by learn-stage."),
+    data: Path | None = typer.Option(None, "--data", help="A labelled folder of learned classes."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Also draw A_t and each stage group's accuracy per stage (.png/.svg/.pdf; plot extra)."
+    ),
+    confusions: int = typer.Option(5, "--confusions", min=0, help="How many most-confused class pairs to list."),
+    unknown_data: Path | None = typer.Option(
+        None,
+        "--unknown-data",
+        help="Class folders of classes the run has NOT learned: also report how well the 'unknown' answer "
+        "separates them from the known images (AUROC, unknown accepted, known rejected).",
+    ),
+    workers: int = WorkersOpt,
+    precision: PrecisionName = PrecisionOpt,
+    device: str = DeviceOpt,
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Top-1 and top-5 accuracy overall, top-1 per stage group and old/new, the most-confused class pairs, and the
+    history: A_t, the accuracy matrix (row t: after stage t, column g: stage g's classes), forgetting."""
+
+    def action(reporter: Reporter) -> Any:
+        return _api().evaluate(
+            run,
+            data_dir=data,
+            all_seen=all_seen,
+            device=device,
+            ptm_weights=ptm_weights,
+            confusions=confusions,
+            plot_path=plot,
+            unknown_dir=unknown_data,
+            num_workers=workers,
+            precision=precision.value,
+            progress=reporter,
+        )
+
+    execute(
+        action,
+        render.evaluate,
+        name="eval",
+        phase="loading the run",
+        as_json=as_json,
+        quiet=quiet,
+        verbose=verbose,
+        device=device,
+    )
+
+
+@app.command(short_help="Write one self-contained inference file: .drl, TorchScript, .pt2 or ONNX.")
+def export(
+    out: Path = typer.Option(..., "--out", help="Output file (e.g. model.drl, model.pt, model.pt2, model.onnx)."),
+    fmt: ExportFormat | None = typer.Option(
+        None,
+        "--format",
+        help="drl (the run's model in one file; default), torchscript, pt2 (torch.export) or onnx (images -> scores "
+        "graph, for serving; onnx needs the export extra). Default: from the --out suffix (.pt/.ts, .pt2, .onnx), "
+        "else drl; "
+        "a --format the suffix contradicts is refused.",
+    ),
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Write one self-contained inference file (weights, prototypes, classes, preprocessing). Reads the run only."""
+
+    def action(reporter: Reporter) -> Any:
+        from ..commands.export import export_run
+
+        return export_run(run, out, fmt=fmt.value if fmt else None, ptm_weights=ptm_weights, progress=reporter)
+
+    execute(action, render.export, name="export", phase=f"writing {out}", as_json=as_json, quiet=quiet, verbose=verbose)
+
+
+@app.command(
+    short_help="Top-k classes per image: JSON lines on stdout, text lines on a terminal; exit 3 if any failed."
+)
+def predict(
+    sources: list[str] = typer.Argument(..., help="Image files, folders, .txt lists of paths, or - (paths on stdin)."),
+    model: Path | None = typer.Option(
+        None,
+        "--model",
+        help="An exported file instead of --run: .drl, .onnx, .pt/.ts TorchScript or .pt2 torch.export (both need "
+        "--trust-code). "
+        "The format comes from the name; content that does not match it is refused (exit 5).",
+    ),
+    trust_code: bool = typer.Option(
+        False,
+        "--trust-code",
+        help="Allow a TorchScript or .pt2 --model: loading it may EXECUTE CODE FROM THE FILE (it can read, "
+        "write or delete files). Only for files you made or trust; .drl and .onnx never need it.",
+    ),
+    top_k: int = typer.Option(5, "--top-k", min=1, help="Classes per image."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1),
+    workers: int = WorkersOpt,
+    precision: PrecisionName = PrecisionOpt,
+    device: str = DeviceOpt,
+    ptm_weights: Path | None = WeightsOpt,
+    run: Path = RunOpt,
+    as_json: bool = typer.Option(False, "--json", help="JSON lines (one object per image) even on a terminal."),
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Top-k classes per image: JSON lines on stdout (a table on a terminal); exit 3 if any image failed."""
+    json_lines = as_json or not output.stdout_is_a_terminal()
+    with command(
+        name="predict", as_json=as_json, quiet=quiet, verbose=verbose, device=device, interrupted="interrupted"
+    ) as reporter:
+        from ..commands.predict import PredictStats, predict_sources
+
+        reporter.phase(f"loading {model or 'the run'}")
+
+        stats = PredictStats()
+        for p in predict_sources(
+            sources,
+            model_path=model,
+            run_dir=run,
+            device=device,
+            ptm_weights=ptm_weights,
+            trust_code=trust_code,
+            top_k=top_k,
+            batch_size=batch_size,
+            num_workers=workers,
+            precision=precision.value,
+            stats=stats,
+            progress=reporter,
+        ):
+            reporter.result(render.prediction(p.to_dict(), json_lines=json_lines))
+    if stats.failed:
+        raise typer.Exit(3)
+
+
+@app.command(short_help="Check every file of a run against its manifest; exit 5 naming any damage.")
+def verify(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:
+    """Check every file of a run against its manifest (sizes, sha256, format); exit 5 naming any damage."""
+    execute(
+        lambda reporter: _api().verify(run, progress=reporter),
+        render.verify,
+        name="verify",
+        phase=f"checking every file of {run}",
+        as_json=as_json,
+        quiet=quiet,
+        verbose=verbose,
+    )
+
+
+@app.command(short_help="Stages, classes, PTM, forgotten classes and the model's growth per stage (no PTM load).")
+def info(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:
+    """Stages, classes, PTM, and the model's growth per stage: parameters and bytes, cumulative (no PTM load)."""
+    execute(lambda _: _api().info(run), render.info, name="info", as_json=as_json, quiet=quiet, verbose=verbose)
+
+
+@app.command(short_help="Forget a learned class (a new generation of the run without it), or --restore one.")
+def forget(
+    class_name: str | None = typer.Option(
+        None, "--class", help="Take this class out of every answer (eval, predict, later exports)."
+    ),
+    restore: str | None = typer.Option(
+        None, "--restore", help="Bring back a class forgotten without --purge (its kept slices)."
+    ),
+    reason: str | None = typer.Option(
+        None, "--reason", help="Why (one line), recorded in the run's forget log with the UTC time."
+    ),
+    purge: bool = typer.Option(
+        False,
+        "--purge",
+        help="With --class: keep nothing of the class's prototypes and head columns (legal deletion); it cannot "
+        "be restored. On a class already forgotten, deletes what was kept.",
+    ),
+    run: Path = RunOpt,
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Forget a learned class (a new generation of the run without it), or --restore one.
+
+    What the class's images left in shared statistics and trained stage networks stays; exports made
+    before are unchanged. See docs/forgetting.md."""
+
+    def action(reporter: Reporter) -> Any:
+        if (class_name is None) == (restore is None):
+            raise UsageError("pass exactly one of --class NAME (forget it) or --restore NAME (bring it back)")
+        if restore is not None and purge:
+            raise UsageError("--purge goes with --class (forget and keep nothing), not with --restore")
+        from ..commands import forget as forgetting
+
+        if restore is not None:
+            return forgetting.restore_class(run, restore, reason=reason, progress=reporter)
+        return forgetting.forget_class(run, class_name, reason=reason, purge=purge, progress=reporter)
+
+    what = f"forgetting {class_name}" if class_name is not None else f"restoring {restore}"
+    execute(action, render.forget, name="forget", phase=what, as_json=as_json, quiet=quiet, verbose=verbose)

@@ -1,0 +1,79 @@
+"""``drl info``: what a run holds (PTM, method, stages, classes, sizes, the forget log, the accuracy
+history) and how it grew, from its records alone (the PTM is not loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..run.directory import RunDir
+from ..run.forgotten import read_log
+from ..run.records import check_stage_meta, history_of, read_record, train_metrics
+
+
+def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
+    entry = meta.get("open_set")
+    value = entry.get(key) if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def info(run_dir: Path | str) -> dict[str, Any]:
+    """What the run holds: PTM, method, stages, classes, sizes, accuracy history (no PTM load)."""
+    run = RunDir(run_dir)
+    return run.read_generation(lambda manifest: _info(run, manifest))
+
+
+def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
+    record, _ = read_record(run, manifest)
+    stages, metas = [], [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    for index, meta in zip(run.stage_indices(manifest), metas):
+        check_stage_meta(run, index, meta)
+    forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
+    total_bytes = run.size_bytes(manifest)
+    cum_params = cum_bytes = cum_classes = 0
+    for index, meta in zip(run.stage_indices(manifest), metas):
+        evaluation = meta["metrics"].get("eval")
+        stage_bytes = run.stage_bytes(index, manifest)
+        cum_params += meta["num_params"]
+        cum_bytes += stage_bytes
+        num_classes = len(forgotten.active(meta))
+        cum_classes += num_classes
+        stages.append(
+            {
+                "stage": index,
+                "num_classes": num_classes,  # its classes the run answers with (not forgotten)
+                "classes": meta["classes"],  # as learned
+                "forgotten": forgotten.of_stage(index),  # of those, the ones out of the answers (drl forget)
+                "num_images": sum(meta["images_per_class"].values()),
+                "num_params": meta["num_params"],  # learned in this stage (the PTM is frozen)
+                # its adapters stored as initialised: nothing the run answers reads them (train.skip_unread)
+                "untrained": train_metrics(meta).get("skipped") is True,
+                "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
+                "cumulative_classes": cum_classes,
+                "cumulative_params": cum_params,
+                "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)
+                "accuracy": evaluation["top1"] if evaluation else None,
+                "train_seconds": train_metrics(meta).get("seconds"),
+                "unknown_threshold": _threshold(meta),  # the open-set calibration (openset.py); null before it
+                "unknown_rmd_threshold": _threshold(meta, "rmd_threshold"),  # the rmd score's; null before it
+            }
+        )
+    return {
+        "run_dir": str(run.path),
+        "format_version": manifest["format_version"],
+        "generation": manifest["generation"],
+        "method": record["config"]["method"],
+        "ptm": {
+            **{k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
+            "hub": record["ptm"].get("hub"),  # hf-hub: repo, revision, weights_sha256; else null
+        },
+        "num_stages": len(stages),
+        "num_classes": sum(s["num_classes"] for s in stages),
+        "total_bytes": total_bytes,
+        "base_bytes": total_bytes - cum_bytes,  # run.yaml (+ ptm.safetensors for --random-init)
+        "stages": stages,
+        "forgotten": [entry.to_dict() for entry in forgotten.forgotten],
+        "forget_history": list(forgotten.events),
+        "history": history_of(metas).to_dict(),
+        "config": record["config"],
+    }

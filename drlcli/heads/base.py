@@ -1,0 +1,89 @@
+"""What a scoring head is, as the rest of the package sees it.
+
+A run scores with its prototype bank (``prototypes.py``) or with an analytic head fitted from
+class-level statistics (``ridge/``). A head is registered as a ``Head``: the ``score.head`` choice
+that selects it, its option section, the module that fits and rebuilds it (loaded on first use, so
+the registry imports no torch), what it reads of a pass (stage subspaces, the PTM's layout) and
+which of its stage tensors hold one slice per class (``PerClass``), so that ``drl forget`` asks
+the heads what to take out instead of knowing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+FILES = ("weights", "statistics")  # a stage's two tensor files (the run directory names them)
+
+
+@dataclass(frozen=True)
+class PerClass:
+    """A stage tensor holding one slice per class along ``axis``: per class of its stage, or
+    (``seen``) per class seen up to its stage, in class order."""
+
+    file: str  # "weights" or "statistics" (``FILES``)
+    name: str
+    axis: int
+    seen: bool = False
+
+
+@dataclass(frozen=True)
+class EarlierStages:
+    """What an analytic head's fit reads of the stages before the one it fits (none for stage 1)."""
+
+    head: nn.Module | None  # the head the run scores with now
+    tensors: list[dict[str, Tensor]]  # each earlier stage's weights, as loaded (its active classes)
+    statistics: Callable[[], list[dict[str, Tensor]]]  # each earlier stage's statistics, read when asked
+
+
+class HeadFit(Protocol):
+    """One stage's fit of an analytic head (``ridge.fit.StageFit``)."""
+
+    head: nn.Module
+    tensors: dict[str, Tensor]  # into the stage's weights file
+    statistics: dict[str, Tensor]  # the stage's statistics file
+    meta: dict[str, Any]  # into stage.json; has "seconds"
+    num_params: int
+
+
+class AnalyticHead(Protocol):
+    """A head fitted from statistics instead of scored against prototypes: ``head(features (B, S, d))
+    -> scores (B, C)``. The head module also says what it reads (``stages_read(width)``,
+    ``layout_grid``) and checks it against the network (``check_width``)."""
+
+    def fit_stage(self, earlier: EarlierStages, features: Tensor, labels: Tensor, **kwargs: Any) -> HeadFit:
+        """learn-stage: add a stage's features (N, S, d) to the run's statistics and solve."""
+        ...
+
+    def from_stages(self, stage_tensors: list[dict[str, Tensor]]) -> nn.Module:
+        """load a run: the head from every committed stage's tensors."""
+        ...
+
+    def from_state(self, state: dict[str, Tensor]) -> nn.Module:
+        """load an export: the head from its own state dict."""
+        ...
+
+    def restored_slice(
+        self, name: str, *, meta: dict[str, Any], statistics: list[dict[str, Tensor]], kept: dict[str, Tensor]
+    ) -> Tensor:
+        """forget --restore: a restored class's slice of a ``seen`` per-class tensor in a stage learned
+        after it was forgotten, solved again (ValueError when it cannot be)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Head:
+    """The facts of one analytic head; ``heads/__init__.py`` holds the registry."""
+
+    name: str  # score.head's choice that selects it
+    section: str  # its option section in a run config
+    options: type  # the section's dataclass
+    load: Callable[[], AnalyticHead]  # imports the module that fits and rebuilds it
+    per_class: tuple[PerClass, ...]  # its stage tensors with one slice per class
+    stages_read: Callable[[Any], int]  # config -> stage subspaces after f_0 its input reads
+    layout_grid: Callable[[Any], int]  # config -> g of the PTM layout rows its input reads (0: none)
+    rules: Callable[[Any, Any], None]  # (config, method) -> UsageError if the config breaks one

@@ -1,0 +1,121 @@
+"""The ridge head: RanPAC's analytic head (McDonnell et al., "RanPAC: Random Projections and
+Pre-trained Models for Continual Learning", NeurIPS 2023), extended; nothing is trained.
+
+The frozen PTM's feature h (d) is expanded by a fixed random matrix R (d, M) and a ReLU,
+φ(h) = ReLU(h R) (RanPAC Eq. 3; R ~ N(0, 1), seeded, stored in stage 1's weights so it never
+depends on RNG reproducibility). A class's score is the ridge regression output φ(h) W, with
+
+    W = (G + λI)⁻¹ Q,    G = Σ φ φᵀ (M, M),    Q = Σ φ yᵀ (M, C)        (RanPAC Eq. 4-5)
+
+over every image seen so far (y one-hot). G and Q are sums, so stages accumulate them exactly:
+no image or per-image feature is kept, and the result equals the ridge on all data at once.
+
+λ is chosen from statistics alone. Each stage's images are split per class, 80/20 (seeded); the
+two parts are accumulated apart (fit: G_f, Q_f; validation: G_v, Q_v, n_v). For each λ of the
+log grid, W_λ = (G_f + λI)⁻¹ Q_f and its validation squared error is
+
+    ‖Φ_v W_λ − Y_v‖² = tr(W_λᵀ G_v W_λ) − 2 tr(W_λᵀ Q_v) + n_v        (one-hot rows: ‖Y_v‖² = n_v)
+
+The best λ then solves on the sum: W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v).
+
+Storage per stage: ``weights.safetensors`` holds W for every class seen so far (M, C) (scoring
+uses the newest stage's) and, in stage 1, R (d, M). ``statistics.safetensors`` holds the stage's
+increments: G_f and G_v as packed upper triangles (M(M+1)/2 fp32 each: 18 MB at M 3000), and Q_f,
+Q_v for the stage's own classes only (an old class's columns of Q never change: its y is 0 in
+later stages). It is read only to learn a later stage. The optional first-stage adaptation of
+the PTM (RanPAC's phase 1) is not implemented.
+
+Class covariances (``ranpac.covariance_weight`` w > 0; drl's default, not RanPAC's): a second,
+FeCAM-style score on x = f_0 / ‖f_0‖, the negative Mahalanobis distance to each class's mean,
+
+    m_c(x) = −(x − μ_c)ᵀ P_c (x − μ_c),    P_c = shrink_a((1 − b) S_c + b S)⁻¹,
+    shrink_a(S) = (1 − a) S + a (tr S / d) I,
+
+S_c the class's covariance, S the within-class covariance pooled over every class seen (a
+``covariance_shrink``, b ``covariance_blend``). The two scores are put on one scale per image by
+standardising each over the classes (z(s) = (s − mean) / std) and added: z(ridge) + w z(m). Each
+stage stores its classes' μ_c and S_c (weights file, one row per class) and its summed
+within-class scatter with its image and class counts (statistics file); the newest stage's
+weights hold the pooled S and (w, a, b). The precisions are computed when the head is built, so
+every class's P_c uses the newest S (``docs/research/class-covariances.md``: freezing them at their own stage lost
+the gain on Caltech-101).
+
+The PTM's layout (``ranpac.layout_grid`` g > 0; drl's default g 2, not RanPAC's): the ridge's input
+is h = [f_0, l_1, ..., l_g²], l_k the mean of the PTM's final patch tokens over cell k of a g x g
+grid of the image (``backbone.ptm_layout``, from the same PTM pass: its last block runs for every
+token instead of the class token alone). The class token is trained to ignore where things are;
+the cells keep it, which separates classes such as Caltech-101's Faces and Faces_easy (the same
+faces, framed wide or tight). ``ranpac.layout_scale`` s weighs the cells against f_0; it is folded
+into R (the cells' rows times s), so scoring costs nothing for it. g is stored in stage 1's weights
+beside R. The class covariances stay on f_0.
+
+The folder: ``options.py`` its run-config section (``ranpac`` in run.yaml), ``statistics.py`` the
+sums and the ridge solve, ``covariance.py`` the class covariances, ``head.py`` the scoring module,
+``fit.py`` one stage's fit and the re-solve of a restored class. This module holds the head's
+facts for the registry (no torch): its tensor names, its per-class tensors, what it reads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...errors import UsageError
+from ..base import AnalyticHead, Head, PerClass
+from .options import RanpacConfig
+
+if TYPE_CHECKING:
+    from ...config import RunConfig
+
+SECTION = "ranpac"  # the options' section in run.yaml, and the prefix of the head's stage tensors
+PREFIX = f"{SECTION}."
+PROJECTION = f"{PREFIX}projection"  # (rows, M) R, in stage 1's weights
+WEIGHT = f"{PREFIX}weight"  # (M, C) W for every class seen, in each stage's weights (the newest scores)
+LAYOUT = f"{PREFIX}layout"  # () int64 in stage 1's weights: g, the PTM layout grid of the head's input
+COV_MEAN = f"{PREFIX}cov_mean"  # (n, d) per class of the stage
+COV_COVARIANCE = f"{PREFIX}cov_covariance"  # (n, d, d) per class of the stage
+COV_SHARED = f"{PREFIX}cov_shared"  # (d, d) pooled within-class covariance, newest stage
+COV_PARAMS = f"{PREFIX}cov_params"  # (3,) w, a, b, newest stage
+COV_SCATTER, COV_COUNTS = "cov_scatter", "cov_counts"  # statistics: (d, d) summed scatter, (2,) images, classes
+PER_CLASS = (
+    PerClass("weights", COV_MEAN, 0),
+    PerClass("weights", COV_COVARIANCE, 0),
+    PerClass("weights", WEIGHT, 1, seen=True),  # W (M, C), solved again by each stage
+    PerClass("statistics", "q_fit", 1),  # Q (M, n) of the stage's own classes (statistics.Statistics)
+    PerClass("statistics", "q_val", 1),
+)
+
+
+def _load() -> AnalyticHead:
+    from . import fit
+
+    return fit  # fit_stage, from_stages, from_state
+
+
+def _stages_read(config: RunConfig) -> int:
+    return config.ranpac.subspaces - 1
+
+
+def _layout_grid(config: RunConfig) -> int:
+    return config.ranpac.layout_grid
+
+
+def _rules(config: RunConfig, method: Any) -> None:
+    cfg = config.ranpac
+    if cfg.lambda_min_exp > cfg.lambda_max_exp:
+        raise UsageError("ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp")
+    if config.score.head == "ridge" and not method.offset:
+        raise UsageError(f"score.head ridge needs a PTM subspace, which method {config.method} has not: use prototypes")
+    if cfg.subspaces == 2 and not (method.trains and method.offset and config.score.head == "ridge"):
+        raise UsageError("ranpac.subspaces 2 reads stage 1's subspace: only for method drl with score.head ridge")
+
+
+HEAD = Head(
+    name="ridge",
+    section=SECTION,
+    options=RanpacConfig,
+    load=_load,
+    per_class=PER_CLASS,
+    stages_read=_stages_read,
+    layout_grid=_layout_grid,
+    rules=_rules,
+)

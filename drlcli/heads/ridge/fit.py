@@ -1,0 +1,155 @@
+"""One stage's fit of the ridge head (see the folder's docstring), the head rebuilt from a run's
+stages or an export's state, and the column of a class restored after later stages were learned."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ...errors import IntegrityError
+from ..base import EarlierStages
+from . import COV_COUNTS, COV_COVARIANCE, COV_MEAN, COV_PARAMS, COV_SCATTER, COV_SHARED, LAYOUT, PROJECTION, WEIGHT
+from .covariance import ClassMoments, covariance_input, pooled_covariance
+from .head import RanpacHead, expand, head_input, random_projection
+from .statistics import STAT_DTYPE, Statistics, choose_lambda, lambda_grid, solve, validation_mask
+
+if TYPE_CHECKING:
+    from ...config import RunConfig
+    from .options import RanpacConfig
+
+from_state = RanpacHead.from_state
+from_stages = RanpacHead.from_stages
+
+
+@dataclass(frozen=True)
+class StageFit:
+    head: RanpacHead
+    tensors: dict[str, Tensor]  # into the stage's weights file
+    statistics: dict[str, Tensor]  # the stage's statistics file
+    meta: dict[str, Any]  # λ, validation errors, image counts, seconds
+    num_params: int  # entries of W solved in this stage
+
+
+def fit_stage(
+    earlier: EarlierStages,
+    features: Tensor,
+    labels: Tensor,
+    *,
+    image_labels: list[int],
+    indices: list[int] | None,
+    num_classes: int,
+    config: RunConfig,
+    stage_index: int,
+) -> StageFit:
+    """Add a stage's images to the statistics and solve W for every class seen.
+
+    ``features`` (N, S, d) and local ``labels`` (N,) are this process's shard (``indices`` of the
+    stage's ``image_labels``; None: all); ``earlier`` gives the stages before it.
+    """
+    start = time.perf_counter()
+    cfg = config.ranpac
+    projection, layout = _projection(earlier, features.shape[-1], cfg, seed=config.train.seed)
+    val_all = validation_mask(
+        torch.tensor(image_labels), fraction=cfg.val_fraction, seed=config.train.seed + stage_index
+    )
+    val = val_all if indices is None else val_all[torch.tensor(indices, dtype=torch.long)]
+    phi = expand(head_input(features, projection.shape[0], layout**2).cpu(), projection)
+    stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
+    previous = earlier.statistics()
+    total = Statistics.accumulate([*map(Statistics.from_tensors, previous), stage])
+    lambdas = lambda_grid(cfg)
+    lam, errors = choose_lambda(total, lambdas)
+    weight = solve(total, lam)
+    tensors = {WEIGHT: weight.float()}
+    if earlier.head is None:
+        tensors[PROJECTION] = projection.float()
+        if layout:
+            tensors[LAYOUT] = torch.tensor(layout)
+    statistics = stage.to_tensors()
+    if cfg.covariance_weight > 0:
+        _covariances(earlier, features, labels, num_classes, cfg, previous, tensors, statistics)
+    # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits them there)
+    stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
+    meta = {
+        "lambda": lam,
+        "validation_errors": dict(zip([f"{x:g}" for x in lambdas], errors)),
+        "num_fit": total.num_fit,
+        "num_val": total.num_val,
+        "proj_dim": projection.shape[1],
+        "layout_grid": layout,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    head = RanpacHead.assemble(projection, tensors, stages, layout=layout)
+    return StageFit(head, tensors, statistics, meta, weight.numel())
+
+
+def _projection(earlier: EarlierStages, width: int, cfg: RanpacConfig, *, seed: int) -> tuple[Tensor, int]:
+    """(R in float64, g): new for stage 1, else as stage 1 stored them (the head was built from them),
+    R on the CPU where the statistics are summed (the head itself may live on a GPU)."""
+    if earlier.head is not None:
+        return earlier.tensors[0][PROJECTION].to(STAT_DTYPE), earlier.head.layout_grid
+    layout_rows = width * cfg.layout_grid**2
+    rows = width * cfg.subspaces + layout_rows
+    projection = random_projection(
+        rows, cfg.resolved_proj_dim(width), seed=seed, layout_rows=layout_rows, layout_scale=cfg.layout_scale
+    )
+    return projection.to(STAT_DTYPE), cfg.layout_grid
+
+
+def _covariances(
+    earlier: EarlierStages,
+    features: Tensor,
+    labels: Tensor,
+    num_classes: int,
+    cfg: RanpacConfig,
+    previous: list[dict[str, Tensor]],
+    tensors: dict[str, Tensor],
+    statistics: dict[str, Tensor],
+) -> None:
+    """The stage's class covariances into ``tensors`` and its within-class scatter into ``statistics``."""
+    if earlier.head is not None and earlier.head.cov_mean is None:
+        raise IntegrityError(
+            "the run asks for class covariances (ranpac.covariance_weight) that its earlier stages lack; "
+            "restore it from a backup"
+        )
+    moments = ClassMoments.of(covariance_input(features).cpu(), labels.cpu(), num_classes).all_reduced()
+    scatters = moments.scatters()
+    statistics[COV_SCATTER] = scatters.sum(0).float()
+    statistics[COV_COUNTS] = torch.tensor([float(moments.counts.sum()), float(num_classes)], dtype=STAT_DTYPE)
+    shared = pooled_covariance([*previous, statistics])
+    scatters /= (moments.counts - 1).clamp_min(1)[:, None, None]  # the class covariances, in place
+    tensors.update(
+        {
+            COV_MEAN: moments.means().float(),
+            COV_COVARIANCE: scatters.float(),
+            COV_SHARED: shared.float(),
+            COV_PARAMS: torch.tensor([cfg.covariance_weight, cfg.covariance_shrink, cfg.covariance_blend]),
+        }
+    )
+
+
+def restored_slice(
+    name: str, *, meta: dict[str, Any], statistics: list[dict[str, Tensor]], kept: dict[str, Tensor]
+) -> Tensor:
+    """``drl forget --restore``: a restored class's slice of ``name`` in a stage learned after it was
+    forgotten, from that stage's stage.json (``meta``: its λ), the statistics of stages 1 to it and
+    the class's kept columns of Q (``kept``). Only W is solved again; ValueError otherwise."""
+    if name != WEIGHT:
+        raise ValueError(f"{name} is not solved again")
+    ridge = meta.get("ridge")
+    lam = ridge.get("lambda") if isinstance(ridge, dict) else None
+    if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not 0 < lam < float("inf"):
+        raise ValueError("the stage records no valid ridge λ")
+    return restored_column(statistics, kept["q_fit"], kept["q_val"], lam)
+
+
+def restored_column(statistics: list[dict[str, Tensor]], q_fit: Tensor, q_val: Tensor, lam: float) -> Tensor:
+    """A restored class's column of W in a stage learned after it was forgotten: (G + λI)⁻¹ q, G
+    summed over ``statistics`` (stages 1 to that stage), λ that stage's, q the class's kept columns
+    of Q (exactly what that stage's fit gives the class at its λ: the ridge's columns are independent)."""
+    total = Statistics.accumulate([Statistics.from_tensors(s) for s in statistics])
+    return solve(replace(total, q_fit=q_fit.to(STAT_DTYPE), q_val=q_val.to(STAT_DTYPE)), lam).float()

@@ -1,0 +1,35 @@
+"""The ridge head's section of a run config (named ``ranpac`` in run.yaml: RanPAC's head, extended)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...options import Range, option
+
+MAX_LAYOUT_GRID = 8  # layout_grid's bound (and that of a g a run or an export stores)
+
+
+@dataclass(frozen=True)
+class RanpacConfig:
+    """Random projection + ReLU + ridge regression from accumulated statistics (``heads/ridge``)."""
+
+    # M, width of the random projection; None: min(3000, 16 d) (3000 for DeiT-Tiny)
+    proj_dim: int | None = option(None, within=Range(1, 65_536))
+    # of each stage's images, held out in the statistics to choose λ
+    val_fraction: float = option(0.2, within=Range(0, 1, low_open=True, high_open=True))
+    lambda_min_exp: int = option(-8, within=Range(-30, 30))  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
+    lambda_max_exp: int = option(8, within=Range(-30, 30))
+    # leading subspaces the head reads: 1: f_0 (RanPAC's); 2: [f_0, f_1] (drl: + stage 1's)
+    subspaces: int = option(1, within=Range(1, 2))
+    # class covariances: w of z(ridge) + w z(-Mahalanobis to class means); 0: RanPAC's ridge alone
+    covariance_weight: float = option(0.0, within=Range(0, 100))
+    covariance_shrink: float = option(0.3, within=Range(0, 1))  # a: S <- (1 - a) S + a (tr S / d) I
+    covariance_blend: float = option(0.8, within=Range(0, 1))  # b: S_c <- (1 - b) S_c + b S_pooled
+    # the PTM's layout in the head's input (drl's default, not RanPAC's): g > 0 appends the last
+    # block's patch tokens averaged over a g x g grid of the image (backbone.ptm_layout), fixed at stage 1
+    layout_grid: int = option(0, within=Range(0, MAX_LAYOUT_GRID))
+    # the layout's weight against f_0 in the input (folded into R's rows)
+    layout_scale: float = option(1.0, within=Range(0, 100, low_open=True))
+
+    def resolved_proj_dim(self, width: int) -> int:
+        return self.proj_dim if self.proj_dim is not None else min(3000, 16 * width)

@@ -1,0 +1,148 @@
+"""The ridge's statistics and solve (see the folder's docstring): G and Q summed over images, fit
+and validation parts apart, λ chosen from them alone, W = (G + λI)⁻¹ Q. No image is kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ... import distributed
+from .options import RanpacConfig
+
+STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, stored as float32
+
+
+def lambda_grid(cfg: RanpacConfig) -> list[float]:
+    return [10.0**e for e in range(cfg.lambda_min_exp, cfg.lambda_max_exp + 1)]
+
+
+def validation_mask(labels: Tensor, *, fraction: float, seed: int) -> Tensor:
+    """(N,) bool: ``fraction`` of each class's images (rounded, at least 1 of 2+) held out for λ."""
+    rng = np.random.RandomState(seed)
+    mask = torch.zeros(len(labels), dtype=torch.bool)
+    for c in torch.unique(labels).tolist():
+        idx = (labels == c).nonzero().squeeze(1)
+        n_val = min(max(1, round(fraction * len(idx))), len(idx) - 1)
+        if n_val > 0:
+            mask[idx[torch.from_numpy(rng.permutation(len(idx))[:n_val])]] = True
+    return mask
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """Sums over images: fit and validation parts. Q's columns are the classes these images cover."""
+
+    gram_fit: Tensor  # (M, M)
+    gram_val: Tensor  # (M, M)
+    q_fit: Tensor  # (M, C)
+    q_val: Tensor  # (M, C)
+    num_fit: float
+    num_val: float  # = ‖Y_v‖² for one-hot targets
+
+    @classmethod
+    def of(cls, phi: Tensor, labels: Tensor, num_classes: int, val: Tensor) -> Statistics:
+        """A stage's statistics from φ (N, M), local labels (N,) in [0, num_classes), val mask (N,)."""
+        phi = phi.to(STAT_DTYPE)
+        y = F.one_hot(labels, num_classes).to(STAT_DTYPE)  # (N, C)
+        fit = ~val
+        return cls(
+            phi[fit].T @ phi[fit],
+            phi[val].T @ phi[val],
+            phi[fit].T @ y[fit],
+            phi[val].T @ y[val],
+            float(fit.sum()),
+            float(val.sum()),
+        )
+
+    def all_reduced(self) -> Statistics:
+        """Summed over processes (each holding a shard of the images)."""
+        if distributed.world_size() == 1:
+            return self
+        counts = distributed.all_reduce_sum(torch.tensor([self.num_fit, self.num_val], dtype=STAT_DTYPE))
+        return Statistics(
+            *(distributed.all_reduce_sum(t) for t in (self.gram_fit, self.gram_val, self.q_fit, self.q_val)),
+            float(counts[0]),
+            float(counts[1]),
+        )
+
+    @staticmethod
+    def accumulate(parts: list[Statistics]) -> Statistics:
+        """The statistics of all parts' images; parts cover disjoint classes (stages), in class order."""
+        return Statistics(
+            sum(p.gram_fit for p in parts[1:]) + parts[0].gram_fit,
+            sum(p.gram_val for p in parts[1:]) + parts[0].gram_val,
+            torch.cat([p.q_fit for p in parts], dim=1),
+            torch.cat([p.q_val for p in parts], dim=1),
+            sum(p.num_fit for p in parts),
+            sum(p.num_val for p in parts),
+        )
+
+    def to_tensors(self) -> dict[str, Tensor]:
+        return {
+            "gram_fit": pack(self.gram_fit),
+            "gram_val": pack(self.gram_val),
+            "q_fit": self.q_fit.float(),
+            "q_val": self.q_val.float(),
+            "counts": torch.tensor([self.num_fit, self.num_val], dtype=STAT_DTYPE),
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> Statistics:
+        m = tensors["q_fit"].shape[0]
+        counts = tensors["counts"].tolist()
+        return cls(
+            unpack(tensors["gram_fit"], m),
+            unpack(tensors["gram_val"], m),
+            tensors["q_fit"].to(STAT_DTYPE),
+            tensors["q_val"].to(STAT_DTYPE),
+            counts[0],
+            counts[1],
+        )
+
+
+def pack(gram: Tensor) -> Tensor:
+    """Upper triangle of a symmetric (M, M) matrix, row by row, float32: (M(M+1)/2,)."""
+    return gram[torch.ones_like(gram, dtype=torch.bool).triu()].float()
+
+
+def unpack(packed: Tensor, size: int) -> Tensor:
+    upper = torch.ones(size, size, dtype=torch.bool).triu()
+    out = torch.zeros(size, size, dtype=STAT_DTYPE)
+    out[upper] = packed.to(STAT_DTYPE)
+    return out + out.triu(1).T
+
+
+def validation_errors(stats: Statistics, lambdas: list[float]) -> list[float]:
+    """Validation squared error of W_λ = (G_f + λI)⁻¹ Q_f for each λ, from the statistics alone.
+
+    One eigendecomposition G_f = U diag(s) Uᵀ serves every λ: Uᵀ W_λ = (Uᵀ Q_f) / (s + λ).
+    """
+    s, u = torch.linalg.eigh(stats.gram_fit)
+    s = s.clamp_min(0)  # G_f is PSD; round-off may make its null eigenvalues slightly negative
+    a = u.T @ stats.q_fit  # (M, C)
+    b = u.T @ stats.gram_val @ u  # (M, M)
+    c = u.T @ stats.q_val  # (M, C)
+    errors = []
+    for lam in lambdas:
+        w = a / (s + lam)[:, None]  # Uᵀ W_λ
+        errors.append(float((w * (b @ w)).sum() - 2 * (w * c).sum() + stats.num_val))
+    return errors
+
+
+def choose_lambda(stats: Statistics, lambdas: list[float]) -> tuple[float, list[float]]:
+    """The λ of smallest validation error (the first on ties); λ 1 when nothing is held out."""
+    if stats.num_val == 0:
+        return 1.0, []
+    errors = validation_errors(stats, lambdas)
+    return lambdas[int(np.argmin(errors))], errors
+
+
+def solve(stats: Statistics, lam: float) -> Tensor:
+    """W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v): (M, C), float64."""
+    gram = stats.gram_fit + stats.gram_val
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
+    return torch.linalg.solve(gram + lam * eye, stats.q_fit + stats.q_val)

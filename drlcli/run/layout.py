@@ -1,0 +1,161 @@
+"""The names inside a run directory (see the folder's docstring), and which versions of a
+rewritable file the manifest lists."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import PurePosixPath
+from typing import Any
+
+from ..errors import IntegrityError
+
+FORMAT = "drl-run"
+
+
+FORMAT_VERSION = 1  # a run without forget files; one with them is FORGET_FORMAT_VERSION
+
+
+FORGET_FORMAT_VERSION = 2
+
+
+READABLE_VERSIONS = (FORMAT_VERSION, FORGET_FORMAT_VERSION)
+
+
+MANIFEST = "manifest.json"
+
+
+RUN_CONFIG = "run.yaml"
+
+
+PTM_WEIGHTS = "ptm.safetensors"
+
+
+STAGES = "stages"
+
+
+LOCK = ".lock"
+
+
+STAGING = ".staging"
+
+
+CHECKPOINT = ".checkpoint"
+
+
+CHECKPOINT_META = "checkpoint.json"
+
+
+QUARANTINE = ".quarantine"
+
+
+FORGOTTEN = "forgotten"
+
+
+# every name a run keeps at its top level: never a link, and never a user's file that init would take over
+RESERVED = (MANIFEST, RUN_CONFIG, PTM_WEIGHTS, STAGES, LOCK, STAGING, CHECKPOINT, QUARANTINE, FORGOTTEN)
+
+
+OWN_FOLDERS = (STAGES, CHECKPOINT, STAGING, FORGOTTEN)  # folders whose every entry is the run's
+
+
+STAGING_NAME = re.compile(r"[0-9a-f]{32}")
+
+
+MAX_RECORD_BYTES = 64 * 2**20  # the most drl reads of a file not listed with its size (manifest, lock, checkpoint)
+
+
+STAGE_META = "stage.json"
+
+
+STAGE_WEIGHTS = "weights.safetensors"
+
+
+STATISTICS = "statistics.safetensors"
+
+
+FORGET_LOG = "log.json"
+
+
+FORGOTTEN_ROWS = "rows.safetensors"
+
+
+# a file rewritten by the commit of generation G: <stem>-g<G, 6+ digits>.<suffix>
+_REVISION = re.compile(r"(?P<stem>[a-z]+)(?:-g(?P<generation>[0-9]{6,}))?\.(?P<suffix>json|safetensors)")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def stage_dir(index: int) -> str:
+    """The run-relative folder of stage ``index`` (1-based): ``stages/NNN``."""
+    return f"{STAGES}/{index:03d}"
+
+
+def revision(name: str, generation: int | None) -> str:
+    """``name`` as written by the commit of ``generation`` (``weights.safetensors`` ->
+    ``weights-g000007.safetensors``); ``name`` itself for None."""
+    if generation is None:
+        return name
+    stem, _, suffix = name.partition(".")
+    return f"{stem}-g{generation:06d}.{suffix}"
+
+
+def stage_file(index: int, name: str, *, generation: int | None = None) -> str:
+    """The run-relative name of one of stage ``index``'s files (``STAGE_META``, ``STAGE_WEIGHTS``...);
+    with ``generation``, the name that commit rewrites it under (``STAGE_WEIGHTS`` and ``STATISTICS``)."""
+    return f"{stage_dir(index)}/{revision(name, generation)}"
+
+
+def forget_log_file(generation: int) -> str:
+    """The forget log as the commit of ``generation`` writes it."""
+    return f"{FORGOTTEN}/{revision(FORGET_LOG, generation)}"
+
+
+def forgotten_rows_file(generation: int) -> str:
+    """The slices the forget of ``generation`` took out of the stage files."""
+    return f"{FORGOTTEN}/{revision(FORGOTTEN_ROWS, generation)}"
+
+
+def current_file(manifest: dict[str, Any], name: str) -> str | None:
+    """The listed version of a file that commits may rewrite (``stage_file(i, STAGE_WEIGHTS)``,
+    ``f"{FORGOTTEN}/{FORGET_LOG}"``): the name itself or one revision of it; None when none is listed."""
+    folder, _, base = name.rpartition("/")
+    stem, _, suffix = base.partition(".")
+    found = []
+    for listed in manifest["files"]:
+        parent, _, leaf = listed.rpartition("/")
+        match = _REVISION.fullmatch(leaf) if parent == folder else None
+        if match and match["stem"] == stem and match["suffix"] == suffix:
+            found.append(listed)
+    if len(found) > 1:
+        raise IntegrityError(
+            f"{MANIFEST} lists {len(found)} versions of {name} ({', '.join(sorted(found))}); the run is damaged: "
+            "restore it from a backup"
+        )
+    return found[0] if found else None
+
+
+def supersedable(name: str) -> bool:
+    """Whether ``name`` is a file a commit may supersede: a stage's weights or statistics, or a forget file."""
+    parts = PurePosixPath(name).parts
+    match = _REVISION.fullmatch(parts[-1]) if parts else None
+    if match is None or len(parts) not in (2, 3):
+        return False
+    if parts[0] == FORGOTTEN and len(parts) == 2:
+        return f"{match['stem']}.{match['suffix']}" in (FORGET_LOG, FORGOTTEN_ROWS)
+    return (
+        parts[0] == STAGES
+        and len(parts) == 3
+        and re.fullmatch(r"[0-9]{3,}", parts[1]) is not None
+        and f"{match['stem']}.{match['suffix']}" in (STAGE_WEIGHTS, STATISTICS)
+    )
+
+
+def format_version(files: dict[str, Any]) -> int:
+    """2 once the run lists a forget file (older releases must refuse it, not misread it), else 1."""
+    return FORGET_FORMAT_VERSION if any(name.startswith(f"{FORGOTTEN}/") for name in files) else FORMAT_VERSION
+
+
+RUN_CONFIG_KIND = "drl-run-config"

@@ -1,0 +1,210 @@
+"""``load_run``: the model of a run, from one whole generation of its files: the PTM rebuilt and
+checked against its sha256, each stage's tensors checked, the classes not forgotten, the head."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from ..device import resolve_device
+from ..errors import IntegrityError, PTMError
+from ..heads import PROTOTYPES, AnalyticHead
+from ..heads.openset import BIAS, RMD_ROWS, RMD_TENSORS
+from ..methods import Method, head_of, method_of
+from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, restore_model, stage_prefix, with_prefix
+from ..ptm import backbone, hub
+from ..ptm.backbone import PTMSource
+from .directory import RunDir, StageRecord
+from .forgotten import ForgetLog, active_classes
+from .layout import PTM_WEIGHTS
+from .records import check_stage_meta, non_finite, read_record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedRun:
+    run: RunDir
+    manifest: dict[str, Any]
+    record: dict[str, Any]  # run.yaml
+    config: RunConfig
+    model: IncrementalModel
+    stage_metas: list[dict[str, Any]]
+    forgotten: ForgetLog = field(default_factory=ForgetLog)  # classes out of the answers
+    stage_tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each stage's weights file
+
+
+def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, ptm_weights: Path | None):
+    """Rebuild the run's PTM and check it is bit-for-bit the one the run was created with."""
+    info = record["ptm"]
+    # run.yaml may come from anywhere: only the ViT shape arguments init writes reach timm
+    kwargs = backbone.check_ptm_kwargs(info.get("kwargs"), origin=f"run {run.path}", error=IntegrityError)
+    if run.has_ptm_weights(manifest):
+        model = backbone.create_ptm(
+            info["name"], source=PTMSource(random_init=True), kwargs=kwargs, unsupported=IntegrityError
+        )
+        backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / PTM_WEIGHTS))
+    else:
+        path = ptm_weights
+        if path is None and info["source"] == "hf-hub":  # the recorded commit's, from the Hugging Face cache
+            path = hub.cached_weights(info["hub"])
+        if path is None and info.get("weights_hint"):
+            hinted = run.path / info["weights_hint"]
+            path = hinted if hinted.is_file() else None
+        if path is None and info["source"] == "file":
+            raise PTMError(
+                f"run {run.path} was created from a local weights file for {info['name']} (sha256 "
+                f"{info['sha256'][:12]}...) that is not at its recorded place; pass --ptm-weights FILE"
+            )
+        model = backbone.create_ptm(
+            info["name"], source=PTMSource(weights_path=path), kwargs=kwargs, unsupported=IntegrityError
+        )
+    found = backbone.fingerprint(model)
+    if found != info["sha256"]:
+        raise IntegrityError(
+            f"PTM weights differ from the run's (sha256 {found[:12]}... vs {info['sha256'][:12]}...); "
+            "pass the weights the run was created with"
+        )
+    return model
+
+
+def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | None = None) -> LoadedRun:
+    """The run's model and records, all of one generation (``RunDir.read_generation``: a ``drl
+    forget`` committing meanwhile makes it read the newer one)."""
+    run = RunDir(run_dir)
+    return run.read_generation(lambda manifest: _load(run, manifest, device=device, ptm_weights=ptm_weights))
+
+
+def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None) -> LoadedRun:
+    start = time.perf_counter()
+    record, config = read_record(run, manifest)
+    ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
+    stages = run.stages(manifest)
+    for stage in stages:
+        check_stage_meta(run, stage.index, stage.meta)
+    forgotten, classes = active_classes(run, manifest, stages)  # per stage: its classes not forgotten
+    head = head_of(config)
+    analytic = head.load() if head is not None else None
+    tensors = _run_tensors(run, method_of(config), analytic, stages, classes, width=backbone.width(ptm))
+
+    def fit_error(position: int | None, exc: Exception) -> IntegrityError:
+        index = stages[position].index if position is not None else stages[-1].index
+        return _stage_error(run, index, exc)
+
+    model = restore_model(
+        ptm,
+        config,
+        tensors,
+        class_names=[name for names in classes for name in names],
+        num_stages=len(stages) if method_of(config).trains else 0,
+        data_config=record["ptm"]["data_config"],
+        fit_error=fit_error,
+    )
+    metas = [stage.meta for stage in stages]
+    log.debug(
+        "loaded run %s: %d stages, %d classes on %s in %.1fs",
+        run.path,
+        len(metas),
+        len(model.class_names),
+        model.device,
+        time.perf_counter() - start,
+    )
+    return LoadedRun(run, manifest, record, config, model, metas, forgotten, [stage.tensors for stage in stages])
+
+
+def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:
+    return IntegrityError(
+        f"stage {index} of run {run.path} does not fit the run's network "
+        f"({str(exc).splitlines()[0]}); restore it from a backup"
+    )
+
+
+def _run_tensors(
+    run: RunDir,
+    method: Method,
+    head: AnalyticHead | None,
+    stages: list[StageRecord],
+    classes: list[list[str]],
+    *,
+    width: int,
+) -> dict[str, torch.Tensor]:
+    """A run's stages under ``model/restore.py``'s tensor names: each stage's ``<method prefix><param>``
+    becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded
+    bank, the stage files' head tensors the head's state. ``classes`` holds each stage's active classes
+    (not forgotten): one prototype row each. Each stage's tensors are checked first."""
+    num_subspaces = method.offset + (len(stages) if method.trains else 0)
+    tensors: dict[str, torch.Tensor] = {}
+    rows, class_stage = [], []
+    for position, stage in enumerate(stages):
+        subspaces = method.offset + (position + 1 if method.trains else 0)
+        expected = (len(classes[position]), subspaces, width)
+        _check_stage_tensors(run, stage, expected)
+        padded = torch.zeros(expected[0], num_subspaces, width)  # subspaces added later: synthesised
+        padded[:, :subspaces] = stage.tensors[PROTOTYPES]
+        rows.append(padded)
+        class_stage += [stage.index] * expected[0]
+        if method.trains:
+            state = with_prefix(stage.tensors, method.tensor_prefix)
+            tensors.update({stage_prefix(position) + k: v for k, v in state.items()})
+    tensors[PROTOTYPES] = torch.cat(rows) if rows else empty_prototypes(width, method.offset)
+    tensors[CLASS_STAGE] = torch.tensor(class_stage, dtype=torch.long)
+    tensors.update(_open_set_tensors(run, stages))
+    if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
+        tensors.update({HEAD + k: v for k, v in _head_state(run, head, stages, width).items()})
+    return tensors
+
+
+def _check_stage_tensors(run: RunDir, stage: StageRecord, expected: tuple[int, int, int]) -> None:
+    """A stage's prototypes have the shape its classes and subspaces give, every tensor is finite, and
+    the "unknown" answer's per-class tensors have one row per class (the rest: openset's checks)."""
+    prototypes = stage.tensors.get(PROTOTYPES)
+    if prototypes is None or tuple(prototypes.shape) != expected:
+        found = "none" if prototypes is None else tuple(prototypes.shape)
+        raise _stage_error(run, stage.index, ValueError(f"prototypes have shape {found}, expected {expected}"))
+    bad = non_finite(stage.tensors)
+    if bad:
+        raise _stage_error(run, stage.index, ValueError(f"tensor {bad} holds NaN or infinite values"))
+    for name in (BIAS, *RMD_ROWS):
+        rows_of = stage.tensors.get(name)
+        if rows_of is not None and (rows_of.dim() == 0 or rows_of.shape[0] != expected[0]):
+            problem = f"{name} has shape {tuple(rows_of.shape)}, expected {expected[0]} rows"
+            raise _stage_error(run, stage.index, ValueError(problem))
+
+
+def _head_state(run: RunDir, head: AnalyticHead, stages: list[StageRecord], width: int) -> dict[str, torch.Tensor]:
+    """The analytic head's state from the stages' tensors; a crafted or damaged head tensor is damage."""
+    try:
+        module = head.from_stages([stage.tensors for stage in stages])
+        module.check_width(width)
+        return module.state_dict()
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise _stage_error(run, stages[-1].index, exc) from exc
+
+
+def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch.Tensor]:
+    """The run's open-set tensors from its stages' (``heads/openset``): the biases when every stage
+    has them (runs from before open-set scoring have none), the rmd statistics when every stage has
+    them (the rows concatenated, the scatters and their counts summed)."""
+    if not stages or not _all_hold(stages, (BIAS,)):
+        return {}
+    tensors = {BIAS: torch.cat([stage.tensors[BIAS].flatten() for stage in stages])}
+    if not _all_hold(stages, RMD_TENSORS):
+        return tensors
+    for name in RMD_TENSORS:  # row counts checked by the caller, the rest by openset's check_rmd
+        parts = [stage.tensors[name] for stage in stages]
+        try:  # rows: one per class, concatenated; the scatters and their counts: summed
+            joined = torch.cat(parts) if name in RMD_ROWS else torch.stack([p.double() for p in parts]).sum(0).float()
+        except RuntimeError as exc:  # stages of different shapes: damage
+            raise _stage_error(run, stages[-1].index, ValueError(f"{name}: {exc}")) from exc
+        tensors[name] = joined
+    return tensors
+
+
+def _all_hold(stages: list[StageRecord], names: tuple[str, ...]) -> bool:
+    return all(name in stage.tensors for stage in stages for name in names)

@@ -1,0 +1,103 @@
+"""A run's records as drl reads them back: run.yaml (the PTM record and the config) and each stage's
+stage.json, every field drl reads checked for the type it writes (a crafted record is damage, exit
+5, never a crash), and the accuracy history they hold."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..config import RunConfig
+from ..errors import IntegrityError, UsageError
+from ..metrics import AccuracyReport, HistorySummary, summarize_history
+from ..ptm.record import check_ptm_record
+from .layout import RUN_CONFIG
+
+if TYPE_CHECKING:
+    from .directory import RunDir
+
+
+def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], RunConfig]:
+    """run.yaml and its hyper-parameters. A record that passed its checksum but is not what
+    ``init`` writes (crafted by hand, or by a buggy tool) is an IntegrityError, never a crash."""
+    record = run.run_config(manifest)
+    try:
+        check_ptm_record(record.get("ptm"))
+        config = RunConfig.from_dict(record.get("config"))
+    except UsageError as exc:
+        raise IntegrityError(
+            f"{run.path / RUN_CONFIG} is not a valid run config ({exc}); restore it from a backup"
+        ) from exc
+    return record, config
+
+
+_STAGE_META_TYPES = {
+    "stage": int,
+    "classes": list,
+    "images_per_class": dict,
+    "data_fingerprint": str,
+    "num_params": int,
+    "metrics": dict,
+}
+
+
+def check_stage_meta(run: RunDir, index: int, meta: dict[str, Any]) -> None:
+    """The fields of a stage's metadata that drl reads have the types it writes; else IntegrityError."""
+    problem = _stage_meta_problem(index, meta)
+    if problem is not None:
+        raise IntegrityError(f"stage {index} of run {run.path} is malformed ({problem}); restore it from a backup")
+
+
+def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
+    for key, kind in _STAGE_META_TYPES.items():
+        if not isinstance(meta.get(key), kind):
+            return f"{key} is not a {kind.__name__}"
+    if meta["stage"] != index:
+        return f"it says it is stage {meta['stage']}"
+    if not meta["classes"] or not all(isinstance(c, str) and c for c in meta["classes"]):
+        return "classes is not a list of names"
+    eval_data = meta.get("eval_data")
+    if eval_data is not None and not (isinstance(eval_data, dict) and isinstance(eval_data.get("path"), str)):
+        return "eval_data has no path"
+    return _metrics_problem(meta)
+
+
+def _metrics_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with a stage's ``metrics`` (None: nothing): the evaluation, train and seconds."""
+    try:
+        history_of([meta])
+    except (TypeError, ValueError, AttributeError) as exc:
+        return f"metrics are malformed: {exc}"
+    train = meta["metrics"].get("train")
+    if train is not None and not isinstance(train, dict):
+        return "metrics.train is not a mapping"
+    seconds = {"train.seconds": (train or {}).get("seconds"), "learn_seconds": meta["metrics"].get("learn_seconds")}
+    bad = next((name for name, value in seconds.items() if value is not None and not _is_seconds(value)), None)
+    return f"metrics.{bad} is not a number of seconds" if bad else None
+
+
+def _is_seconds(value: Any) -> bool:
+    """A finite non-negative int or float (not a bool, not an int beyond any float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 0
+    except OverflowError:
+        return False
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or ±inf, or None."""
+    return next((k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+
+
+def history_of(metas: list[dict[str, Any]]) -> HistorySummary:
+    reports = [AccuracyReport(**m["metrics"]["eval"]) if m["metrics"].get("eval") else None for m in metas]
+    return summarize_history(reports)
+
+
+def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
+    """A checked stage's ``metrics.train`` (``check_stage_meta``); empty for a method that trains nothing."""
+    return meta["metrics"].get("train") or {}

@@ -1,0 +1,122 @@
+"""What the phases of one learn-stage call share: the call's sources, the run's records read before
+any model is built, the context every later phase works from, and each phase's result."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from ..data import LabelledImages
+from ..heads import HeadFit
+from ..heads.openset.calibrate import Calibration
+from ..heads.openset.rmd import Moments
+from ..methods import Method, stage_is_read
+from ..metrics import AccuracyReport
+from ..model import IncrementalModel
+from ..progress import Progress, ProgressFn
+from ..run.directory import RunDir
+from ..run.load import LoadedRun
+from ..run.writer import RunWriter
+from ..tracking import TensorBoardLog
+from .train import TrainResult
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """One learn-stage call, as ``prepare`` read it: what every later phase works from."""
+
+    run: RunDir
+    writer: RunWriter | None  # rank 0 holds the run's lock; None on the other ranks
+    manifest: dict[str, Any]
+    config: RunConfig  # the run's, with this call's training overrides
+    method: Method
+    loaded: LoadedRun  # its model gains the new stage and classes as the phases go
+    learned: dict[str, int]  # class name -> stage, before this one
+    images: LabelledImages
+    eval_images: LabelledImages | None
+    eval_data_dir: Path | None  # a folder's (registered for later evaluations); None for a dataset
+    fingerprint: str  # of ``images``
+    index: int  # of the new stage
+    device: str
+    precision: str  # the network forward's: fp32 | bf16 | fp16
+    tracker: TensorBoardLog | None  # --tensorboard's event files (rank 0)
+    progress: ProgressFn | None
+
+    @property
+    def model(self) -> IncrementalModel:
+        return self.loaded.model
+
+    @property
+    def untrained(self) -> bool:
+        """The method trains stages, but this one is created untrained: nothing the run answers
+        reads its subspace (``train.skip_unread``, ``methods.stage_is_read``)."""
+        return self.method.trains and self.config.train.skip_unread and not stage_is_read(self.config, self.index)
+
+    def say(self, phase: str, step: int, total: int, detail: str = "") -> None:
+        if self.progress is not None:
+            self.progress(Progress(phase, step, total, detail))
+
+    def discard_checkpoint(self) -> None:
+        if self.writer is not None:
+            self.writer.discard_checkpoint()
+
+
+@dataclass(frozen=True)
+class Trained:
+    result: TrainResult | None  # None: the method trains nothing, or the stage was not trained
+    resumed_from: int | None  # the epoch an interrupted call's checkpoint had reached
+    skipped: bool = False  # the stage was created, not trained: nothing reads it (train.skip_unread)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    fit: HeadFit | None  # the analytic head's, if the method has one
+    calibration: Calibration  # the stage's open-set thresholds
+    bias: torch.Tensor  # (n,) the open-set biases of the stage's classes
+    rmd: tuple[Moments, torch.Tensor] | None  # the rmd rule's moments and (n,) biases of them
+    seconds: float  # the feature pass for the prototypes, and the head's fit
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    report: AccuracyReport | None  # None: no eval set registered or given
+    warnings: list[str]  # registered eval sets that were left out
+
+
+@dataclass(frozen=True)
+class Record:
+    meta: dict[str, Any]  # stage.json
+    files: dict[str, bytes]  # the stage's files, as committed
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What learn-stage learns from and evaluates on: folders or datasets (``class_names`` names
+    the datasets' int labels)."""
+
+    data_dir: Path | None
+    eval_data_dir: Path | None
+    data: Any
+    eval_data: Any
+    class_names: Sequence[str] | None
+
+
+@dataclass(frozen=True)
+class Records:
+    """What learn-stage reads before it builds any model or decodes any image: the run's records
+    and the data folders' listings, enough to refuse a learned class or see a drop already learned."""
+
+    manifest: dict[str, Any]
+    config: RunConfig  # the run's, before this call's training overrides
+    metas: list[dict[str, Any]]  # every stage's stage.json, checked
+    learned: dict[str, int]  # class name -> stage, classes the run answers with (not forgotten)
+    images: LabelledImages
+    eval_images: LabelledImages | None
+    eval_data_dir: Path | None
+    fingerprint: str  # of ``images``
+    run: RunDir

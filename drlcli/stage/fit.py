@@ -1,0 +1,147 @@
+"""learn-stage's feature phase: one pass over the stage's images gives the new classes' prototypes,
+the "unknown" answer's calibration and, for a run scored by an analytic head, the head's fit."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .. import distributed
+from ..evaluation import EVAL_BATCH_SIZE
+from ..heads import EarlierStages, Head, HeadFit
+from ..heads.openset.calibrate import Calibration, calibrate
+from ..heads.openset.rmd import Moments, split_probe
+from ..methods import head_of, stages_read
+from ..model import class_means, embed_images
+from .context import Fitted, StageContext
+
+log = logging.getLogger(__name__)
+
+
+def fit_features(stage: StageContext) -> Fitted:
+    """One pass over the stage's images: the new classes' prototypes in every subspace (their mean
+    feature), the "unknown" answer's calibration, and the run's analytic head (if it has one) fitted
+    on the same features. A run that trains no stage nothing reads (``train.skip_unread``) computes
+    no such subspace either: its prototype rows there are zero, and nothing scores with them."""
+    tick = time.perf_counter()
+    model, head = stage.model, head_of(stage.config)
+    shard = distributed.shard(len(stage.images))
+    computed = stages_read(stage.config) if stage.untrained else None  # stage subspaces computed (None: all)
+    old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
+    if old_rmd is None and stage.index == 1:
+        old_rmd = (Moments.empty(model.rmd_width), torch.zeros(0))
+    # the probe block's class token, while the run's rmd statistics are calibrated with it
+    probes = (model.open_set_probe,) if old_rmd is not None and model.open_set_probe is not None else ()
+    feats, labels = embed_images(
+        model.network,
+        stage.images,
+        model.data_config,
+        batch_size=EVAL_BATCH_SIZE,
+        num_workers=stage.config.train.num_workers,
+        precision=stage.precision,
+        indices=shard,
+        progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
+        stages=computed,
+        layout=_layout(stage, head),
+        probes=probes,
+    )
+    feats, rmd_feats = split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
+    _add_prototypes(stage, feats, labels, computed)
+    stage.say("calibrate", 0, 0, "the unknown answer's thresholds")
+    calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
+    bias, rmd = _calibrated(stage, calibration, moments, old_bias, old_rmd)
+    log.debug("prototypes of %d classes in %.1fs", len(stage.images.class_names), time.perf_counter() - tick)
+    fit = _fit_head(stage, head, feats, labels, shard) if head is not None else None
+    return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick)
+
+
+def _layout(stage: StageContext, head: Head | None) -> int:
+    """g of the PTM layout rows the head's input ends with: as stage 1 stored it, or as configured."""
+    if head is None:
+        return 0
+    return stage.model.layout_scored if stage.model.head is not None else head.layout_grid(stage.config)
+
+
+def _add_prototypes(stage: StageContext, feats: torch.Tensor, labels: torch.Tensor, computed: int | None) -> None:
+    """The new classes join the model with their mean feature in every subspace (zero where not computed)."""
+    total = stage.model.network.num_subspaces
+    subspaces = feats[:, : total if computed is None else stage.method.offset + computed]
+    means = class_means(subspaces, labels, len(stage.images.class_names))
+    if means.shape[1] < total:  # the subspaces not computed
+        means = torch.cat([means, means.new_zeros(means.shape[0], total - means.shape[1], means.shape[2])], dim=1)
+    stage.model.add_classes(list(stage.images.class_names), stage.index, means)
+
+
+def _calibrated(
+    stage: StageContext,
+    calibration: Calibration,
+    moments: Moments,
+    old_bias: torch.Tensor | None,
+    old_rmd: tuple[Moments, torch.Tensor] | None,
+) -> tuple[torch.Tensor, tuple[Moments, torch.Tensor] | None]:
+    """The stage's biases (n,) and rmd statistics, set on the model with the earlier classes'."""
+    n = len(stage.images.class_names)
+    bias = torch.full((n,), calibration.threshold)
+    # a run from before the rmd statistics stays with the cosine rule (calibrate gave no rmd threshold)
+    rmd = None if calibration.rmd_threshold is None else (moments, torch.full((n,), calibration.rmd_threshold))
+    if old_bias is not None or stage.index == 1:  # a run from before open-set scoring stays without it
+        joined = None
+        if rmd is not None and old_rmd is not None:
+            joined = (old_rmd[0].joined(rmd[0]), torch.cat([old_rmd[1], rmd[1]]))
+        stage.model.calibrated(bias if old_bias is None else torch.cat([old_bias, bias]), joined)
+    return bias, rmd
+
+
+def _fit_head(
+    stage: StageContext, head: Head, feats: torch.Tensor, labels: torch.Tensor, shard: list[int] | None
+) -> HeadFit:
+    """The head fitted with the stage's features on top of the earlier stages' statistics."""
+    stage.say("fit", 0, 0, "the head from the run's statistics")
+    loaded = stage.loaded
+    earlier = EarlierStages(
+        head=loaded.model.head if loaded.stage_metas else None,
+        tensors=loaded.stage_tensors,
+        statistics=lambda: [
+            loaded.run.stage_statistics(i, loaded.manifest) for i in loaded.run.stage_indices(loaded.manifest)
+        ],
+    )
+    fit = head.load().fit_stage(
+        earlier,
+        feats,
+        labels,
+        image_labels=stage.images.labels,
+        indices=shard,
+        num_classes=len(stage.images.class_names),
+        config=stage.config,
+        stage_index=stage.index,
+    )
+    stage.model.head = fit.head.to(stage.model.device)
+    log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])
+    return fit
+
+
+def _calibrate(
+    stage: StageContext,
+    feats: torch.Tensor,
+    rmd_feats: torch.Tensor,
+    labels: torch.Tensor,
+    shard: list[int] | None,
+    earlier: Moments | None,
+) -> tuple[Calibration, Moments]:
+    """The stage's open-set thresholds (``openset.calibrate``; the rmd rule's against ``earlier``,
+    the moments of the classes before it) and its classes' moments, from every process's subspace-0
+    features and rmd inputs (``openset.rmd_input``), put back in the stage's image order so that
+    they do not depend on the sharding."""
+    index = torch.tensor(shard if shard is not None else range(len(labels)), dtype=torch.long)
+    parts = distributed.all_gather_objects((index, feats[:, 0].cpu(), rmd_feats.cpu(), labels.cpu()))
+    index = torch.cat([p[0] for p in parts])
+    order = index.argsort()
+    features = torch.cat([p[1] for p in parts])[order]
+    rmd_features = torch.cat([p[2] for p in parts])[order]
+    targets = torch.cat([p[3] for p in parts])[order]
+    n = len(stage.images.class_names)
+    seed = stage.config.train.seed + stage.index
+    cal = calibrate(features, targets, n, stage.config.open_set, seed=seed, earlier=earlier, rmd_features=rmd_features)
+    return cal, Moments.of(rmd_features, targets, n)

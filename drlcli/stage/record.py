@@ -1,0 +1,194 @@
+"""learn-stage's last phases: the stage evaluated on every registered eval set and its own, its
+files (tensors checked finite, stage.json), the atomic commit, and what the call reports."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import distributed
+from ..errors import DivergedError
+from ..evaluation import eval_set, evaluate_sets, registered_eval_sets
+from ..heads import PROTOTYPES
+from ..heads.openset import BIAS, RMD_BIAS
+from ..metrics import AccuracyReport, HistorySummary
+from ..run.files import stage_files
+from ..run.records import history_of, non_finite
+from ..version import __version__
+from .context import Evaluated, Fitted, Record, StageContext, Trained
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    status: str  # "learned" | "unchanged" (the same data was already committed as this stage)
+    resumed_from_epoch: int | None  # epochs reused from an interrupted run's checkpoint
+    stage: int
+    classes: list[str]
+    num_images: int
+    train_seconds: float
+    total_seconds: float
+    epoch_losses: list[float]
+    scale: float | None
+    num_params: int
+    stage_bytes: int
+    eval: AccuracyReport | None
+    history: HistorySummary
+    warnings: list[str] = field(default_factory=list)
+    run_dir: str | None = None
+    precision: str = "fp32"  # the network forward's (for "unchanged": the committed stage's)
+    tensorboard_dir: str | None = None  # where this call wrote TensorBoard event files, if it did
+    training_skipped: bool = False  # the stage was created untrained: nothing reads it (train.skip_unread)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["eval"] = self.eval.to_dict() if self.eval else None
+        out["history"] = self.history.to_dict()
+        return out
+
+
+def evaluate_stage(stage: StageContext) -> Evaluated:
+    """Top-1 on every eval set earlier stages registered (a missing one is a warning) and on --eval-data."""
+    warnings: list[str] = []
+    sets = registered_eval_sets(stage.loaded, missing=warnings)
+    for message in warnings:
+        stage.say("warning", 0, 0, message)
+    if stage.eval_images is not None:
+        sets.append(eval_set(stage.eval_images, stage.model, what="--eval-data"))
+    tick = time.perf_counter()
+    report = None
+    if sets:
+        report = evaluate_sets(
+            stage.model,
+            sets,
+            num_workers=stage.config.train.num_workers,
+            precision=stage.precision,
+            progress=stage.progress,
+        )
+    if report is not None:
+        log.debug("evaluated %d images in %.1fs", report.num_images, time.perf_counter() - tick)
+    return Evaluated(report, warnings)
+
+
+def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated) -> Record:
+    """The stage's files: its tensors (refused if any is NaN or infinite) and its metadata."""
+    tensors = {
+        PROTOTYPES: stage.model.real_prototypes[-len(stage.images.class_names) :],
+        BIAS: fitted.bias,
+    }
+    if fitted.rmd is not None:
+        tensors.update(fitted.rmd[0].tensors())
+        tensors[RMD_BIAS] = fitted.rmd[1]
+    if stage.method.trains:
+        new = stage.model.network.stages[-1].state_dict()
+        tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
+    if fitted.fit is not None:
+        tensors.update(fitted.fit.tensors)
+    bad = non_finite(tensors)
+    if bad is not None:
+        stage.discard_checkpoint()
+        raise DivergedError(
+            f"training diverged: {bad} of stage {stage.index} holds NaN or infinite values; nothing was "
+            f"committed: lower --lr (now {stage.config.train.lr:g})"
+        )
+    meta = _stage_meta(stage, trained, fitted, evaluated)
+    statistics = fitted.fit.statistics if fitted.fit is not None else None
+    return Record(meta, stage_files(stage.index, meta, tensors, statistics))
+
+
+def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated) -> dict[str, Any]:
+    """stage.json: what the stage learned from, on what, and how well."""
+    images, fit, report = stage.images, fitted.fit, evaluated.report
+    if trained.result is not None:
+        train_metrics = asdict(trained.result)
+    else:
+        train_metrics = {"seconds": fitted.seconds} if fit is not None else None  # the feature pass and solve
+    if trained.skipped:
+        train_metrics = {**(train_metrics or {}), "skipped": True}
+    if stage.method.trains:
+        num_params = stage.model.network.stages[-1].num_params()
+    else:
+        num_params = fit.num_params if fit is not None else 0
+    meta = {
+        "stage": stage.index,
+        "drl_version": __version__,
+        "classes": list(images.class_names),
+        "images_per_class": images.counts(),
+        "data_fingerprint": stage.fingerprint,
+        "train": asdict(stage.config.train) if stage.method.trains else None,
+        "device": str(stage.model.device),
+        "precision": stage.precision,  # the forward's in training, prototypes and evaluation
+        "world_size": distributed.world_size(),
+        "eval_data": _eval_data_entry(stage),
+        "num_params": num_params,
+        "eval_missing": evaluated.warnings,
+        "metrics": {
+            "eval": report.to_dict() if report else None,
+            "train": train_metrics,
+            # learning without evaluation, for every method alike: SGD (if any), feature pass, fit
+            "learn_seconds": round((trained.result.seconds if trained.result else 0.0) + fitted.seconds, 3),
+        },
+    }
+    meta["open_set"] = fitted.calibration.to_dict()
+    if fit is not None:
+        meta["ridge"] = fit.meta  # the ridge head's λ, validation errors and counts (every method scored by it)
+    return meta
+
+
+def _eval_data_entry(stage: StageContext) -> dict[str, Any] | None:
+    """--eval-data as registered for later evaluations: relative to the run, with its classes and
+    fingerprint (a folder only: a dataset has no path to find it again)."""
+    if stage.eval_images is None or stage.eval_data_dir is None:
+        return None
+    return {
+        "path": os.path.relpath(Path(stage.eval_data_dir).resolve(), stage.run.path.resolve()),
+        "classes": list(stage.eval_images.class_names),
+        "fingerprint": stage.eval_images.fingerprint(),
+    }
+
+
+def commit_stage(stage: StageContext, record: Record) -> None:
+    """Rank 0 commits the stage atomically, then drops the epoch checkpoint it no longer needs."""
+    if stage.writer is None:
+        return
+    stage.say("commit", 0, 0, f"stage {stage.index}")
+    tick = time.perf_counter()
+    stage.writer.commit(record.files, manifest=stage.manifest, new_stage=stage.index)
+    stage.writer.discard_checkpoint()
+    log.debug(
+        "committed stage %d (%d bytes) in %.2fs",
+        stage.index,
+        sum(map(len, record.files.values())),
+        time.perf_counter() - tick,
+    )
+
+
+def learned_result(
+    stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated, record: Record, *, start: float
+) -> StageResult:
+    """What learn-stage reports for a stage it learned and committed."""
+    train = trained.result
+    return StageResult(
+        status="learned",
+        resumed_from_epoch=trained.resumed_from,
+        stage=stage.index,
+        classes=list(stage.images.class_names),
+        num_images=len(stage.images),
+        train_seconds=train.seconds if train else fitted.seconds if fitted.fit else 0.0,
+        total_seconds=time.perf_counter() - start,
+        epoch_losses=train.epoch_losses if train else [],
+        scale=train.scale if train else None,
+        num_params=record.meta["num_params"],
+        training_skipped=trained.skipped,
+        stage_bytes=sum(len(b) for b in record.files.values()),
+        eval=evaluated.report,
+        history=history_of([*stage.loaded.stage_metas, record.meta]),
+        warnings=evaluated.warnings,
+        run_dir=str(stage.run.path),
+        precision=stage.precision,
+    )
