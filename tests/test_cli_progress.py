@@ -177,3 +177,23 @@ def test_on_a_terminal_a_silent_phase_gets_a_spinner(monkeypatch):
     finally:
         reporter.close()
     assert reporter._bar is None and not heartbeats()
+
+
+def test_steps_a_little_slower_than_the_interval_print_their_counts(plain_logging, capsys):
+    """Steps that come less often than the interval but more often than none: the heartbeat prints
+    the newest step's count and time left, not "still running" (before: a 21-batch feature pass
+    printed "prototypes 1/21", then only "still running" lines for two minutes)."""
+    reporter = Reporter(quiet=False, interval=INTERVAL, command="learn-stage").start()
+    reporter.interactive = False
+    for step in range(1, 9):
+        reporter(api.Progress("prototypes", step, 8))
+        time.sleep(0.75 * INTERVAL)
+    reporter.close()
+    err = capsys.readouterr().err.splitlines()
+    assert not _still(err_text := "\n".join(err)), err_text
+    middle = [
+        line
+        for line in err
+        if line.startswith("prototypes ") and not line.startswith(("prototypes 1/", "prototypes 8/"))
+    ]
+    assert middle and all("s left" in line for line in middle), err

@@ -145,6 +145,7 @@ class Reporter:
         self._first_step = 0
         self._phase_start = 0.0
         self._finished = False  # the phase reported its last step: what runs now reports nothing yet
+        self._unprinted: Progress | None = None  # a step event not printed (within the interval of a line)
         self._label = ""  # what runs now: the last event's phase and detail, or what the CLI named (``phase``)
         self._since = 0.0  # when what runs now began: the command, the phase, or the end of the last one
         self._bar: Any = None
@@ -182,8 +183,11 @@ class Reporter:
             if now - self._last >= self.spinner_after and (self._task is None or self._finished):
                 self._spinner()
         elif now - self._last >= self.interval:
-            self._last = now
-            log.info("%s: %s", self.command, self._still_running(now))
+            if self._unprinted is not None:  # steps came, none printed since the last line: the newest one
+                self._plain_line(self._unprinted, now)
+            else:
+                self._last = now
+                log.info("%s: %s", self.command, self._still_running(now))
 
     def _still_running(self, now: float) -> str:
         """What runs and for how long: ``fit still running (35 s)``, ``still running (12 s since train ended)``."""
@@ -235,11 +239,17 @@ class Reporter:
         it names what runs for the heartbeat, whose line comes when it lasts ``interval``; so a command
         that fails at once still prints its one ``error:`` line alone."""
         if not event.total:
+            self._unprinted = None
             return
         final = 0 < event.total <= event.step
         if not (new_phase or final or now - self._last >= self.interval):
+            self._unprinted = event  # the heartbeat prints it if no later step does within the interval
             return
-        self._last = now
+        self._plain_line(event, now)
+
+    def _plain_line(self, event: Progress, now: float) -> None:
+        """The line of a step: its phase, count, figures and the time left."""
+        self._last, self._unprinted = now, None
         left = ""
         if self._first_step < event.step < event.total:
             rate = (now - self._phase_start) / (event.step - self._first_step)
