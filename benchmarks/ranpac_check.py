@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
-from drlcli import backbone
 from drlcli.benchmark.protocol import class_order, load_data, stage_classes
 from drlcli.config import RunConfig
 from drlcli.data.images import ImageSet
@@ -32,6 +31,7 @@ from drlcli.heads.ridge.statistics import Statistics, choose_lambda, lambda_grid
 from drlcli.methods.drl.network import IPANetwork
 from drlcli.methods.drl.options import IPAConfig
 from drlcli.metrics import accuracy_report, summarize_history
+from drlcli.ptm import backbone
 from drlcli.ptm.backbone import PTMSource
 
 

@@ -418,7 +418,7 @@ def test_restoring_rmd_statistics_of_any_shape_gives_a_clean_error(learned):
                 loaded.config,
                 tensors,
                 class_names=model.class_names,
-                num_stages=model.num_stages,
+                num_stages=model.network.num_stages,
                 data_config=model.data_config,
                 fit_error=lambda position, exc: exc,
             )

@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from drlcli import rundir, storage
+from drlcli import storage
 from drlcli.errors import IntegrityError, RunBusyError, RunStateError, StorageError
+from drlcli.run import files as run_files
+from drlcli.run import layout
 from drlcli.run.directory import RunDir
 
 
 def _init(path):
     run = RunDir(path)
     with run.writer(create=True) as writer:
-        writer.commit(rundir.init_files({"kind": rundir.RUN_CONFIG_KIND, "x": 1}, None), manifest=None)
+        writer.commit(run_files.init_files({"kind": layout.RUN_CONFIG_KIND, "x": 1}, None), manifest=None)
     return run
 
 
@@ -23,7 +25,7 @@ def _add_stage(run, index):
     import torch
 
     with run.writer() as writer:
-        files = rundir.stage_files(index, {"stage": index}, {"prototypes": torch.ones(2, 1, 4) * index})
+        files = run_files.stage_files(index, {"stage": index}, {"prototypes": torch.ones(2, 1, 4) * index})
         return writer.commit(files, manifest=run.manifest(), new_stage=index)
 
 
@@ -34,7 +36,7 @@ def test_commit_lists_every_file_with_checksums(tmp_path):
     assert set(manifest["files"]) == {"run.yaml", "stages/001/stage.json", "stages/001/weights.safetensors"}
     assert run.stage(1).tensors["prototypes"].sum() == 8
     assert run.verify() == []
-    assert not (run.path / rundir.STAGING).exists()
+    assert not (run.path / layout.STAGING).exists()
 
 
 def test_flipped_byte_is_detected_and_named(tmp_path):
@@ -85,7 +87,7 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path):
 
 def test_stale_lock_file_from_dead_process_is_taken_over(tmp_path):
     run = _init(tmp_path / "r")
-    (run.path / rundir.LOCK).write_text(json.dumps({"pid": 999999, "host": "gone", "started": "then"}))
+    (run.path / layout.LOCK).write_text(json.dumps({"pid": 999999, "host": "gone", "started": "then"}))
     with run.writer():  # no flock is held by anyone: the file alone does not block
         pass
 
@@ -93,15 +95,15 @@ def test_stale_lock_file_from_dead_process_is_taken_over(tmp_path):
 def test_crash_debris_is_never_trusted_and_moved_aside_not_deleted(tmp_path):
     run = _init(tmp_path / "r")
     _add_stage(run, 1)
-    (run.path / rundir.STAGING / ("0" * 32)).mkdir(parents=True)  # an interrupted commit's own: deleted
-    (run.path / rundir.STAGING / "abc").mkdir()
+    (run.path / layout.STAGING / ("0" * 32)).mkdir(parents=True)  # an interrupted commit's own: deleted
+    (run.path / layout.STAGING / "abc").mkdir()
     (run.path / "stages/002").mkdir()  # renamed into place, manifest never replaced
     (run.path / "stages/002/stage.json").write_text("{}")
     assert run.stage_indices() == [1]
     _add_stage(run, 2)
     assert run.stage_indices() == [1, 2] and run.verify() == []
     moved = sorted(str(p.relative_to(p.parents[1])) for p in run.path.glob(".quarantine/*/*/*"))
-    assert moved == [".staging/abc", "stages/002"] and not (run.path / rundir.STAGING).exists()
+    assert moved == [".staging/abc", "stages/002"] and not (run.path / layout.STAGING).exists()
 
 
 def test_failed_commit_takes_back_the_files_it_moved_in(tmp_path, monkeypatch):
@@ -118,9 +120,9 @@ def test_failed_commit_takes_back_the_files_it_moved_in(tmp_path, monkeypatch):
     with pytest.raises(StorageError, match="nothing was committed"):
         _add_stage(run, 2)
     monkeypatch.undo()
-    assert not (run.path / "stages/002").exists() and not (run.path / rundir.STAGING).exists()
+    assert not (run.path / "stages/002").exists() and not (run.path / layout.STAGING).exists()
     _add_stage(run, 2)
-    assert not (run.path / rundir.QUARANTINE).exists()  # nothing unexplained was left
+    assert not (run.path / layout.QUARANTINE).exists()  # nothing unexplained was left
 
 
 def test_failing_write_keeps_previous_state(tmp_path, monkeypatch):

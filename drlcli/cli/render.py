@@ -63,7 +63,8 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
         )
     if any(s.get("untrained") for s in stages):
         lines.append(
-            "* adapters stored as initialised, not trained: nothing the run answers reads them (train.skip_unread)"
+            "* no stage network (its adapters would be read by nothing the run answers: train.skip_unread); "
+            "its parameters are the head's it solved"
         )
     return lines
 
@@ -98,14 +99,16 @@ def learn_stage(r: dict[str, Any]) -> str:
     if r["status"] == "unchanged":
         return _text([f"stage {r['stage']} already learned exactly these images; nothing to do"])
     lines = [f"resumed from the checkpoint after epoch {r['resumed_from_epoch']}"] if r["resumed_from_epoch"] else []
-    lines.append(
-        f"stage {r['stage']}: learned {len(r['classes'])} classes from {r['num_images']} images "
-        f"in {r['total_seconds']:.1f}s (training {r['train_seconds']:.1f}s, {r['num_params']} parameters)"
-    )
-    if r["training_skipped"]:
+    head = f"{len(r['classes'])} classes from {r['num_images']} images in {r['total_seconds']:.1f}s"
+    if r["training_skipped"]:  # nothing was trained: the feature pass and the head's solve
         lines.append(
-            "its adapters were not trained: nothing the run answers reads this stage's subspace "
-            "(train.skip_unread; a run initialised with it false trains them)"
+            f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s, "
+            f"{r['num_params']:,} head parameters solved); no stage adapters: nothing the run answers would "
+            "read them (train.skip_unread; a run initialised with it false trains and stores them)"
+        )
+    else:
+        lines.append(
+            f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s, {r['num_params']:,} parameters)"
         )
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])

@@ -46,7 +46,7 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "forgotten": forgotten.of_stage(index),  # of those, the ones out of the answers (drl forget)
                 "num_images": sum(meta["images_per_class"].values()),
                 "num_params": meta["num_params"],  # learned in this stage (the PTM is frozen)
-                # its adapters stored as initialised: nothing the run answers reads them (train.skip_unread)
+                # no stage network: nothing the run answers would read it (train.skip_unread)
                 "untrained": train_metrics(meta).get("skipped") is True,
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
                 "cumulative_classes": cum_classes,

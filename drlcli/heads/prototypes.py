@@ -50,7 +50,10 @@ def score_weights(class_stage: Tensor, num_subspaces: int, *, rho: float, beta: 
         weights[:, 0] = beta
     if t > 1:
         weights[:, offset:] = rho / (t - 1)
-    weights[torch.arange(num_classes), class_stage - 1 + offset] = 1.0
+    # a class learned in a stage without a network (nothing the run answers reads it: only a run
+    # scored by an analytic head, which reads the bank in subspace 0 alone) has no own subspace
+    own = (class_stage - 1 + offset).clamp(max=num_subspaces - 1)
+    weights[torch.arange(num_classes), own] = 1.0
     return weights
 
 

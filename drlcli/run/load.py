@@ -102,7 +102,7 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
         config,
         tensors,
         class_names=[name for names in classes for name in names],
-        num_stages=len(stages) if method_of(config).trains else 0,
+        num_stages=sum(stage_networks(method_of(config), stages)),
         data_config=record["ptm"]["data_config"],
         fit_error=fit_error,
     )
@@ -138,26 +138,35 @@ def _run_tensors(
     becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded
     bank, the stage files' head tensors the head's state. ``classes`` holds each stage's active classes
     (not forgotten): one prototype row each. Each stage's tensors are checked first."""
-    num_subspaces = method.offset + (len(stages) if method.trains else 0)
+    networks = stage_networks(method, stages)
+    num_subspaces = method.offset + sum(networks)
     tensors: dict[str, torch.Tensor] = {}
     rows, class_stage = [], []
     for position, stage in enumerate(stages):
-        subspaces = method.offset + (position + 1 if method.trains else 0)
-        expected = (len(classes[position]), subspaces, width)
+        made = sum(networks[: position + 1])  # the stage networks the run had once this stage was learned
+        expected = (len(classes[position]), method.offset + made, width)
         _check_stage_tensors(run, stage, expected)
         padded = torch.zeros(expected[0], num_subspaces, width)  # subspaces added later: synthesised
-        padded[:, :subspaces] = stage.tensors[PROTOTYPES]
+        padded[:, : expected[1]] = stage.tensors[PROTOTYPES]
         rows.append(padded)
         class_stage += [stage.index] * expected[0]
-        if method.trains:
+        if networks[position]:
             state = with_prefix(stage.tensors, method.tensor_prefix)
-            tensors.update({stage_prefix(position) + k: v for k, v in state.items()})
+            tensors.update({stage_prefix(made - 1) + k: v for k, v in state.items()})
     tensors[PROTOTYPES] = torch.cat(rows) if rows else empty_prototypes(width, method.offset)
     tensors[CLASS_STAGE] = torch.tensor(class_stage, dtype=torch.long)
     tensors.update(_open_set_tensors(run, stages))
     if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
         tensors.update({HEAD + k: v for k, v in _head_state(run, head, stages, width).items()})
     return tensors
+
+
+def stage_networks(method: Method, stages: list[StageRecord]) -> list[bool]:
+    """Which stages hold a stage network (its parameters under the method's prefix). A stage that
+    nothing the run answers reads has none (``train.skip_unread``; stored untrained before issue 32)."""
+    if not method.trains:
+        return [False] * len(stages)
+    return [any(name.startswith(method.tensor_prefix) for name in stage.tensors) for stage in stages]
 
 
 def _check_stage_tensors(run: RunDir, stage: StageRecord, expected: tuple[int, int, int]) -> None:

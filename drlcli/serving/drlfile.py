@@ -155,14 +155,13 @@ def _check_class_tensors(
 ) -> None:
     """``class_stage`` (C,) and ``prototypes`` (C, S, d), checked against the class names and the network."""
     class_stage, prototypes = tensors.get(CLASS_STAGE), tensors.get(PROTOTYPES)
-    # num_stages is 0 for the methods that train nothing: their classes score in the PTM subspace alone
+    # num_stages counts stage networks: none for a method that trains nothing, or a stage nothing reads
     fits = (
         class_stage is not None
         and prototypes is not None
         and class_stage.dtype == torch.long
         and tuple(class_stage.shape) == (num_classes,)
         and bool((class_stage >= 1).all())
-        and (num_stages == 0 or bool((class_stage <= num_stages).all()))
         and prototypes.is_floating_point()
         and tuple(prototypes.shape) == (num_classes, offset + num_stages, width)
     )

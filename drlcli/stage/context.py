@@ -70,7 +70,7 @@ class StageContext:
 class Trained:
     result: TrainResult | None  # None: the method trains nothing, or the stage was not trained
     resumed_from: int | None  # the epoch an interrupted call's checkpoint had reached
-    skipped: bool = False  # the stage was created, not trained: nothing reads it (train.skip_unread)
+    skipped: bool = False  # no stage network was made: nothing reads its subspace (train.skip_unread)
 
 
 @dataclass(frozen=True)

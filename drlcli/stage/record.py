@@ -43,7 +43,7 @@ class StageResult:
     run_dir: str | None = None
     precision: str = "fp32"  # the network forward's (for "unchanged": the committed stage's)
     tensorboard_dir: str | None = None  # where this call wrote TensorBoard event files, if it did
-    training_skipped: bool = False  # the stage was created untrained: nothing reads it (train.skip_unread)
+    training_skipped: bool = False  # no stage network was made: nothing reads its subspace (train.skip_unread)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -84,7 +84,7 @@ def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluate
     if fitted.rmd is not None:
         tensors.update(fitted.rmd[0].tensors())
         tensors[RMD_BIAS] = fitted.rmd[1]
-    if stage.method.trains:
+    if stage.method.trains and not trained.skipped:
         new = stage.model.network.stages[-1].state_dict()
         tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
     if fitted.fit is not None:
@@ -110,7 +110,7 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
         train_metrics = {"seconds": fitted.seconds} if fit is not None else None  # the feature pass and solve
     if trained.skipped:
         train_metrics = {**(train_metrics or {}), "skipped": True}
-    if stage.method.trains:
+    if stage.method.trains and not trained.skipped:
         num_params = stage.model.network.stages[-1].num_params()
     else:
         num_params = fit.num_params if fit is not None else 0

@@ -30,12 +30,11 @@ def train_or_resume(stage: StageContext, *, restart: bool) -> Trained:
     finished epoch is checkpointed (rank 0); a diverged training leaves no checkpoint behind."""
     if not stage.method.trains:
         return Trained(None, None)
+    if stage.untrained:  # no stage network at all: neither trained, nor computed, nor stored
+        log.debug("stage %d has no network: nothing the run answers reads its subspace", stage.index)
+        return Trained(None, None, skipped=True)
     network, train = stage.model.network, stage.config.train
     network.new_stage(seed=train.seed + stage.index)
-    if stage.untrained:
-        network.stages[-1].eval().requires_grad_(False)  # as training leaves it
-        log.debug("stage %d not trained: nothing the run answers reads its subspace", stage.index)
-        return Trained(None, None, skipped=True)
     key = _checkpoint_key(
         stage.manifest,
         stage.index,
