@@ -31,10 +31,11 @@ def test_the_facts_of_each_method():
         "drl": (True, 1, "ipa.", False),
         "simplecil": (False, 1, "", False),
         "ease": (True, 0, "ease.", False),
-        "ranpac": (False, 1, "", True),  # the ridge head names its own tensors
+        "ranpac": (True, 1, "adapt.", True),  # stage 1 alone, with a first session; the head names its own tensors
     }
     differing = {n: m.train_defaults for n, m in METHODS.items() if m.train_defaults != TrainConfig()}
-    assert differing == {"ease": METHODS["ease"].train_defaults}  # what `learn-stage --help` names beside drl's
+    # what `learn-stage --help` names beside drl's
+    assert differing == {"ease": METHODS["ease"].train_defaults, "ranpac": METHODS["ranpac"].train_defaults}
     ease = RunConfig.for_method("ease").train
     assert (ease.loss, ease.kd_weight, ease.scale_init, ease.lr) == ("ce", 0.0, 1.0, 0.025)
     # drl's recipe is TrainConfig's, except that its default head reads no stage: none is trained

@@ -221,7 +221,7 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
 def test_ridge_head_options_are_checked():
     with pytest.raises(UsageError, match="score.head ridge"):
         RunConfig.for_method("ease", {"score": {"head": "ridge"}})
-    with pytest.raises(UsageError, match="subspaces 2"):
+    with pytest.raises(UsageError, match="ranpac.subspaces must be 1 for method ranpac"):
         RunConfig.for_method("ranpac", {"ranpac": {"subspaces": 2}})
     with pytest.raises(UsageError, match="ranpac.subspaces"):
         RunConfig.for_method("drl", {"score": {"head": "ridge"}, "ranpac": {"subspaces": 3}})

@@ -61,12 +61,23 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
             f"{s['cumulative_params']:>11,} {s['bytes'] / 2**20:>7.2f} {s['cumulative_bytes'] / 2**20:>8.2f} "
             f"{_pct(s['accuracy']):>6}"
         )
+    lines += [
+        f"stage {s['stage']}: " + first_session_line(s["first_session"]) for s in stages if s.get("first_session")
+    ]
     if any(s.get("untrained") for s in stages):
         lines.append(
-            "* no stage network (its adapters would be read by nothing the run answers: train.skip_unread); "
-            "its parameters are the head's it solved"
+            "* no stage network: nothing was trained (the run's method and options train no adapters for "
+            "this stage; see its learn-stage output); its parameters are the head's it solved"
         )
     return lines
+
+
+def first_session_line(d: dict[str, Any]) -> str:
+    """Stage 1's first-session decision (``first_session.decide``), for people."""
+    scores = f"held-out top-1 {d['adapted_top1']:.2f} adapted, {d['frozen_top1']:.2f} frozen, on {d['held_out']} images"
+    if d["kept"] == "adapted":
+        return f"first session: the adapted PTM is kept ({scores})"
+    return f"first session: the frozen PTM is kept, the adapters are not stored ({scores})"
 
 
 def accuracy_lines(acc: dict[str, Any]) -> list[str]:
@@ -103,13 +114,17 @@ def learn_stage(r: dict[str, Any]) -> str:
     if r["training_skipped"]:  # nothing was trained: the feature pass and the head's solve
         lines.append(
             f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s, "
-            f"{r['num_params']:,} head parameters solved); no stage adapters: nothing the run answers would "
-            "read them (train.skip_unread; a run initialised with it false trains and stores them)"
+            f"{r['num_params']:,} head parameters solved); no stage adapters: "
+            + (r.get("skipped_because") or "nothing trained")
         )
     else:
         lines.append(
-            f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s, {r['num_params']:,} parameters)"
+            f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s, {r['num_params']:,} "
+            + ("head parameters solved" if (r.get("first_session") or {}).get("kept") == "frozen" else "parameters")
+            + ")"
         )
+    if r.get("first_session"):
+        lines.append(first_session_line(r["first_session"]))
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
     if r["tensorboard_dir"]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
-from ..run.records import check_stage_meta, history_of, read_record, train_metrics
+from ..run.records import check_stage_meta, first_session_record, history_of, read_record, train_metrics
 
 
 def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
@@ -48,6 +48,8 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "num_params": meta["num_params"],  # learned in this stage (the PTM is frozen)
                 # no stage network: nothing the run answers would read it (train.skip_unread)
                 "untrained": train_metrics(meta).get("skipped") is True,
+                # stage 1 of a run with first_session.decide: both held-out scores and what was kept
+                "first_session": first_session_record(meta),
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
                 "cumulative_classes": cum_classes,
                 "cumulative_params": cum_params,

@@ -5,6 +5,7 @@ from .decode import MAX_ASPECT, MAX_DECODE_SIDE, ImagePathError, load_rgb, to_rg
 from .images import (
     DatasetImages,
     ImageSet,
+    ImageSubset,
     LabelledImages,
     class_key,
     dataset_images,
@@ -22,6 +23,7 @@ __all__ = [
     "ImageDataset",
     "ImagePathError",
     "ImageSet",
+    "ImageSubset",
     "LabelledImages",
     "check_workers",
     "class_key",

@@ -12,7 +12,7 @@ import os
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,32 @@ class ImageSet(LabelledImages):
         label = {self.class_names.index(name): k for k, name in enumerate(keep)}
         pairs = [(path, label[old]) for path, old in zip(self.paths, self.labels) if old in label]
         return ImageSet(self.root, tuple(keep), tuple(p for p, _ in pairs), tuple(k for _, k in pairs))
+
+
+@dataclass(frozen=True, eq=False)
+class ImageSubset(LabelledImages):
+    """Some of another source's images (``indices``), under the same class names."""
+
+    source: LabelledImages
+    indices: tuple[int, ...]
+    class_names: tuple[str, ...] = field(init=False)
+    labels: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "class_names", self.source.class_names)
+        object.__setattr__(self, "labels", tuple(self.source.labels[i] for i in self.indices))
+
+    @property
+    def origin(self) -> str:
+        return f"{self.source.origin} ({len(self.indices)} of its images)"
+
+    def load(self, index: int) -> Image.Image:
+        return self.source.load(self.indices[index])
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(self.source.fingerprint().encode())
+        digest.update(",".join(map(str, self.indices)).encode())
+        return digest.hexdigest()
 
 
 @dataclass(frozen=True, eq=False)

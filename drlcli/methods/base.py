@@ -87,3 +87,9 @@ class Method:
     defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # named recipes over ``defaults`` (``init --preset``, ``benchmark`` variant ``preset=``)
     presets: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+    # how many leading stages it trains at most, by config (None: every stage whose subspace is read;
+    # a method that adapts the PTM in its first session: 1, else 0); the others get no stage network
+    trained_stages: Callable[[RunConfig], int | None] = lambda config: None
+    # whether stage 1's network is trained on part of its images and kept only if the head scores
+    # the held-out part higher with it (``stage/first_session.py``)
+    decides_first_stage: Callable[[RunConfig], bool] = lambda config: False

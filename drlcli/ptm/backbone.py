@@ -344,7 +344,13 @@ def ptm_layout(model: nn.Module, x: Tensor, grid: int) -> Tensor:
     the image, (B, grid², d), cells in row-major order. A cell's mean says what is where, which the
     class token alone does not (Caltech-101's Faces and Faces_easy: the same faces, two framings)."""
     y = model.blocks[-1](x)  # timm's own block (fused attention): no (B, H, N, N) probabilities kept
-    patches = model.norm(y)[:, model.num_prefix_tokens :]  # (B, P, d)
+    return layout_cells(model, model.norm(y), grid)
+
+
+def layout_cells(model: nn.Module, tokens: Tensor, grid: int) -> Tensor:
+    """The patch tokens of a final-normed output ``tokens`` (B, N, d) averaged over a ``grid`` x
+    ``grid`` partition of the image, (B, grid², d), cells in row-major order."""
+    patches = tokens[:, model.num_prefix_tokens :]  # (B, P, d)
     b, p, d = patches.shape
     side = math.isqrt(p)
     if side * side != p or side < grid:

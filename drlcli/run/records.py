@@ -98,6 +98,21 @@ def history_of(metas: list[dict[str, Any]]) -> HistorySummary:
     return summarize_history(reports)
 
 
+def first_session_record(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """Stage 1's first-session decision as stage.json holds it (``stage/first_session.py``); None
+    when it has none or a malformed one (a crafted stage.json is reported as having none)."""
+    record = meta.get("first_session")
+    if not isinstance(record, dict) or record.get("kept") not in ("adapted", "frozen"):
+        return None
+    scores = [record.get("adapted_top1"), record.get("frozen_top1")]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 100 for v in scores):
+        return None
+    held = record.get("held_out")
+    if not isinstance(held, int) or isinstance(held, bool) or held < 0:
+        return None
+    return {"adapted_top1": float(scores[0]), "frozen_top1": float(scores[1]), "held_out": held, "kept": record["kept"]}
+
+
 def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
     """A checked stage's ``metrics.train`` (``check_stage_meta``); empty for a method that trains nothing."""
     return meta["metrics"].get("train") or {}

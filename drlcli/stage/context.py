@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from ..run.load import LoadedRun
 from ..run.writer import RunWriter
 from ..tracking import TensorBoardLog
 from .train import TrainResult
+
+if TYPE_CHECKING:
+    from .first_session import Decision
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,25 @@ class StageContext:
 
     @property
     def untrained(self) -> bool:
-        """The method trains stages, but this one is created untrained: nothing the run answers
-        reads its subspace (``train.skip_unread``, ``methods.stage_is_read``)."""
-        return self.method.trains and self.config.train.skip_unread and not stage_is_read(self.config, self.index)
+        """The method trains stages, but this one gets no stage network: the method trains only
+        the stages before it (``Method.trained_stages``), or nothing the run answers reads its
+        subspace (``train.skip_unread``, ``methods.stage_is_read``)."""
+        if not self.method.trains:
+            return False
+        limit = self.method.trained_stages(self.config)
+        if limit is not None:
+            return self.index > limit
+        return self.config.train.skip_unread and not stage_is_read(self.config, self.index)
+
+    @property
+    def skip_reason(self) -> str:
+        """Why an untrained stage has no network, for people (``untrained``)."""
+        limit = self.method.trained_stages(self.config)
+        if limit is None:
+            return "nothing the run answers would read them (train.skip_unread; a run initialised with it false trains and stores them)"
+        if limit == 0:
+            return f"method {self.method.name} trains none (first_session.peft none)"
+        return f"method {self.method.name} adapts the PTM in stage 1 only (first_session.peft)"
 
     def say(self, phase: str, step: int, total: int, detail: str = "") -> None:
         if self.progress is not None:
@@ -80,6 +99,7 @@ class Fitted:
     bias: torch.Tensor  # (n,) the open-set biases of the stage's classes
     rmd: tuple[Moments, torch.Tensor] | None  # the rmd rule's moments and (n,) biases of them
     seconds: float  # the feature pass for the prototypes, and the head's fit
+    decision: Decision | None = None  # stage 1's adapted against frozen features (first_session.py)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ..heads.openset.rmd import Moments, split_probe
 from ..methods import head_of, stages_read
 from ..model import class_means, embed_images
 from .context import Fitted, StageContext
+from .first_session import Decision, decide, deciding
 
 log = logging.getLogger(__name__)
 
@@ -34,27 +35,59 @@ def fit_features(stage: StageContext) -> Fitted:
         old_rmd = (Moments.empty(model.rmd_width), torch.zeros(0))
     # the probe block's class token, while the run's rmd statistics are calibrated with it
     probes = (model.open_set_probe,) if old_rmd is not None and model.open_set_probe is not None else ()
-    feats, labels = embed_images(
-        model.network,
-        stage.images,
-        model.data_config,
-        batch_size=EVAL_BATCH_SIZE,
-        num_workers=stage.config.train.num_workers,
-        precision=stage.precision,
-        indices=shard,
-        progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
-        stages=computed,
-        layout=_layout(stage, head),
-        probes=probes,
-    )
+    feats, labels = _embed(stage, shard, computed, _layout(stage, head), probes)
     feats, rmd_feats = split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
+    decision = None
+    if deciding(stage) and head is not None:
+        feats, rmd_feats, decision = _first_session(stage, head, feats, rmd_feats, labels, shard, probes)
     _add_prototypes(stage, feats, labels, computed)
     stage.say("calibrate", 0, 0, "the unknown answer's thresholds")
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
     bias, rmd = _calibrated(stage, calibration, moments, old_bias, old_rmd)
     log.debug("prototypes of %d classes in %.1fs", len(stage.images.class_names), time.perf_counter() - tick)
     fit = _fit_head(stage, head, feats, labels, shard) if head is not None else None
-    return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick)
+    return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick, decision)
+
+
+def _embed(
+    stage: StageContext, shard: list[int] | None, computed: int | None, layout: int, probes: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return embed_images(
+        stage.model.network,
+        stage.images,
+        stage.model.data_config,
+        batch_size=EVAL_BATCH_SIZE,
+        num_workers=stage.config.train.num_workers,
+        precision=stage.precision,
+        indices=shard,
+        progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
+        stages=computed,
+        layout=layout,
+        probes=probes,
+    )
+
+
+def _first_session(
+    stage: StageContext,
+    head: Head,
+    feats: torch.Tensor,
+    rmd_feats: torch.Tensor,
+    labels: torch.Tensor,
+    shard: list[int] | None,
+    probes: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, Decision]:
+    """Stage 1's adapted features against the frozen PTM's (``first_session.py``): a second pass
+    without the adapters, and the adapters dropped unless the held-out part scores higher with them."""
+    network = stage.model.network
+    stage.say("decide", 0, 0, "the frozen PTM's features, to compare on the held-out images")
+    with network.bare():
+        frozen, _ = _embed(stage, shard, None, _layout(stage, head), probes)
+    frozen, frozen_rmd = split_probe(frozen, len(probes), stage.model.probe_weight)
+    decision = decide(stage, head, feats, frozen, labels)
+    if decision.keeps_adapters:
+        return feats, rmd_feats, decision
+    network.drop_adapters()
+    return frozen, frozen_rmd, decision
 
 
 def _layout(stage: StageContext, head: Head | None) -> int:

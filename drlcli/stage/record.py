@@ -43,7 +43,9 @@ class StageResult:
     run_dir: str | None = None
     precision: str = "fp32"  # the network forward's (for "unchanged": the committed stage's)
     tensorboard_dir: str | None = None  # where this call wrote TensorBoard event files, if it did
-    training_skipped: bool = False  # no stage network was made: nothing reads its subspace (train.skip_unread)
+    training_skipped: bool = False  # no stage network was made (``StageContext.untrained``)
+    skipped_because: str = ""  # why, for people (``StageContext.skip_reason``)
+    first_session: dict[str, Any] | None = None  # stage 1's decision (``first_session.Decision.to_dict``)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -84,7 +86,7 @@ def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluate
     if fitted.rmd is not None:
         tensors.update(fitted.rmd[0].tensors())
         tensors[RMD_BIAS] = fitted.rmd[1]
-    if stage.method.trains and not trained.skipped:
+    if _stores_network(stage, trained, fitted):
         new = stage.model.network.stages[-1].state_dict()
         tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
     if fitted.fit is not None:
@@ -101,6 +103,12 @@ def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluate
     return Record(meta, stage_files(stage.index, meta, tensors, statistics))
 
 
+def _stores_network(stage: StageContext, trained: Trained, fitted: Fitted) -> bool:
+    """The stage keeps a network of its own: trained, and not dropped by the first-session decision."""
+    dropped = fitted.decision is not None and not fitted.decision.keeps_adapters
+    return stage.method.trains and not trained.skipped and not dropped
+
+
 def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated) -> dict[str, Any]:
     """stage.json: what the stage learned from, on what, and how well."""
     images, fit, report = stage.images, fitted.fit, evaluated.report
@@ -110,7 +118,7 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
         train_metrics = {"seconds": fitted.seconds} if fit is not None else None  # the feature pass and solve
     if trained.skipped:
         train_metrics = {**(train_metrics or {}), "skipped": True}
-    if stage.method.trains and not trained.skipped:
+    if _stores_network(stage, trained, fitted):
         num_params = stage.model.network.stages[-1].num_params()
     else:
         num_params = fit.num_params if fit is not None else 0
@@ -120,7 +128,7 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
         "classes": list(images.class_names),
         "images_per_class": images.counts(),
         "data_fingerprint": stage.fingerprint,
-        "train": asdict(stage.config.train) if stage.method.trains else None,
+        "train": asdict(stage.config.train) if stage.method.trains and not trained.skipped else None,
         "device": str(stage.model.device),
         "precision": stage.precision,  # the forward's in training, prototypes and evaluation
         "world_size": distributed.world_size(),
@@ -137,6 +145,8 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
     meta["open_set"] = fitted.calibration.to_dict()
     if fit is not None:
         meta["ridge"] = fit.meta  # the ridge head's λ, validation errors and counts (every method scored by it)
+    if fitted.decision is not None:  # stage 1's adapted against frozen features, on its held-out images
+        meta["first_session"] = fitted.decision.to_dict()
     return meta
 
 
@@ -185,6 +195,8 @@ def learned_result(
         scale=train.scale if train else None,
         num_params=record.meta["num_params"],
         training_skipped=trained.skipped,
+        skipped_because=stage.skip_reason if trained.skipped else "",
+        first_session=record.meta.get("first_session"),
         stage_bytes=sum(len(b) for b in record.files.values()),
         eval=evaluated.report,
         history=history_of([*stage.loaded.stage_metas, record.meta]),

@@ -19,6 +19,7 @@ from ..progress import Progress, ProgressFn
 from ..ptm import backbone
 from ..run.directory import RunDir
 from .context import StageContext, Trained
+from .first_session import training_images
 from .train import TrainProgress, train_stage
 from .train_state import TrainState
 
@@ -55,7 +56,7 @@ def train_or_resume(stage: StageContext, *, restart: bool) -> Trained:
     try:
         result = train_stage(
             network,
-            stage.images,
+            training_images(stage),  # the fit part of stage 1's images when deciding (first_session.py)
             train,
             stage.model.data_config,
             precision=stage.precision,

@@ -22,8 +22,8 @@ Storage per stage: ``weights.safetensors`` holds W for every class seen so far (
 uses the newest stage's) and, in stage 1, R (d, M). ``statistics.safetensors`` holds the stage's
 increments: G_f and G_v as packed upper triangles (M(M+1)/2 fp32 each: 18 MB at M 3000), and Q_f,
 Q_v for the stage's own classes only (an old class's columns of Q never change: its y is 0 in
-later stages). It is read only to learn a later stage. The optional first-stage adaptation of
-the PTM (RanPAC's phase 1) is not implemented.
+later stages). It is read only to learn a later stage. RanPAC's first-stage adaptation of the
+PTM (its phase 1) is method ``ranpac``'s (``first_session``): the head reads the adapted PTM's f_0.
 
 Class covariances (``ranpac.covariance_weight`` w > 0; drl's default, not RanPAC's): a second,
 FeCAM-style score on x = f_0 / ‖f_0‖, the negative Mahalanobis distance to each class's mean,

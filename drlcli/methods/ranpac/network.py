@@ -1,0 +1,117 @@
+"""RanPAC's first-session adaptation (McDonnell et al., NeurIPS 2023, phase 1): the PTM with one
+AdaptFormer adapter set, trained on stage 1's classes and frozen afterwards.
+
+In every block an adapter runs parallel to the MLP and reads the post-attention stream, as in
+the public RanPAC code (``ffn_option parallel``, no adapter layer norm, r 64, s 0.1):
+
+    x = x + Attn(LN1(x));   x = x + MLP(LN2(x)) + s·Up(ReLU(Down(x)))
+
+Stage 1's adapters replace the PTM: every later feature, the ridge head's input, the PTM's layout
+rows, the class covariances and the "unknown" answer's probe blocks, come from the adapted pass,
+one ViT pass per image as before. Later stages add no network (``Method.trained_stages``). The
+network keeps the ``StageNetwork`` shape of a method with a PTM subspace (offset 1): subspace 0
+is the adapted PTM's feature and stage 1's subspace is the same feature, computed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...ptm import backbone
+from ...seeding import seeded
+from ..ease.network import EaseAdapters
+from .options import FirstSessionConfig
+
+
+class FirstSessionNetwork(nn.Module):
+    """Frozen PTM + stage 1's ``EaseAdapters`` (AdaptFormer) inside it, once stage 1 is learned."""
+
+    def __init__(self, ptm: nn.Module, cfg: FirstSessionConfig):
+        super().__init__()
+        self.ptm = ptm
+        self.cfg = cfg
+        self.width = backbone.width(ptm)
+        self.depth = len(ptm.blocks)
+        self.stages = nn.ModuleList()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_subspaces(self) -> int:
+        """Width of ``forward``'s subspace axis: the adapted PTM's, and stage 1's (the same feature)."""
+        return 1 + len(self.stages)
+
+    def new_stage(self, *, seed: int) -> EaseAdapters:
+        if self.stages:
+            raise ValueError("only stage 1 adapts the PTM (RanPAC's first session); later stages add no network")
+        with seeded(seed):  # on the CPU, then moved
+            stage = EaseAdapters(width=self.width, depth=self.depth, adapter_dim=self.cfg.adapter_dim)
+        stage.to(next(self.ptm.parameters()).device)
+        self.stages.append(stage)
+        return stage
+
+    @contextmanager
+    def bare(self) -> Iterator[None]:
+        """The frozen PTM without stage 1's adapters, for the block (``first_session.decide``)."""
+        stages = self.stages
+        self.stages = nn.ModuleList()
+        try:
+            yield
+        finally:
+            self.stages = stages
+
+    def drop_adapters(self) -> None:
+        """Forget stage 1's adapters: the run keeps the frozen PTM (``first_session.decide``)."""
+        self.stages = nn.ModuleList()
+
+    def forward(
+        self, images: Tensor, stages: int | None = None, layout: int = 0, probes: tuple[int, ...] = ()
+    ) -> Tensor:
+        """(B, 1+k, d): the adapted PTM's feature, repeated for stage 1's subspace when k (``stages``,
+        default all) counts it; then the layout rows of the adapted pass (g > 0) and the probe
+        blocks' class tokens, as ``IPANetwork.forward`` orders them."""
+        tokens, probed = self._pass(images, probes)
+        feature = self.ptm.fc_norm(tokens[:, 0])
+        kept = self.num_stages if stages is None else min(stages, self.num_stages)
+        rows = [feature[:, None].expand(-1, 1 + kept, -1)]
+        if layout:
+            rows.append(backbone.layout_cells(self.ptm, tokens, layout))
+        if probes:
+            missing = sorted(set(probes) - set(probed))
+            if missing:
+                raise ValueError(f"PTM block {missing[0]} is not a block before the last of {self.depth}")
+            rows.append(torch.stack([probed[b] for b in probes], dim=1))
+        return torch.cat(rows, dim=1)
+
+    def forward_train(self, images: Tensor) -> tuple[None, Tensor]:
+        """(None, the adapted feature) with gradients for the adapters (no PTM feature to distil to)."""
+        tokens, _ = self._pass(images, ())
+        return None, self.ptm.fc_norm(tokens[:, 0])
+
+    def _pass(self, images: Tensor, probes: tuple[int, ...]) -> tuple[Tensor, dict[int, Tensor]]:
+        """Every block with stage 1's adapters (the bare PTM before it has them), then the final norm."""
+        stage = self.stages[0] if self.stages else None
+        drop = self.cfg.dropout if stage is not None and stage.training else 0.0
+        x = backbone.embed_tokens(self.ptm, images)
+        probed: dict[int, Tensor] = {}
+        for l, block in enumerate(self.ptm.blocks):
+            if stage is None:
+                x = block(x)
+            else:
+                x = x + block.ls1(block.attn(block.norm1(x)))
+                hidden = F.dropout(F.relu(x @ stage.down[l] + stage.down_bias[l]), p=drop, training=drop > 0)
+                x = (
+                    x
+                    + block.ls2(block.mlp(block.norm2(x)))
+                    + self.cfg.scale * (hidden @ stage.up[l] + stage.up_bias[l])
+                )
+            if l in probes and l < self.depth - 1:
+                probed[l] = backbone.ptm_probe(self.ptm, x)
+        return self.ptm.norm(x), probed

@@ -1,0 +1,24 @@
+"""The ``first_session`` section of a run config: RanPAC's first-session adaptation of the PTM
+(method ``ranpac``; ``drl init --method ranpac --preset published``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...options import MAX_DIM, Range, option
+
+
+@dataclass(frozen=True)
+class FirstSessionConfig:
+    """Stage 1 trains a PEFT module inside the PTM, which stays frozen afterwards (RanPAC phase 1)."""
+
+    # none: the frozen PTM (RanPAC without its first phase) | adaptformer: x + MLP(LN(x)) + s·Up(ReLU(Down(x)))
+    peft: str = option("none", choices=("none", "adaptformer"))
+    adapter_dim: int = option(64, within=Range(1, MAX_DIM))  # r (RanPAC's ffn_num)
+    scale: float = option(0.1, within=Range(0, 100))  # s
+    # on the bottleneck, training only (as in the public RanPAC code)
+    dropout: float = option(0.1, within=Range(0, 1, high_open=True))
+    # drl's extension, not RanPAC's: train the adapters on the fit part of stage 1's images only, fit
+    # the head on the fit part's frozen and adapted features, and keep the adapters only when the
+    # held-out part (the ridge head's statistics split) scores higher with them
+    decide: bool = False

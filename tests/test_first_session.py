@@ -1,0 +1,223 @@
+"""RanPAC as published (``ranpac --preset published``): stage 1 trains AdaptFormer adapters inside the
+PTM with cross-entropy, later stages add no network, and every answer reads the adapted PTM."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from drlcli import evaluate, export_run, forget_class, learn_stage, load_model, restore_class
+from drlcli.api import info, predict_sources
+from drlcli.cli import app
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.errors import UsageError
+from drlcli.methods import get_method
+from drlcli.methods.ease.network import EaseNetwork
+from drlcli.methods.ease.options import EaseConfig
+from drlcli.methods.ranpac.network import FirstSessionNetwork
+from drlcli.methods.ranpac.options import FirstSessionConfig
+from drlcli.run.load import load_run
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+SMALL = {"ranpac": {"proj_dim": 96}, "train": {"epochs": 2, "batch_size": 8}}
+
+
+@pytest.fixture(scope="module")
+def published_run(tmp_path_factory, stage_folders):
+    run = tmp_path_factory.mktemp("published") / "run"
+    config = RunConfig.for_method("ranpac", SMALL, preset="published")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    results = [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders[:3]]
+    return run, results
+
+
+def test_the_preset_is_ranpacs_first_session_recipe():
+    config = RunConfig.for_method("ranpac", preset="published")
+    assert config.first_session.peft == "adaptformer" and config.first_session.adapter_dim == 64
+    train = config.train
+    assert (train.loss, train.epochs, train.lr, train.batch_size, train.kd_weight) == ("ce", 20, 0.01, 48, 0.0)
+    assert RunConfig.for_method("ranpac").first_session.peft == "none"  # RanPAC without its first phase
+
+
+def test_stage_one_alone_is_trained_and_stored(published_run):
+    run, results = published_run
+    assert [r.training_skipped for r in results] == [False, True, True]
+    assert (
+        len(results[0].epoch_losses) == 2
+        and results[0].num_params
+        == FirstSessionNetwork(_tiny_ptm(), FirstSessionConfig()).new_stage(seed=0).num_params()
+    )
+    assert "adapts the PTM in stage 1 only" in results[1].skipped_because
+    loaded = load_run(run, device="cpu")
+    network = loaded.model.network
+    assert isinstance(network, FirstSessionNetwork) and network.num_stages == 1
+    assert network.stages[0].up.abs().sum() > 0  # trained: Up starts at zero
+    metas = loaded.stage_metas
+    assert sorted(metas[0]) == sorted(metas[1])  # the same record shape for a trained and an untrained stage
+    assert metas[0]["train"]["loss"] == "ce" and metas[1]["train"] is None and metas[2]["train"] is None
+    assert [s["num_params"] for s in info(run)["stages"]][0] == results[0].num_params
+
+
+def test_the_adapted_pass_is_adaptformer_and_the_head_reads_it(published_run, images):
+    run, _ = published_run
+    model = load_run(run, device="cpu").model
+    network = model.network
+    ease = EaseNetwork(network.ptm, EaseConfig(adapter_dim=64, scale=0.1))
+    ease.stages.append(network.stages[0])
+    with torch.no_grad():
+        adapted = network(images)
+        bare = FirstSessionNetwork(network.ptm, FirstSessionConfig())(images)
+        assert adapted.shape == (len(images), 2, network.width)
+        torch.testing.assert_close(adapted[:, 0], ease(images)[:, 0])
+        torch.testing.assert_close(adapted[:, 1], adapted[:, 0])  # stage 1's subspace is the same feature
+        assert not torch.allclose(adapted[:, 0], bare[:, 0], atol=1e-4)
+        # the head scores the adapted feature: the model's features are the network's f_0
+        torch.testing.assert_close(model.features(images)[:, 0], adapted[:, 0])
+
+
+def test_eval_export_predict_and_forget(published_run, stage_folders, tmp_path):
+    run, _ = published_run
+    assert evaluate(run, all_seen=True, device="cpu").report.num_images == 9 * 4
+    pictures = sorted(str(p) for p in stage_folders[1][1].rglob("*.png"))
+    from_run = _answers(predict_sources(pictures, run_dir=run, device="cpu"))
+    for name in ("m.drl", "m.onnx"):
+        export_run(run, tmp_path / name)
+        assert _answers(predict_sources(pictures, model_path=tmp_path / name, device="cpu")) == from_run
+    assert load_model(tmp_path / "m.drl").class_names == sum((s["classes"] for s in info(run)["stages"]), [])
+    name = info(run)["stages"][1]["classes"][0]
+    forget_class(run, name)
+    assert name not in load_model(export_run(run, tmp_path / "after.drl").path).class_names
+    restore_class(run, name)
+    assert _answers(predict_sources(pictures, run_dir=run, device="cpu")) == from_run
+
+
+def test_plain_ranpac_trains_and_stores_no_network(tmp_path, stage_folders):
+    run = tmp_path / "run"
+    init_run(
+        run,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 96}}),
+    )
+    result = learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    assert result.training_skipped and "trains none" in result.skipped_because
+    tensors = load_run(run, device="cpu").stage_tensors[0]
+    assert not [k for k in tensors if k.startswith(get_method("ranpac").tensor_prefix)]
+
+
+@pytest.mark.parametrize(
+    "sections, problem",
+    [
+        ({"first_session": {"peft": "adaptformer"}, "train": {"kd_weight": 0.5}}, "train.kd_weight must be 0"),
+        ({"first_session": {"peft": "ssf"}}, "first_session.peft must be one of"),
+    ],
+)
+def test_first_session_options_are_checked(sections, problem):
+    from drlcli.config import validate
+
+    with pytest.raises(UsageError, match=problem):
+        validate(RunConfig.for_method("ranpac", sections))
+
+
+def test_cli_init_preset_published(tmp_path):
+    args = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
+    run = tmp_path / "run"
+    result = CliRunner().invoke(
+        app, ["init", "--run", str(run), *args, "--random-init", "--method", "ranpac", "--preset", "published"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "peft: adaptformer" in (run / "run.yaml").read_text()
+
+
+def _answers(predictions):
+    """Each image's ranked classes (an export's scores may differ in the last digit)."""
+    return [[c["class"] for c in p.top] for p in predictions]
+
+
+def _tiny_ptm():
+    from drlcli.ptm.backbone import PTMSource, create_ptm
+
+    return create_ptm(TINY_PTM, source=PTMSource(random_init=True), kwargs=TINY_PTM_KWARGS)
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_decide_keeps_the_adapters_only_when_they_win(tmp_path, stage_folders, monkeypatch, keeps):
+    from drlcli.stage import first_session
+
+    seen = {}
+    decide = first_session.decide
+
+    def spy(stage, head, adapted, frozen, labels):
+        found = decide(stage, head, adapted, frozen, labels)
+        seen["decision"] = found
+        return first_session.Decision(100.0 if keeps else 0.0, 50.0, found.held_out)
+
+    monkeypatch.setattr("drlcli.stage.fit.decide", spy)
+    run = tmp_path / "run"
+    sections = {**SMALL, "first_session": {"decide": True}}
+    config = RunConfig.for_method("ranpac", sections, preset="published")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    result = learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    found = seen["decision"]
+    assert 0 <= found.adapted <= 100 and 0 <= found.frozen <= 100 and found.held_out == 6  # 2 of 12 per class
+    assert result.first_session["kept"] == ("adapted" if keeps else "frozen")
+    assert info(run)["stages"][0]["first_session"] == result.first_session
+    loaded = load_run(run, device="cpu")
+    stored = [k for k in loaded.stage_tensors[0] if k.startswith("adapt.")]
+    assert bool(stored) == keeps and loaded.model.network.num_stages == int(keeps)
+    if keeps:
+        return
+    # the frozen PTM kept: the same answers as RanPAC without a first session
+    plain = tmp_path / "plain"
+    init_run(
+        plain,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 96}}),
+    )
+    learn_stage(plain, data_dir=stage_folders[0][0], device="cpu")
+    pictures = sorted(str(p) for p in stage_folders[0][1].rglob("*.png"))
+    assert _answers(predict_sources(pictures, run_dir=run, device="cpu")) == _answers(
+        predict_sources(pictures, run_dir=plain, device="cpu")
+    )
+    learn_stage(run, data_dir=stage_folders[1][0], device="cpu")  # later stages add nothing either way
+    assert load_run(run, device="cpu").model.network.num_stages == 0
+
+
+def test_deciding_trains_on_the_fit_part_only(tmp_path, stage_folders, monkeypatch):
+    from drlcli.stage import resume
+
+    trained_on = []
+    real = resume.train_stage
+    monkeypatch.setattr(
+        resume,
+        "train_stage",
+        lambda network, images, *a, **k: trained_on.append(images) or real(network, images, *a, **k),
+    )
+    run = tmp_path / "run"
+    config = RunConfig.for_method("ranpac", {**SMALL, "first_session": {"decide": True}}, preset="published")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    result = learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    images = trained_on[0]
+    assert len(images) == 36 - result.first_session["held_out"]
+    assert images.class_names == tuple(info(run)["stages"][0]["classes"])
+
+
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        {"kept": "both", "adapted_top1": 1.0, "frozen_top1": 2.0, "held_out": 3},
+        {"kept": "frozen", "adapted_top1": "x", "frozen_top1": 2.0, "held_out": 3},
+        {"kept": "frozen", "adapted_top1": 1.0, "frozen_top1": 1e9, "held_out": 3},
+        {"kept": "adapted", "adapted_top1": 1.0, "frozen_top1": 2.0, "held_out": True},
+        [1, 2],
+    ],
+)
+def test_a_crafted_first_session_record_is_read_as_none(crafted):
+    from drlcli.run.records import first_session_record
+
+    assert first_session_record({"first_session": crafted}) is None
+    good = {"kept": "adapted", "adapted_top1": 91, "frozen_top1": 90.5, "held_out": 12}
+    assert first_session_record({"first_session": good})["adapted_top1"] == 91.0
