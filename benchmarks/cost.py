@@ -11,6 +11,9 @@ interleaved round by round with the bare forward, and reported as median time / 
   the ridge + class-covariance head, which reads f_0 alone, so no stage stream is computed; the
   head's M 3000 projection and C·d² Mahalanobis work included) and ``ease`` with T stages (one ViT
   pass per stage), against ``ptm.forward_features`` under ``torch.inference_mode``;
+- inference of ``ranpac`` (``ranpac_T10``: the bare PTM pass and RanPAC's ridge head on f_0, M 3000,
+  100 classes) and of RanPAC as published (``ranpac_published_T10``: the PTM with stage 1's
+  AdaptFormer adapters, the same head);
 - one training step of a new stage (forward, loss, backward, SGD step; the real ``train.py`` step)
   at stage 1 and stage 10, against one bare frozen forward (``torch.no_grad``) of the same batch;
 - peak memory of each case (CPU: the rise of the process's peak RSS, each case in a fresh process;
@@ -55,9 +58,9 @@ def build_ptm(arch: str, device: torch.device, kwargs: dict | None = None) -> to
     return ptm
 
 
-def build_network(method: str, ptm: torch.nn.Module, stages: int) -> torch.nn.Module:
+def build_network(method: str, ptm: torch.nn.Module, stages: int, preset: str | None = None) -> torch.nn.Module:
     """A network with ``stages`` frozen stages whose parameters are random (not the zero init)."""
-    network = METHODS[method].build(ptm, RunConfig.for_method(method))
+    network = METHODS[method].build(ptm, RunConfig.for_method(method, preset=preset))
     generator = torch.Generator().manual_seed(0)
     for s in range(stages):
         stage = network.new_stage(seed=s)
@@ -82,20 +85,22 @@ def classifier_model(method: str, network: torch.nn.Module) -> IncrementalModel:
     return model
 
 
-def with_default_head(model: IncrementalModel) -> IncrementalModel:
-    """``model`` scored as the default ``drl`` scores: ridge on ReLU([f_0, PTM layout] R) (M and the
-    layout grid from the config) plus class covariances, random tensors of the real shapes."""
-    cfg = RunConfig.for_method("drl").ranpac
+def with_default_head(model: IncrementalModel, method: str = "drl") -> IncrementalModel:
+    """``model`` scored as ``method``'s new run scores with the ridge head: the default ``drl``'s,
+    ridge on ReLU([f_0, PTM layout] R) (M and the layout grid from the config) plus class
+    covariances; ``ranpac``'s, the ridge on f_0 alone. Random tensors of the real shapes."""
+    cfg = RunConfig.for_method(method).ranpac
     g = torch.Generator().manual_seed(1)
     d, num_classes = model.network.width, len(model.class_names)
     proj_dim = cfg.resolved_proj_dim(d)
     a = torch.randn(num_classes, d, d, generator=g) / d**0.5
+    covariances = cfg.covariance_weight > 0
     model.head = RanpacHead(
         torch.randn(d * (1 + cfg.layout_grid**2), proj_dim, generator=g),
         torch.randn(proj_dim, num_classes, generator=g),
-        torch.randn(num_classes, d, generator=g),
-        a @ a.transpose(1, 2) + torch.eye(d),
-        torch.tensor(cfg.covariance_weight),
+        torch.randn(num_classes, d, generator=g) if covariances else None,
+        a @ a.transpose(1, 2) + torch.eye(d) if covariances else None,
+        torch.tensor(cfg.covariance_weight) if covariances else None,
         layout=cfg.layout_grid,
     ).to(next(model.network.parameters()).device)
     return model
@@ -204,10 +209,31 @@ def cases_for(arch: str, args, device: torch.device, which: str | None = None) -
         if want(name):
             model = classifier_model(method, build_network(method, ptm, t))
             cases[name] = inference_case(with_default_head(model) if default_head else model, images)
+    if args.ranpac:
+        cases.update(ranpac_cases(ptm, images, want))
     for s in args.train_stages:
         for method in ("drl", "ease"):
             if want(f"train_{method}_s{s}") and (method == "drl" or s in args.ease_train_stages):
                 cases[f"train_{method}_s{s}"] = train_case(method, ptm, s, images)
+    return cases
+
+
+def ranpac_cases(
+    ptm: torch.nn.Module, images: torch.Tensor, want: Callable[[str], bool]
+) -> dict[str, Callable[[], None]]:
+    """RanPAC: the bare PTM pass, or (published) the PTM with stage 1's AdaptFormer adapters; the
+    ridge head on f_0 over 10 stages of classes."""
+    cases = {}
+    for name, preset in (("ranpac_T10", None), ("ranpac_published_T10", "published")):
+        if want(name):
+            network = build_network("ranpac", ptm, 1 if preset else 0, preset)
+            num_classes = 10 * CLASSES_PER_STAGE
+            protos = torch.randn(num_classes, network.num_subspaces, network.width)
+            names = [str(c) for c in range(num_classes)]
+            model = IncrementalModel(
+                network, names, torch.ones(num_classes, dtype=torch.long), protos, ScoreConfig(), {}
+            )
+            cases[name] = inference_case(with_default_head(model, "ranpac"), images)
     return cases
 
 
@@ -308,6 +334,9 @@ def main() -> None:
     parser.add_argument("--stages", default="1,5,10,20", help="drl inference stage counts")
     parser.add_argument("--default-stages", default="10,20", help="default drl (ridge + covariance head) stage counts")
     parser.add_argument("--ease-stages", default="10", help="ease inference stage counts")
+    parser.add_argument(
+        "--no-ranpac", dest="ranpac", action="store_false", help="leave out ranpac and its published preset"
+    )
     parser.add_argument("--train-stages", default="1,10")
     parser.add_argument("--ease-train-stages", default="10")
     parser.add_argument("--repeats", type=int, default=5)

@@ -74,12 +74,25 @@ def read_regular(path: Path, *, limit: int, what: str, follow: bool = False) -> 
     flags = os.O_RDONLY | os.O_NONBLOCK
     fd = os.open(path, flags) if follow else open_nofollow(path, flags)
     with open(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{what} {path} is {_kind(info.st_mode)}, not a regular file")
-        if info.st_size > limit:
-            raise ValueError(f"{what} {path} is {info.st_size:,} bytes, more than the {limit:,} drl reads")
-        data = handle.read(info.st_size + 1)  # one byte more shows a file whose size lies (procfs) or grows
+        return read_open(handle.fileno(), path, limit=limit, what=what)
+
+
+def read_open(fd: int, path: Path, *, limit: int, what: str) -> bytes:
+    """``read_regular`` on a descriptor already open (from its start; it stays open): the file's bytes
+    even after its name was deleted."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{what} {path} is {_kind(info.st_mode)}, not a regular file")
+    if info.st_size > limit:
+        raise ValueError(f"{what} {path} is {info.st_size:,} bytes, more than the {limit:,} drl reads")
+    chunks, offset = [], 0
+    while offset <= info.st_size:  # one byte more shows a file whose size lies (procfs) or grows
+        chunk = os.pread(fd, info.st_size + 1 - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    data = b"".join(chunks)
     if len(data) != info.st_size:
         raise ValueError(f"{what} {path} does not hold the {info.st_size:,} bytes its size says (it changed, or lies)")
     return data

@@ -127,9 +127,10 @@ def _forgetting_run(tmp_path: Path, stage_folders) -> tuple[Path, str]:
     return run, RunDir(run).stage_meta(1)["classes"][0]
 
 
-def test_a_reader_whose_generation_is_superseded_mid_read_reads_the_next(tmp_path, stage_folders, monkeypatch):
+def test_a_reader_whose_generation_is_superseded_mid_read_reads_it_whole(tmp_path, stage_folders, monkeypatch):
     """Deterministic: a forget commits (and deletes the files it superseded) right after the reader
-    took its manifest. Before: exit 5 "weights-g….safetensors is missing ... restore it from a backup"."""
+    took its manifest. Before: exit 5 "weights-g….safetensors is missing ... restore it from a backup".
+    The reader answers from the generation it started with, whole; the next read sees the forget."""
     run, name = _forgetting_run(tmp_path, stage_folders)
     real = RunDir.stage
     fired = []
@@ -141,6 +142,27 @@ def test_a_reader_whose_generation_is_superseded_mid_read_reads_the_next(tmp_pat
         return real(self, index, manifest)
 
     monkeypatch.setattr(RunDir, "stage", stage_after_a_forget)
+    before = RunDir(run).manifest()["generation"]
+    loaded = api.load_run(run, device="cpu")
+    assert fired and name in loaded.model.class_names  # the generation it took, whole
+    assert RunDir(run).manifest()["generation"] == before + 1
+    assert name not in api.load_run(run, device="cpu").model.class_names
+
+
+def test_a_file_gone_before_the_reader_opened_it_sends_it_to_the_newer_generation(tmp_path, stage_folders, monkeypatch):
+    """The few milliseconds that can still race: the forget commits between the reader's manifest
+    and its opening of the generation's files."""
+    run, name = _forgetting_run(tmp_path, stage_folders)
+    real = RunDir._pinning
+    fired = []
+
+    def pinning_after_a_forget(self, manifest):
+        if not fired:
+            fired.append(True)
+            forget_class(run, name)
+        return real(self, manifest)
+
+    monkeypatch.setattr(RunDir, "_pinning", pinning_after_a_forget)
     loaded = api.load_run(run, device="cpu")
     assert fired and name not in loaded.model.class_names
 

@@ -55,6 +55,21 @@ class ListedFileGone(IntegrityError):
     """A file the manifest lists is not there (see ``RunDir.read_generation``)."""
 
 
+def _gone(path: Path) -> ListedFileGone:
+    return ListedFileGone(
+        f"{path} is missing: the run is damaged, or another drl process changed it while this one "
+        "read it; re-run the command, and if it persists check the run with `drl verify`"
+    )
+
+
+def read_pinned(fd: int, path: Path, entry: dict[str, Any]) -> bytes:
+    """A pinned file's bytes (``RunDir._pinning``), with ``read_nofollow``'s checks."""
+    try:
+        return storage.read_open(fd, path, limit=entry["bytes"], what="run file")
+    except ValueError as exc:
+        raise IntegrityError(f"{exc}; remove it or restore the run from a backup") from None
+
+
 # --------------------------------------------------------------- no-follow access (the one place)
 
 
@@ -72,6 +87,7 @@ class RunDir:
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
+        self._pinned: dict[str, int] = {}  # name -> descriptor, while read_generation reads (``_pinning``)
 
     # ------------------------------------------------------------------ reading
 
@@ -130,12 +146,10 @@ class RunDir:
             raise IntegrityError(f"{name} is not listed in {self.path / MANIFEST}; the run is incomplete")
         path = self._inside(name)
         try:
-            data = read_nofollow(path, limit=entry["bytes"])
+            pinned = self._pinned.get(name)
+            data = read_nofollow(path, limit=entry["bytes"]) if pinned is None else read_pinned(pinned, path, entry)
         except FileNotFoundError:
-            raise ListedFileGone(
-                f"{path} is missing: the run is damaged, or another drl process changed it while this one "
-                "read it; re-run the command, and if it persists check the run with `drl verify`"
-            ) from None
+            raise _gone(path) from None
         except OSError as exc:
             raise IntegrityError(f"{path} is unreadable ({exc.strerror}); restore it from a backup") from exc
         if len(data) != entry["bytes"] or sha256_bytes(data) != entry["sha256"]:
@@ -150,11 +164,37 @@ class RunDir:
         for attempt in range(attempts):
             manifest = self.manifest()
             try:
-                return read(manifest)
+                with self._pinning(manifest):
+                    return read(manifest)
             except ListedFileGone:
                 if attempt == attempts - 1 or self.manifest()["generation"] == manifest["generation"]:
                     raise
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _pinning(self, manifest: dict[str, Any]) -> Iterator[None]:
+        """Open every listed file a later commit may supersede (and so delete) first, and read them
+        through those descriptors for the block: the generation's bytes stay readable even once
+        deleted, so a reader is never starved by commits that come faster than its whole read. A
+        file gone before it was opened is ``ListedFileGone`` (``read_generation`` takes the newer
+        manifest); past the process's descriptor limit the rest are read by name, as before."""
+        fds: dict[str, int] = {}
+        try:
+            for name in manifest["files"]:
+                if supersedable(name):
+                    path = self._inside(name)
+                    try:
+                        fds[name] = storage.open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+                    except FileNotFoundError:
+                        raise _gone(path) from None
+                    except OSError:  # EMFILE, or a file that read_bytes will report on by name
+                        break
+            self._pinned = fds
+            yield
+        finally:
+            self._pinned = {}
+            for fd in fds.values():
+                os.close(fd)
 
     def parsed(self, name: str, manifest: dict[str, Any] | None, parse: Callable[[bytes], Any]) -> Any:
         """A listed file, checksummed, then parsed into a mapping. A file whose checksum matches but

@@ -1,8 +1,8 @@
-"""learn-stage's first-session decision (a method's ``decides_first_stage``; ``first_session.decide``
-for ``ranpac``): stage 1's adapters are trained on the fit part of its images only; the head is
-then fitted on the fit part twice, on the adapted and on the frozen PTM's features, and scored on
-the held-out part. The adapters are kept only when they score higher there: a first drop of 2
-classes, or of photos the PTM already knows, ends no lower than the frozen PTM would."""
+"""learn-stage's first-session decision (``Method.decides_first_stage``, set by
+``first_session.decide``): stage 1's adapters are trained on the fit part of its images only; the
+head is then fitted on the fit part twice, on the adapted and on the frozen PTM's features, and
+scored on the held-out part. The adapters are kept only when they score higher there: a first drop
+of 2 classes, or of photos the PTM already knows, ends no lower than the frozen PTM would."""
 
 from __future__ import annotations
 
