@@ -10,7 +10,7 @@ the heads what to take out instead of knowing them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,7 +37,9 @@ class EarlierStages:
 
     head: nn.Module | None  # the head the run scores with now
     tensors: list[dict[str, Tensor]]  # each earlier stage's weights, as loaded (its active classes)
-    statistics: Callable[[], list[dict[str, Tensor]]]  # each earlier stage's statistics, read when asked
+    statistics: Callable[
+        [], Iterable[dict[str, Tensor]]
+    ]  # each earlier stage's statistics, read one at a time when asked
 
 
 class HeadFit(Protocol):

@@ -136,9 +136,9 @@ def _fit_head(
     earlier = EarlierStages(
         head=loaded.model.head if loaded.stage_metas else None,
         tensors=loaded.stage_tensors,
-        statistics=lambda: [
+        statistics=lambda: (  # read one stage at a time, as the fit folds them
             loaded.run.stage_statistics(i, loaded.manifest) for i in loaded.run.stage_indices(loaded.manifest)
-        ],
+        ),
     )
     fit = head.load().fit_stage(
         earlier,

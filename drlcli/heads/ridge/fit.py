@@ -3,7 +3,9 @@ stages or an export's state, and the column of a class restored after later stag
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +61,8 @@ def fit_stage(
     val = val_all if indices is None else val_all[torch.tensor(indices, dtype=torch.long)]
     phi = expand(head_input(features, projection.shape[0], layout**2).cpu(), projection)
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
-    previous = earlier.statistics()
-    total = Statistics.accumulate([*map(Statistics.from_tensors, previous), stage])
+    scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
+    total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
     lambdas = lambda_grid(cfg)
     lam, errors = choose_lambda(total, lambdas)
     weight = solve(total, lam)
@@ -71,7 +73,7 @@ def fit_stage(
             tensors[LAYOUT] = torch.tensor(layout)
     statistics = stage.to_tensors()
     if cfg.covariance_weight > 0:
-        _covariances(earlier, features, labels, num_classes, cfg, previous, tensors, statistics)
+        _covariances(earlier, features, labels, num_classes, cfg, scatters, tensors, statistics)
     # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits them there)
     stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
     meta = {
@@ -100,13 +102,22 @@ def _projection(earlier: EarlierStages, width: int, cfg: RanpacConfig, *, seed: 
     return projection.to(STAT_DTYPE), cfg.layout_grid
 
 
+def _each_stage(raw: Iterable[dict[str, Tensor]], scatters: list[dict[str, Tensor]]) -> Iterator[Statistics]:
+    """Each earlier stage's statistics, one at a time (``Statistics.accumulate`` folds them as they
+    come: one stage's Grams in memory, not every stage's), its covariance scatter set aside."""
+    for tensors in raw:
+        if COV_SCATTER in tensors:
+            scatters.append({COV_SCATTER: tensors[COV_SCATTER], COV_COUNTS: tensors[COV_COUNTS]})
+        yield Statistics.from_tensors(tensors)
+
+
 def _covariances(
     earlier: EarlierStages,
     features: Tensor,
     labels: Tensor,
     num_classes: int,
     cfg: RanpacConfig,
-    previous: list[dict[str, Tensor]],
+    previous: list[dict[str, Tensor]],  # the earlier stages' scatters and counts
     tensors: dict[str, Tensor],
     statistics: dict[str, Tensor],
 ) -> None:
@@ -151,5 +162,5 @@ def restored_column(statistics: list[dict[str, Tensor]], q_fit: Tensor, q_val: T
     """A restored class's column of W in a stage learned after it was forgotten: (G + λI)⁻¹ q, G
     summed over ``statistics`` (stages 1 to that stage), λ that stage's, q the class's kept columns
     of Q (exactly what that stage's fit gives the class at its λ: the ridge's columns are independent)."""
-    total = Statistics.accumulate([Statistics.from_tensors(s) for s in statistics])
+    total = Statistics.accumulate(Statistics.from_tensors(s) for s in statistics)
     return solve(replace(total, q_fit=q_fit.to(STAT_DTYPE), q_val=q_val.to(STAT_DTYPE)), lam).float()

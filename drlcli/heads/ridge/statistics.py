@@ -3,7 +3,8 @@ and validation parts apart, λ chosen from them alone, W = (G + λI)⁻¹ Q. No 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -70,16 +71,26 @@ class Statistics:
         )
 
     @staticmethod
-    def accumulate(parts: list[Statistics]) -> Statistics:
-        """The statistics of all parts' images; parts cover disjoint classes (stages), in class order."""
-        return Statistics(
-            sum(p.gram_fit for p in parts[1:]) + parts[0].gram_fit,
-            sum(p.gram_val for p in parts[1:]) + parts[0].gram_val,
-            torch.cat([p.q_fit for p in parts], dim=1),
-            torch.cat([p.q_val for p in parts], dim=1),
-            sum(p.num_fit for p in parts),
-            sum(p.num_val for p in parts),
-        )
+    def accumulate(parts: Iterable[Statistics]) -> Statistics:
+        """The statistics of all parts' images; parts cover disjoint classes (stages), in class order.
+        Folded one part at a time, in place: an iterator that makes each part when asked keeps one
+        part's (M, M) Grams in memory beside the sums, however many stages there are."""
+        total: Statistics | None = None
+        q_fit: list[Tensor] = []
+        q_val: list[Tensor] = []
+        for part in parts:
+            if total is None:
+                total = Statistics(part.gram_fit.clone(), part.gram_val.clone(), part.q_fit, part.q_val, 0.0, 0.0)
+            else:
+                total.gram_fit.add_(part.gram_fit)
+                total.gram_val.add_(part.gram_val)
+            q_fit.append(part.q_fit)
+            q_val.append(part.q_val)
+            num_fit, num_val = total.num_fit + part.num_fit, total.num_val + part.num_val
+            total = replace(total, num_fit=num_fit, num_val=num_val)
+        if total is None:
+            raise ValueError("no statistics to accumulate")
+        return replace(total, q_fit=torch.cat(q_fit, dim=1), q_val=torch.cat(q_val, dim=1))
 
     def to_tensors(self) -> dict[str, Tensor]:
         return {
