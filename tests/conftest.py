@@ -34,20 +34,30 @@ def trains_file(tmp_path_factory) -> Path:
 
 
 def rewrite_stage_weights(run: Path, index: int, change) -> None:
-    """Change a stage's weights with ``change(tensors)`` and its manifest entry consistently (a crafted run)."""
+    """Change a stage's tensors with ``change(tensors)`` (its weights and, for the newest stage, its
+    totals, together as the heads read them) and their manifest entries consistently (a crafted run)."""
     import json
 
     from safetensors.torch import load, save
 
+    from drlcli.heads import running
     from drlcli.run.layout import sha256_bytes
 
-    name = f"stages/{index:03d}/weights.safetensors"
-    tensors = load((run / name).read_bytes())
-    change(tensors)
-    data = save(tensors)
-    (run / name).write_bytes(data)
     manifest = json.loads((run / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    folder = f"stages/{index:03d}"
+    weights = next(n for n in manifest["files"] if n.startswith(f"{folder}/weights"))
+    totals = next((n for n in manifest["files"] if n.startswith(f"{folder}/totals")), None)
+    parts = {weights: load((run / weights).read_bytes())}
+    if totals is not None:
+        parts[totals] = load((run / totals).read_bytes())
+    tensors = {k: v for part in parts.values() for k, v in part.items()}
+    change(tensors)
+    in_totals = set(parts.get(totals, {})) | set(running())
+    for name in parts:
+        kept = {k: v for k, v in tensors.items() if (k in in_totals) == (name == totals)}
+        data = save(kept)
+        (run / name).write_bytes(data)
+        manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
     (run / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -56,7 +56,8 @@ def _make_run(root: Path, stage_folders, config: str | None, preset: str | None 
 
 @pytest.fixture(scope="module")
 def ridge_run(tmp_path_factory, stage_folders) -> Path:
-    """The default drl (ridge head: W per stage, statistics with Q), a narrow projection; 2 stages."""
+    """The default drl (ridge head: Q in each stage's statistics, W in the newest's totals), a narrow
+    projection; 2 stages."""
     return _make_run(tmp_path_factory.mktemp("forget-ridge"), stage_folders, "ranpac: {proj_dim: 64}\n")
 
 
@@ -150,7 +151,7 @@ def test_forget_takes_the_class_out_of_eval_predict_and_exports(any_run, stage_f
     _, info = drl_json("info", "--run", run)
     assert info["num_classes"] == 5 and info["stages"][0]["classes"] == ["class_00", GONE, "class_02"]  # as learned
     assert info["stages"][0]["num_classes"] == 2 and info["stages"][0]["forgotten"] == [GONE]
-    assert info["format_version"] == 2
+    assert info["format_version"] == 3  # the newest stage carries the run's totals (format 3 since they came)
     (entry,) = info["forgotten"]
     assert (entry["class"], entry["stage"], entry["reason"], entry["kept"]) == (GONE, 1, "wrong label", True)
     assert [e["action"] for e in info["forget_history"]] == ["forget"]
@@ -199,10 +200,10 @@ def test_purge_keeps_nothing_and_restore_is_refused(run):
     assert result.exit_code == 0 and out["action"] == "forget" and out["kept"] is False
     files = _files(run)
     assert not any(name.startswith("forgotten/rows") for name in files)
-    superseded = {
+    superseded = {  # its rows in stage 1's weights and statistics, its column of W in stage 2's totals
         "stages/001/weights.safetensors",
         "stages/001/statistics.safetensors",
-        "stages/002/weights.safetensors",
+        "stages/002/totals.safetensors",
     }
     assert superseded <= old and not superseded & files  # the files that held its slices are deleted
     assert json.loads((run / "manifest.json").read_text())["superseded"] == sorted(superseded)
@@ -275,7 +276,7 @@ def test_restore_after_a_later_stage_matches_a_run_that_never_forgot(ridge_run, 
     a, b = RunDir(run), RunDir(never)
     if a.stage_meta(3)["ridge"]["lambda"] != b.stage_meta(3)["ridge"]["lambda"]:
         pytest.skip("stage 3 chose another λ without the class's validation targets")
-    w_a, w_b = a.stage(3).tensors["ranpac.weight"], b.stage(3).tensors["ranpac.weight"]
+    w_a, w_b = a.stage(3).merged["ranpac.weight"], b.stage(3).merged["ranpac.weight"]
     assert w_a.shape == w_b.shape and torch.allclose(w_a, w_b, atol=1e-5, rtol=1e-4)
     assert all(torch.equal(a.stage(i).tensors[k], v) for i in (1, 2) for k, v in b.stage(i).tensors.items())
     assert torch.equal(a.stage_statistics(2)["q_fit"], b.stage_statistics(2)["q_fit"])
@@ -452,10 +453,12 @@ def test_crafted_kept_rows_and_manifest_are_refused(run):
         result, out = drl_json("forget", "--run", run, "--restore", GONE)
         assert result.exit_code == 5 and "malformed" in out["error"]["message"], (bad, out)
     assert (run / "run.yaml").is_file() and (run / rows).is_file()
-    _relist(run, rows, manifest_edit=lambda m: m.__setitem__("format_version", 3))
+    _relist(run, rows, manifest_edit=lambda m: m.__setitem__("format_version", 4))
     result, out = drl_json("verify", "--run", run)
-    assert result.exit_code == 5 and "this drl reads versions 1 and 2" in out["error"]["message"]
+    assert result.exit_code == 5 and "this drl reads versions 1, 2, 3" in out["error"]["message"]
 
 
-def test_a_run_without_forget_stays_format_1(ridge_run):
-    assert json.loads((ridge_run / "manifest.json").read_text())["format_version"] == 1
+def test_a_new_run_is_format_3(ridge_run):
+    """Its newest stage carries the run's totals: a release that would sum them as one stage's
+    increments must refuse it (format 1 and 2 runs of earlier releases: tests/test_run_totals.py)."""
+    assert json.loads((ridge_run / "manifest.json").read_text())["format_version"] == 3

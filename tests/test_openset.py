@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from drlcli.cli import app
 from drlcli.heads.linalg import shrunk
-from drlcli.heads.openset import BIAS, RMD_BIAS, RMD_MEAN, RMD_SCATTER, RMD_TENSORS
+from drlcli.heads.openset import BIAS, RMD_BIAS, RMD_MEAN, RMD_ROWS, RMD_SCATTER, RMD_TENSORS
 from drlcli.heads.openset.calibrate import balanced_quantile, balanced_rate, calibrate, holdout_mask
 from drlcli.heads.openset.report import auroc, open_set_report
 from drlcli.heads.openset.rmd import Moments, RmdKnown, known_scores, probe_block, rmd_input
@@ -295,12 +295,16 @@ def test_open_set_options_out_of_range_are_refused(section):
 
 
 def test_each_stage_stores_the_rmd_statistics_and_eval_answers_by_them(learned, stage_folders):
+    """Each stage its classes' rows; the newest stage's totals the scatter summed over every stage."""
     for index in (1, 2):
         weights = st_load((learned / "stages" / f"{index:03d}" / "weights.safetensors").read_bytes())
-        assert set(RMD_TENSORS) <= set(weights) and weights[RMD_MEAN].shape[0] == 3
+        assert set(RMD_ROWS) <= set(weights) and weights[RMD_MEAN].shape[0] == 3
+        assert RMD_SCATTER not in weights
         cal = json.loads((learned / "stages" / f"{index:03d}" / "stage.json").read_text())["open_set"]
         assert torch.equal(weights[RMD_BIAS], torch.full((3,), cal["rmd_threshold"]))
-        assert weights["unknown_scatter_counts"].tolist() == [36.0, 3.0]  # every image of the stage
+    assert not (learned / "stages" / "001" / "totals.safetensors").exists()  # superseded by stage 2's
+    totals = st_load((learned / "stages" / "002" / "totals.safetensors").read_bytes())
+    assert totals["unknown_scatter_counts"].tolist() == [72.0, 6.0]  # every image of both stages
     args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
     out = _json(runner.invoke(app, [*args, "--run", str(learned)]))["open_set"]
     assert out["rule"] == "rmd" and out["probe_block"] == 2  # block round(0.64 x 3) of the tiny ViT's 4
@@ -308,7 +312,7 @@ def test_each_stage_stores_the_rmd_statistics_and_eval_answers_by_them(learned, 
 
 def test_a_run_without_rmd_statistics_answers_by_the_cosine(learned, stage_folders, tmp_path):
     run = Path(shutil.copytree(learned, tmp_path / "old"))
-    rewrite_stage_weights(run, 1, lambda t: [t.pop(name) for name in RMD_TENSORS])
+    rewrite_stage_weights(run, 1, lambda t: [t.pop(name, None) for name in RMD_TENSORS])
     args = ["eval", "--data", str(stage_folders[0][1]), "--unknown-data", str(stage_folders[2][1]), "--json"]
     out = _json(runner.invoke(app, [*args, "--run", str(run)]))["open_set"]
     assert out["rule"] == "cosine"

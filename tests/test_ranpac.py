@@ -86,16 +86,18 @@ def test_statistics_survive_storage():
     assert torch.allclose(unpack(pack(stats.gram_val), 12), stats.gram_val, rtol=1e-6)
 
 
-def test_validation_errors_equal_the_direct_squared_error():
+@pytest.mark.parametrize("width", [8, 64])  # many classes for M (A Aᵀ formed once), few (W_λ per λ)
+def test_validation_errors_equal_the_direct_squared_error(width):
     g = torch.Generator().manual_seed(2)
-    phi = torch.rand(60, 8, generator=g, dtype=torch.float64)
+    phi = torch.rand(60, width, generator=g, dtype=torch.float64)
     labels = torch.arange(3).repeat_interleave(20)
     val = validation_mask(labels, fraction=0.2, seed=0)
     assert int(val.sum()) == 12 and all(int(val[labels == c].sum()) == 4 for c in range(3))
     stats = _stats(phi, labels, 3, val)
     y = F.one_hot(labels, 3).double()
+    eye = torch.eye(width, dtype=torch.float64)
     for lam, err in zip([1e-3, 1.0, 1e3], validation_errors(stats, [1e-3, 1.0, 1e3])):
-        w = torch.linalg.solve(phi[~val].T @ phi[~val] + lam * torch.eye(8, dtype=torch.float64), phi[~val].T @ y[~val])
+        w = torch.linalg.solve(phi[~val].T @ phi[~val] + lam * eye, phi[~val].T @ y[~val])
         assert err == pytest.approx(float(((phi[val] @ w - y[val]) ** 2).sum()), rel=1e-8)
 
 

@@ -56,14 +56,19 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     lines = [head]
     for s in stages:
         params = f"{s['num_params']:,}" + ("*" if s.get("untrained") else "")
+        size = f"{s['bytes'] / 2**20:.2f}" + ("+" if s.get("holds_totals") else "")
         lines.append(
             f"{s['stage']:>5} {s['num_classes']:>8} {s['num_images']:>7} {params:>10} "
-            f"{s['cumulative_params']:>11,} {s['bytes'] / 2**20:>7.2f} {s['cumulative_bytes'] / 2**20:>8.2f} "
+            f"{s['cumulative_params']:>11,} {size:>7} {s['cumulative_bytes'] / 2**20:>8.2f} "
             f"{_pct(s['accuracy']):>6}"
         )
     lines += [
         f"stage {s['stage']}: " + first_session_line(s["first_session"]) for s in stages if s.get("first_session")
     ]
+    if any(s.get("holds_totals") for s in stages):
+        lines.append(
+            "+ with the run's totals (Gram matrices, W: what the next stage adds to), kept by the newest stage"
+        )
     if any(s.get("untrained") for s in stages):
         lines.append(
             "* no stage network: nothing was trained (the run's method and options train no adapters for "

@@ -62,6 +62,7 @@ from ..run.directory import RunDir
 from ..run.files import encode_json, encode_tensors
 from ..run.forgotten import (
     FILES,
+    TENSOR_FILES,
     ForgetLog,
     ForgetState,
     Forgotten,
@@ -71,7 +72,7 @@ from ..run.forgotten import (
     slice_key,
     specs_of,
 )
-from ..run.layout import STAGE_WEIGHTS, STATISTICS, forget_log_file, forgotten_rows_file, stage_file
+from ..run.layout import STATISTICS, TOTALS, forget_log_file, forgotten_rows_file, stage_file
 from ..run.writer import RunWriter
 
 MAX_REASON = 1000  # characters
@@ -113,7 +114,7 @@ def _edit_stage_files(state: ForgetState, stage: int, row: int, column: int, edi
     """Apply ``edit`` to the class's slice of every per-class tensor: its row in stage ``stage``'s
     files, its column of W in that stage's and every later one's."""
     for index in [k for k in state.indices if k >= stage]:
-        for file in (STAGE_WEIGHTS, STATISTICS):
+        for file in TENSOR_FILES:
             specs = specs_of(file, index, stage)
             tensors = state.tensors(index, file) if specs else {}  # a later stage's statistics: not read
             edited = {
@@ -372,7 +373,7 @@ def _solve_column(state: ForgetState, index: int, entry: Forgotten, rows: dict[s
         for p in head.per_class
         if (key := slice_key(entry.stage, replace(p, file=FILES[p.file]))) in rows
     }
-    statistics = [state.tensors(k, STATISTICS) for k in state.indices if k <= index]
+    statistics = [{**state.tensors(k, STATISTICS), **state.tensors(k, TOTALS)} for k in state.indices if k <= index]
     try:
         return head.load().restored_slice(spec.name, meta=state.metas[index], statistics=statistics, kept=kept)
     except (ValueError, KeyError) as exc:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
+from ..run.layout import TOTALS
 from ..run.records import check_stage_meta, first_session_record, history_of, read_record, train_metrics
 
 
@@ -50,7 +51,9 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "untrained": train_metrics(meta).get("skipped") is True,
                 # stage 1 of a run with first_session.decide: both held-out scores and what was kept
                 "first_session": first_session_record(meta),
-                "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' prototypes, stage.json
+                "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' rows, stage.json
+                # the newest stage also holds the run's running totals (its totals file: Grams, W)
+                "holds_totals": run.stage_file_name(index, TOTALS, manifest) is not None,
                 "cumulative_classes": cum_classes,
                 "cumulative_params": cum_params,
                 "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)

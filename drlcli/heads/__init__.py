@@ -14,7 +14,7 @@ a class owns. Like ``methods/``, it imports no torch: the maths loads on first u
 from __future__ import annotations
 
 from . import openset, ridge
-from .base import FILES, AnalyticHead, EarlierStages, Head, HeadFit, PerClass
+from .base import FILES, TOTALS_MARK, AnalyticHead, EarlierStages, Head, HeadFit, PerClass, since_totals
 
 HEADS: dict[str, Head] = {head.name: head for head in (ridge.HEAD,)}
 PROTOTYPES = "prototypes"  # (n, S, d) each class's real prototypes, in its stage's weights
@@ -27,6 +27,12 @@ def per_class() -> tuple[PerClass, ...]:
     return (PROTOTYPE_ROWS, *openset.PER_CLASS, *(spec for head in HEADS.values() for spec in head.per_class))
 
 
+def running() -> frozenset[str]:
+    """The tensors only the newest stage holds (in its totals file): the running totals of the run's
+    sums and what is solved from them (the ridge's W), the "unknown" answer's pooled scatter."""
+    return frozenset({TOTALS_MARK, *openset.RUNNING, *(name for head in HEADS.values() for name in head.running)})
+
+
 def sections() -> dict[str, type]:
     """Each analytic head's option section of a run config."""
     return {head.section: head.options for head in HEADS.values()}
@@ -35,6 +41,7 @@ def sections() -> dict[str, type]:
 __all__ = [
     "FILES",
     "HEADS",
+    "TOTALS_MARK",
     "PROTOTYPES",
     "AnalyticHead",
     "EarlierStages",
@@ -42,5 +49,7 @@ __all__ = [
     "HeadFit",
     "PerClass",
     "per_class",
+    "running",
     "sections",
+    "since_totals",
 ]

@@ -17,7 +17,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-FILES = ("weights", "statistics")  # a stage's two tensor files (the run directory names them)
+FILES = ("weights", "statistics", "totals")  # a stage's tensor files (the run directory names them)
+
+# In the newest stage's totals file: the stage through which its sums run (int64, (1,)). A run's
+# sums (the ridge's Grams, the pooled scatters) are carried there as running totals; a stage of an
+# earlier release holds its own increments instead, which ``since_totals`` keeps apart.
+TOTALS_MARK = "totals"
+
+
+def since_totals(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stages whose sums are still to be added, in stage order: from the last one holding
+    running totals (``TOTALS_MARK``) on; every stage when none does (a run of an earlier release)."""
+    start = max((i for i, part in enumerate(parts) if TOTALS_MARK in part), default=0)
+    return parts[start:]
 
 
 @dataclass(frozen=True)
@@ -89,3 +101,5 @@ class Head:
     stages_read: Callable[[Any], int]  # config -> stage subspaces after f_0 its input reads
     layout_grid: Callable[[Any], int]  # config -> g of the PTM layout rows its input reads (0: none)
     rules: Callable[[Any, Any], None]  # (config, method) -> UsageError if the config breaks one
+    # tensors carried by the newest stage only (its totals file), superseded by the next stage's
+    running: tuple[str, ...] = ()

@@ -1,15 +1,19 @@
 """The run directory: the product's memory. Only this folder knows the file names inside it.
 
-Layout (format version 1)::
+Layout (format version 3; 1 and 2: runs of earlier releases, read as they are)::
 
     manifest.json              format, version, generation, every file with sha256 and size
     run.yaml                   method, PTM (name, args, sha256, data config), hyper-parameters
     ptm.safetensors            PTM weights, only for --random-init runs
     stages/NNN/stage.json      classes, data fingerprint, options, metrics of stage NNN
     stages/NNN/weights.safetensors   stage parameters + real prototypes of its classes
-    stages/NNN/statistics.safetensors  accumulated statistics of the stage's images (the ridge head's Gram
-                               increments); read only to learn a later stage, never for inference
-    stages/NNN/weights-gGGGGGG.safetensors, statistics-gGGGGGG.safetensors
+    stages/NNN/statistics.safetensors  statistics of the stage's own classes (the ridge head's Q); read
+                               only to learn a later stage, never for inference (releases before
+                               format 3 also kept each stage's Gram increments here)
+    stages/NNN/totals.safetensors  the newest stage only: the run's running totals (``heads.running``:
+                               the ridge's Grams and W, the pooled scatters), superseded by the next
+                               stage's commit, so a stage's reads and the run's size do not grow with T
+    stages/NNN/weights-gGGGGGG.safetensors, statistics-gGGGGGG.safetensors, totals-gGGGGGG.safetensors
                                the same files as rewritten by the commit of generation GGGGGG
                                (``drl forget``): the manifest lists exactly one version of each
     forgotten/log-gGGGGGG.json the forget log: forgotten classes and every forget/restore (forget.py)
@@ -31,8 +35,8 @@ lists, and verify their sha256 on every read. Nothing here is ever unpickled.
 A commit may also supersede listed files (``drl forget`` rewrites a stage's files under new names):
 the new manifest no longer lists them and names them under ``superseded``; the writer deletes them
 right after the commit point, and the next writer deletes any that a crash left. A run whose
-manifest lists a ``forgotten/`` file is format version 2 (older releases refuse it by its version,
-never misread it); every other run stays version 1, readable by older releases.
+manifest lists a totals file is format version 3, one that lists a ``forgotten/`` file but no
+totals is 2, every other 1: older releases refuse a version they would misread, by its number.
 
 Files are created, written, renamed and removed only through ``storage.py`` (fsynced, no links
 followed); this folder decides which names they get.

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from .layout import (
     STAGE_WEIGHTS,
     STAGING,
     STATISTICS,
+    TOTALS,
     current_file,
     forgotten_rows_file,
     sha256_bytes,
@@ -79,7 +80,13 @@ class StageRecord:
 
     index: int
     meta: dict[str, Any]
-    tensors: dict[str, Tensor]
+    tensors: dict[str, Tensor]  # its weights file
+    totals: dict[str, Tensor] = field(default_factory=dict)  # its totals file (the newest stage's only)
+
+    @property
+    def merged(self) -> dict[str, Tensor]:
+        """Its weights and totals together: what the heads read of it."""
+        return {**self.tensors, **self.totals} if self.totals else self.tensors
 
 
 class RunDir:
@@ -112,7 +119,7 @@ class RunDir:
         if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise IntegrityError(
                 f"run {self.path} has format version {version}, this drl reads versions "
-                f"{' and '.join(map(str, READABLE_VERSIONS))}; use the drl release that wrote it"
+                f"{', '.join(map(str, READABLE_VERSIONS))}; use the drl release that wrote it"
             )
         if not _well_formed(data):
             raise IntegrityError(
@@ -235,13 +242,26 @@ class RunDir:
         meta = self.stage_meta(index, manifest)
         weights = self.stage_file_name(index, STAGE_WEIGHTS, manifest) or stage_file(index, STAGE_WEIGHTS)
         tensors = self.parsed(weights, manifest, decode_tensors)  # an unlisted name: "the run is incomplete"
-        return StageRecord(index, meta, tensors)
+        name = self.stage_file_name(index, TOTALS, manifest)
+        totals = self.parsed(name, manifest, decode_tensors) if name is not None else {}
+        clash = sorted(set(totals) & set(tensors))
+        if clash:
+            raise IntegrityError(
+                f"stage {index} of run {self.path} holds {clash[0]} twice (weights and totals); restore it from a backup"
+            )
+        return StageRecord(index, meta, tensors, totals)
 
     def stage_statistics(self, index: int, manifest: dict[str, Any] | None = None) -> dict[str, Tensor]:
         """A stage's statistics file (empty when the stage has none)."""
         manifest = manifest or self.manifest()
         name = self.stage_file_name(index, STATISTICS, manifest)
         return self.parsed(name, manifest, decode_tensors) if name is not None else {}
+
+    def totals_files(self, manifest: dict[str, Any] | None = None) -> tuple[str, ...]:
+        """The listed totals files (the newest stage's; an interrupted upgrade never leaves two)."""
+        manifest = manifest or self.manifest()
+        names = (self.stage_file_name(i, TOTALS, manifest) for i in self.stage_indices(manifest))
+        return tuple(name for name in names if name is not None)
 
     def forget_log_name(self, manifest: dict[str, Any] | None = None) -> str | None:
         """The listed forget log, or None when no class was ever forgotten."""

@@ -14,7 +14,7 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from .. import jsonio
-from .layout import PTM_WEIGHTS, RUN_CONFIG, STAGE_META, STAGE_WEIGHTS, STATISTICS, stage_file
+from .layout import PTM_WEIGHTS, RUN_CONFIG, STAGE_META, STAGE_WEIGHTS, STATISTICS, TOTALS, stage_file
 
 
 def _raw(data: bytes) -> dict[str, Any]:
@@ -63,7 +63,11 @@ def parser_for(name: str) -> Callable[[bytes], Any]:
 
 
 def stage_files(
-    index: int, meta: dict[str, Any], tensors: dict[str, Tensor], statistics: dict[str, Tensor] | None = None
+    index: int,
+    meta: dict[str, Any],
+    tensors: dict[str, Tensor],
+    statistics: dict[str, Tensor] | None = None,
+    totals: dict[str, Tensor] | None = None,
 ) -> dict[str, bytes]:
     files = {
         stage_file(index, STAGE_META): encode_json(meta),
@@ -71,6 +75,8 @@ def stage_files(
     }
     if statistics:
         files[stage_file(index, STATISTICS)] = encode_tensors(statistics)
+    if totals:
+        files[stage_file(index, TOTALS)] = encode_tensors(totals)
     return files
 
 

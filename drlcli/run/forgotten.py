@@ -17,7 +17,7 @@ from .. import heads
 from ..data import ImageSet
 from ..errors import IntegrityError
 from ..heads import PerClass
-from .layout import STAGE_WEIGHTS, STATISTICS, forgotten_rows_file
+from .layout import STAGE_WEIGHTS, STATISTICS, TOTALS, forgotten_rows_file
 from .records import check_stage_meta, read_record
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 LOG_KIND = "drl-forget-log"
 
 
-FILES = {"weights": STAGE_WEIGHTS, "statistics": STATISTICS}  # heads.FILES -> a stage's file names
+FILES = {"weights": STAGE_WEIGHTS, "statistics": STATISTICS, "totals": TOTALS}  # heads.FILES -> file names
+TENSOR_FILES = tuple(FILES.values())
 # every tensor with one slice per class, as the heads declare them, naming the stage file it is in
 PER_CLASS = tuple(replace(spec, file=FILES[spec.file]) for spec in heads.per_class())
 
@@ -190,6 +191,7 @@ def active_classes(
     classes = {s.index: log.active(s.meta) for s in stages}
     for stage in stages:
         check_tensors(run, stage.index, STAGE_WEIGHTS, stage.tensors, classes)
+        check_tensors(run, stage.index, TOTALS, stage.totals, classes)
     return log, [classes[s.index] for s in stages]
 
 
@@ -224,6 +226,7 @@ class ForgetState:
         self.metas = {s.index: s.meta for s in stages}
         self.classes = {s.index: log.active(s.meta) for s in stages}
         self._files: dict[tuple[int, str], dict[str, Tensor]] = {(s.index, STAGE_WEIGHTS): s.tensors for s in stages}
+        self._files.update({(s.index, TOTALS): s.totals for s in stages})
 
     @classmethod
     def read(cls, run: RunDir) -> ForgetState:
@@ -289,7 +292,7 @@ def kept_rows(state: ForgetState, entry: Forgotten) -> dict[str, Tensor]:
 def _missing_slices(state: ForgetState, entry: Forgotten, rows: dict[str, Tensor]) -> str | None:
     """The first slice the forget of ``entry`` took out that its kept rows lack (None: none)."""
     for index in [k for k in state.indices if entry.stage <= k <= entry.last_stage]:
-        for file in (STAGE_WEIGHTS, STATISTICS):
+        for file in TENSOR_FILES:
             specs_here = specs_of(file, index, entry.stage)
             tensors = state.tensors(index, file) if specs_here else {}
             for spec in specs_here:

@@ -19,7 +19,10 @@ FORMAT_VERSION = 1  # a run without forget files; one with them is FORGET_FORMAT
 FORGET_FORMAT_VERSION = 2
 
 
-READABLE_VERSIONS = (FORMAT_VERSION, FORGET_FORMAT_VERSION)
+TOTALS_FORMAT_VERSION = 3  # the newest stage carries the run's running totals (``TOTALS``)
+
+
+READABLE_VERSIONS = (FORMAT_VERSION, FORGET_FORMAT_VERSION, TOTALS_FORMAT_VERSION)
 
 
 MANIFEST = "manifest.json"
@@ -72,6 +75,11 @@ STAGE_WEIGHTS = "weights.safetensors"
 
 
 STATISTICS = "statistics.safetensors"
+
+
+# the run's running totals (the ridge's Grams and W, the pooled scatters): in the newest stage only,
+# superseded by the next stage's commit, so that a run's size and a stage's reads do not grow with T
+TOTALS = "totals.safetensors"
 
 
 FORGET_LOG = "log.json"
@@ -149,12 +157,16 @@ def supersedable(name: str) -> bool:
         parts[0] == STAGES
         and len(parts) == 3
         and re.fullmatch(r"[0-9]{3,}", parts[1]) is not None
-        and f"{match['stem']}.{match['suffix']}" in (STAGE_WEIGHTS, STATISTICS)
+        and f"{match['stem']}.{match['suffix']}" in (STAGE_WEIGHTS, STATISTICS, TOTALS)
     )
 
 
 def format_version(files: dict[str, Any]) -> int:
-    """2 once the run lists a forget file (older releases must refuse it, not misread it), else 1."""
+    """3 once a stage carries the run's totals, 2 once the run lists a forget file, else 1: older
+    releases must refuse what they would misread (summing totals as one stage's increments)."""
+    totals = TOTALS.partition(".")[0]
+    if any(name.startswith(f"{STAGES}/") and name.rpartition("/")[2].startswith(totals) for name in files):
+        return TOTALS_FORMAT_VERSION
     return FORGET_FORMAT_VERSION if any(name.startswith(f"{FORGOTTEN}/") for name in files) else FORMAT_VERSION
 
 

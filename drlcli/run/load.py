@@ -14,8 +14,8 @@ import torch
 from ..config import RunConfig
 from ..device import resolve_device
 from ..errors import IntegrityError, PTMError
-from ..heads import PROTOTYPES, AnalyticHead
-from ..heads.openset import BIAS, RMD_ROWS, RMD_TENSORS
+from ..heads import PROTOTYPES, AnalyticHead, since_totals
+from ..heads.openset import BIAS, RMD_ROWS, RUNNING
 from ..methods import Method, head_of, method_of
 from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, restore_model, stage_prefix, with_prefix
 from ..ptm import backbone, hub
@@ -37,7 +37,8 @@ class LoadedRun:
     model: IncrementalModel
     stage_metas: list[dict[str, Any]]
     forgotten: ForgetLog = field(default_factory=ForgetLog)  # classes out of the answers
-    stage_tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each stage's weights file
+    stage_tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each stage's weights and totals
+    stage_totals: list[dict[str, torch.Tensor]] = field(default_factory=list)  # each stage's totals (the newest's)
 
 
 def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, ptm_weights: Path | None):
@@ -115,7 +116,8 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
         model.device,
         time.perf_counter() - start,
     )
-    return LoadedRun(run, manifest, record, config, model, metas, forgotten, [stage.tensors for stage in stages])
+    tensors_of = [stage.merged for stage in stages]
+    return LoadedRun(run, manifest, record, config, model, metas, forgotten, tensors_of, [s.totals for s in stages])
 
 
 def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:
@@ -176,7 +178,7 @@ def _check_stage_tensors(run: RunDir, stage: StageRecord, expected: tuple[int, i
     if prototypes is None or tuple(prototypes.shape) != expected:
         found = "none" if prototypes is None else tuple(prototypes.shape)
         raise _stage_error(run, stage.index, ValueError(f"prototypes have shape {found}, expected {expected}"))
-    bad = non_finite(stage.tensors)
+    bad = non_finite(stage.merged)
     if bad:
         raise _stage_error(run, stage.index, ValueError(f"tensor {bad} holds NaN or infinite values"))
     for name in (BIAS, *RMD_ROWS):
@@ -189,7 +191,7 @@ def _check_stage_tensors(run: RunDir, stage: StageRecord, expected: tuple[int, i
 def _head_state(run: RunDir, head: AnalyticHead, stages: list[StageRecord], width: int) -> dict[str, torch.Tensor]:
     """The analytic head's state from the stages' tensors; a crafted or damaged head tensor is damage."""
     try:
-        module = head.from_stages([stage.tensors for stage in stages])
+        module = head.from_stages([stage.merged for stage in stages])
         module.check_width(width)
         return module.state_dict()
     except (RuntimeError, KeyError, ValueError) as exc:
@@ -199,21 +201,25 @@ def _head_state(run: RunDir, head: AnalyticHead, stages: list[StageRecord], widt
 def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch.Tensor]:
     """The run's open-set tensors from its stages' (``heads/openset``): the biases when every stage
     has them (runs from before open-set scoring have none), the rmd statistics when every stage has
-    them (the rows concatenated, the scatters and their counts summed)."""
-    if not stages or not _all_hold(stages, (BIAS,)):
+    them (the rows concatenated, the scatters and their counts summed: since the newest stage's running
+    totals, ``heads.since_totals``)."""
+    merged = [stage.merged for stage in stages]
+    if not stages or not _all_hold(merged, (BIAS,)):
         return {}
-    tensors = {BIAS: torch.cat([stage.tensors[BIAS].flatten() for stage in stages])}
-    if not _all_hold(stages, RMD_TENSORS):
+    tensors = {BIAS: torch.cat([t[BIAS].flatten() for t in merged])}
+    summed = since_totals(merged)
+    if not (_all_hold(merged, RMD_ROWS) and _all_hold(summed, RUNNING)):
         return tensors
-    for name in RMD_TENSORS:  # row counts checked by the caller, the rest by openset's check_rmd
-        parts = [stage.tensors[name] for stage in stages]
-        try:  # rows: one per class, concatenated; the scatters and their counts: summed
-            joined = torch.cat(parts) if name in RMD_ROWS else torch.stack([p.double() for p in parts]).sum(0).float()
-        except RuntimeError as exc:  # stages of different shapes: damage
-            raise _stage_error(run, stages[-1].index, ValueError(f"{name}: {exc}")) from exc
-        tensors[name] = joined
+    name = ""
+    try:  # row counts checked by the caller, the rest by openset's check_rmd
+        for name in RMD_ROWS:  # one per class, concatenated
+            tensors[name] = torch.cat([t[name] for t in merged])
+        for name in RUNNING:  # the scatters and their counts, summed
+            tensors[name] = torch.stack([t[name].double() for t in summed]).sum(0).float()
+    except RuntimeError as exc:  # stages of different shapes: damage
+        raise _stage_error(run, stages[-1].index, ValueError(f"{name}: {exc}")) from exc
     return tensors
 
 
-def _all_hold(stages: list[StageRecord], names: tuple[str, ...]) -> bool:
-    return all(name in stage.tensors for stage in stages for name in names)
+def _all_hold(parts: list[dict[str, torch.Tensor]], names: tuple[str, ...]) -> bool:
+    return all(name in part for part in parts for name in names)

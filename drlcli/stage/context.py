@@ -112,6 +112,7 @@ class Evaluated:
 class Record:
     meta: dict[str, Any]  # stage.json
     files: dict[str, bytes]  # the stage's files, as committed
+    carries_totals: bool = False  # its totals file holds the run's: the earlier stages' goes
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,9 @@ def _fit_head(
     earlier = EarlierStages(
         head=loaded.model.head if loaded.stage_metas else None,
         tensors=loaded.stage_tensors,
-        statistics=lambda: (  # read one stage at a time, as the fit folds them
-            loaded.run.stage_statistics(i, loaded.manifest) for i in loaded.run.stage_indices(loaded.manifest)
+        statistics=lambda: (  # read one stage at a time, as the fit folds them; the newest's totals beside
+            {**loaded.run.stage_statistics(i, loaded.manifest), **totals}
+            for i, totals in zip(loaded.run.stage_indices(loaded.manifest), loaded.stage_totals)
         ),
     )
     fit = head.load().fit_stage(

@@ -10,10 +10,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import distributed
+import torch
+
+from .. import distributed, heads
 from ..errors import DivergedError
 from ..evaluation import eval_set, evaluate_sets, registered_eval_sets
-from ..heads import PROTOTYPES
+from ..heads import PROTOTYPES, TOTALS_MARK, openset
 from ..heads.openset import BIAS, RMD_BIAS
 from ..metrics import AccuracyReport, HistorySummary
 from ..run.files import stage_files
@@ -78,19 +80,9 @@ def evaluate_stage(stage: StageContext) -> Evaluated:
 
 
 def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated) -> Record:
-    """The stage's files: its tensors (refused if any is NaN or infinite) and its metadata."""
-    tensors = {
-        PROTOTYPES: stage.model.real_prototypes[-len(stage.images.class_names) :],
-        BIAS: fitted.bias,
-    }
-    if fitted.rmd is not None:
-        tensors.update(fitted.rmd[0].tensors())
-        tensors[RMD_BIAS] = fitted.rmd[1]
-    if _stores_network(stage, trained, fitted):
-        new = stage.model.network.stages[-1].state_dict()
-        tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
-    if fitted.fit is not None:
-        tensors.update(fitted.fit.tensors)
+    """The stage's files: its tensors (refused if any is NaN or infinite) and its metadata; the run's
+    totals through this stage go to its totals file (``heads.running``), out of its other files."""
+    tensors = _stage_tensors(stage, trained, fitted)
     bad = non_finite(tensors)
     if bad is not None:
         stage.discard_checkpoint()
@@ -99,8 +91,41 @@ def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluate
             f"committed: lower --lr (now {stage.config.train.lr:g})"
         )
     meta = _stage_meta(stage, trained, fitted, evaluated)
-    statistics = fitted.fit.statistics if fitted.fit is not None else None
-    return Record(meta, stage_files(stage.index, meta, tensors, statistics))
+    weights, statistics, totals = _split_totals(stage.index, tensors, fitted.fit.statistics if fitted.fit else {})
+    files = stage_files(stage.index, meta, weights, statistics or None, totals or None)
+    return Record(meta, files, carries_totals=bool(totals))
+
+
+def _split_totals(
+    index: int, tensors: dict[str, torch.Tensor], statistics: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights, statistics, totals): the run's totals (``heads.running``) apart, marked with the stage."""
+    running = heads.running()
+    totals = {k: v for part in (tensors, statistics) for k, v in part.items() if k in running}
+    if totals:
+        totals[TOTALS_MARK] = torch.tensor([index])
+    own = [{k: v for k, v in part.items() if k not in running} for part in (tensors, statistics)]
+    return own[0], own[1], totals
+
+
+def _stage_tensors(stage: StageContext, trained: Trained, fitted: Fitted) -> dict[str, torch.Tensor]:
+    """Everything the stage stores beside its statistics: its prototypes, open-set rows, network, head."""
+    tensors = {
+        PROTOTYPES: stage.model.real_prototypes[-len(stage.images.class_names) :],
+        BIAS: fitted.bias,
+    }
+    if fitted.rmd is not None:
+        tensors.update(fitted.rmd[0].tensors())
+        tensors[RMD_BIAS] = fitted.rmd[1]
+        joined = stage.model.unknown_rmd  # the earlier classes' moments joined with the stage's: the totals
+        if joined is not None and len(joined[0].counts) == len(stage.model.class_names):
+            tensors.update({name: joined[0].tensors()[name] for name in openset.RUNNING})
+    if _stores_network(stage, trained, fitted):
+        new = stage.model.network.stages[-1].state_dict()
+        tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})
+    if fitted.fit is not None:
+        tensors.update(fitted.fit.tensors)
+    return tensors
 
 
 def _stores_network(stage: StageContext, trained: Trained, fitted: Fitted) -> bool:
@@ -112,12 +137,7 @@ def _stores_network(stage: StageContext, trained: Trained, fitted: Fitted) -> bo
 def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated) -> dict[str, Any]:
     """stage.json: what the stage learned from, on what, and how well."""
     images, fit, report = stage.images, fitted.fit, evaluated.report
-    if trained.result is not None:
-        train_metrics = asdict(trained.result)
-    else:
-        train_metrics = {"seconds": fitted.seconds} if fit is not None else None  # the feature pass and solve
-    if trained.skipped:
-        train_metrics = {**(train_metrics or {}), "skipped": True}
+    train_metrics = _train_metrics(trained, fitted)
     if _stores_network(stage, trained, fitted):
         num_params = stage.model.network.stages[-1].num_params()
     else:
@@ -150,6 +170,17 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
     return meta
 
 
+def _train_metrics(trained: Trained, fitted: Fitted) -> dict[str, Any] | None:
+    """stage.json's metrics.train: the SGD's, else the feature pass and solve's seconds; None for neither."""
+    if trained.result is not None:
+        metrics = asdict(trained.result)
+    else:
+        metrics = {"seconds": fitted.seconds} if fitted.fit is not None else None
+    if trained.skipped:
+        metrics = {**(metrics or {}), "skipped": True}
+    return metrics
+
+
 def _eval_data_entry(stage: StageContext) -> dict[str, Any] | None:
     """--eval-data as registered for later evaluations: relative to the run, with its classes and
     fingerprint (a folder only: a dataset has no path to find it again)."""
@@ -168,7 +199,9 @@ def commit_stage(stage: StageContext, record: Record) -> None:
         return
     stage.say("commit", 0, 0, f"stage {stage.index}")
     tick = time.perf_counter()
-    stage.writer.commit(record.files, manifest=stage.manifest, new_stage=stage.index)
+    # the earlier totals are in this stage's: the stage before it keeps none (its totals file goes)
+    supersede = stage.run.totals_files(stage.manifest) if record.carries_totals and stage.manifest else ()
+    stage.writer.commit(record.files, manifest=stage.manifest, new_stage=stage.index, supersede=supersede)
     stage.writer.discard_checkpoint()
     log.debug(
         "committed stage %d (%d bytes) in %.2fs",

@@ -82,6 +82,9 @@ RMD_ROWS = (RMD_MEAN, RMD_COUNT, RMD_BIAS)  # one row per class (``forget`` take
 RMD_TENSORS = (*RMD_ROWS, RMD_SCATTER, RMD_SCATTER_COUNTS)
 
 
+RUNNING = (RMD_SCATTER, RMD_SCATTER_COUNTS)  # summed over every stage: the newest stage's totals hold them
+
+
 RULES = ("rmd", "cosine")
 
 # one row per class of the stage: ``drl forget`` takes a class's rows out

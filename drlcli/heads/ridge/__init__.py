@@ -18,11 +18,14 @@ log grid, W_λ = (G_f + λI)⁻¹ Q_f and its validation squared error is
 
 The best λ then solves on the sum: W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v).
 
-Storage per stage: ``weights.safetensors`` holds W for every class seen so far (M, C) (scoring
-uses the newest stage's) and, in stage 1, R (d, M). ``statistics.safetensors`` holds the stage's
-increments: G_f and G_v as packed upper triangles (M(M+1)/2 fp32 each: 18 MB at M 3000), and Q_f,
-Q_v for the stage's own classes only (an old class's columns of Q never change: its y is 0 in
-later stages). It is read only to learn a later stage. RanPAC's first-stage adaptation of the
+Storage: ``statistics.safetensors`` of each stage holds Q_f, Q_v for its own classes only (an
+old class's columns of Q never change: its y is 0 in later stages); ``weights.safetensors`` of
+stage 1 holds R (d, M). The newest stage's ``totals.safetensors`` carries what is summed over
+every stage so far and what is solved from it: G_f and G_v as packed upper triangles (M(M+1)/2
+fp32 each: 18 MB at M 3000), the image counts, and W for every class seen (M, C); the next stage
+adds its images to them and supersedes the file, so that a stage reads and writes the same bytes
+whatever T is and the run keeps one copy. (Runs of earlier releases hold each stage's increments
+of G and each stage's W; they are summed once, at their next stage.) RanPAC's first-stage adaptation of the
 PTM (its phase 1) is method ``ranpac``'s (``first_session``): the head reads the adapted PTM's f_0.
 
 Class covariances (``ranpac.covariance_weight`` w > 0; drl's default, not RanPAC's): a second,
@@ -72,14 +75,21 @@ PROJECTION = f"{PREFIX}projection"  # (rows, M) R, in stage 1's weights
 WEIGHT = f"{PREFIX}weight"  # (M, C) W for every class seen, in each stage's weights (the newest scores)
 LAYOUT = f"{PREFIX}layout"  # () int64 in stage 1's weights: g, the PTM layout grid of the head's input
 COV_MEAN = f"{PREFIX}cov_mean"  # (n, d) per class of the stage
-COV_COVARIANCE = f"{PREFIX}cov_covariance"  # (n, d, d) per class of the stage
+COV_COVARIANCE = f"{PREFIX}cov_covariance"  # (n, d, d) per class of the stage (covariance_rank 0)
+COV_FACTOR = f"{PREFIX}cov_factor"  # (n, d, r) per class of the stage: Y_c Y_cᵀ ≈ S_c (covariance_rank r)
+COV_TRACE = f"{PREFIX}cov_trace"  # (n,) per class of the stage: tr S_c (covariance_rank r)
 COV_SHARED = f"{PREFIX}cov_shared"  # (d, d) pooled within-class covariance, newest stage
 COV_PARAMS = f"{PREFIX}cov_params"  # (3,) w, a, b, newest stage
 COV_SCATTER, COV_COUNTS = "cov_scatter", "cov_counts"  # statistics: (d, d) summed scatter, (2,) images, classes
+# the newest stage's totals: W and what the covariances share, the Grams and scatters summed so far
+RUNNING = (WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", COV_SCATTER, COV_COUNTS)
 PER_CLASS = (
     PerClass("weights", COV_MEAN, 0),
     PerClass("weights", COV_COVARIANCE, 0),
-    PerClass("weights", WEIGHT, 1, seen=True),  # W (M, C), solved again by each stage
+    PerClass("weights", COV_FACTOR, 0),
+    PerClass("weights", COV_TRACE, 0),
+    PerClass("weights", WEIGHT, 1, seen=True),  # W (M, C) of every stage, in runs of earlier releases
+    PerClass("totals", WEIGHT, 1, seen=True),  # W (M, C), solved again by each stage, in the newest's totals
     PerClass("statistics", "q_fit", 1),  # Q (M, n) of the stage's own classes (statistics.Statistics)
     PerClass("statistics", "q_val", 1),
 )
@@ -115,6 +125,7 @@ HEAD = Head(
     options=RanpacConfig,
     load=_load,
     per_class=PER_CLASS,
+    running=RUNNING,
     stages_read=_stages_read,
     layout_grid=_layout_grid,
     rules=_rules,

@@ -13,9 +13,21 @@ import torch
 from torch import Tensor
 
 from ...errors import IntegrityError
-from ..base import EarlierStages
-from . import COV_COUNTS, COV_COVARIANCE, COV_MEAN, COV_PARAMS, COV_SCATTER, COV_SHARED, LAYOUT, PROJECTION, WEIGHT
-from .covariance import ClassMoments, covariance_input, pooled_covariance
+from ..base import TOTALS_MARK, EarlierStages
+from . import (
+    COV_COUNTS,
+    COV_COVARIANCE,
+    COV_FACTOR,
+    COV_MEAN,
+    COV_PARAMS,
+    COV_SCATTER,
+    COV_SHARED,
+    COV_TRACE,
+    LAYOUT,
+    PROJECTION,
+    WEIGHT,
+)
+from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RanpacHead, expand, head_input, random_projection
 from .statistics import STAT_DTYPE, Statistics, choose_lambda, lambda_grid, solve, validation_mask
 
@@ -71,7 +83,8 @@ def fit_stage(
         tensors[PROJECTION] = projection.float()
         if layout:
             tensors[LAYOUT] = torch.tensor(layout)
-    statistics = stage.to_tensors()
+    # the stage's own Q, and the run's totals through this stage (record.py puts them in its totals file)
+    statistics = {**stage.own(), **total.running(), TOTALS_MARK: torch.tensor([stage_index])}
     if cfg.covariance_weight > 0:
         _covariances(earlier, features, labels, num_classes, cfg, scatters, tensors, statistics)
     # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits them there)
@@ -83,9 +96,9 @@ def fit_stage(
         "num_val": total.num_val,
         "proj_dim": projection.shape[1],
         "layout_grid": layout,
-        "seconds": round(time.perf_counter() - start, 3),
     }
     head = RanpacHead.assemble(projection, tensors, stages, layout=layout)
+    meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
     return StageFit(head, tensors, statistics, meta, weight.numel())
 
 
@@ -104,8 +117,11 @@ def _projection(earlier: EarlierStages, width: int, cfg: RanpacConfig, *, seed: 
 
 def _each_stage(raw: Iterable[dict[str, Tensor]], scatters: list[dict[str, Tensor]]) -> Iterator[Statistics]:
     """Each earlier stage's statistics, one at a time (``Statistics.accumulate`` folds them as they
-    come: one stage's Grams in memory, not every stage's), its covariance scatter set aside."""
+    come: one stage's Grams in memory, not every stage's), its covariance scatter set aside (the
+    scatters since the last running totals: ``heads.since_totals``)."""
     for tensors in raw:
+        if TOTALS_MARK in tensors:
+            scatters.clear()
         if COV_SCATTER in tensors:
             scatters.append({COV_SCATTER: tensors[COV_SCATTER], COV_COUNTS: tensors[COV_COUNTS]})
         yield Statistics.from_tensors(tensors)
@@ -121,22 +137,30 @@ def _covariances(
     tensors: dict[str, Tensor],
     statistics: dict[str, Tensor],
 ) -> None:
-    """The stage's class covariances into ``tensors`` and its within-class scatter into ``statistics``."""
-    if earlier.head is not None and earlier.head.cov_mean is None:
+    """The stage's class covariances into ``tensors``, and the within-class scatter summed over every
+    stage so far into ``statistics`` (the run's totals)."""
+    if earlier.head is not None and not earlier.head.has_covariances:
         raise IntegrityError(
             "the run asks for class covariances (ranpac.covariance_weight) that its earlier stages lack; "
             "restore it from a backup"
         )
-    moments = ClassMoments.of(covariance_input(features).cpu(), labels.cpu(), num_classes).all_reduced()
-    scatters = moments.scatters()
-    statistics[COV_SCATTER] = scatters.sum(0).float()
-    statistics[COV_COUNTS] = torch.tensor([float(moments.counts.sum()), float(num_classes)], dtype=STAT_DTYPE)
-    shared = pooled_covariance([*previous, statistics])
-    scatters /= (moments.counts - 1).clamp_min(1)[:, None, None]  # the class covariances, in place
+    x = covariance_input(features).cpu()
+    if cfg.covariance_rank:  # each class's r leading eigenpairs and its trace
+        low = ClassFactors.of(x, labels.cpu(), num_classes, cfg.covariance_rank)
+        counts, scatter = low.counts, low.scatter
+        tensors.update({COV_MEAN: low.means.float(), COV_FACTOR: low.factors.float(), COV_TRACE: low.traces.float()})
+    else:
+        moments = ClassMoments.of(x, labels.cpu(), num_classes).all_reduced()
+        scatters = moments.scatters()
+        counts, scatter = moments.counts, scatters.sum(0)
+        scatters /= (moments.counts - 1).clamp_min(1)[:, None, None]  # the class covariances, in place
+        tensors.update({COV_MEAN: moments.means().float(), COV_COVARIANCE: scatters.float()})
+    own = {COV_SCATTER: scatter, COV_COUNTS: torch.tensor([float(counts.sum()), float(num_classes)], dtype=STAT_DTYPE)}
+    for name in (COV_SCATTER, COV_COUNTS):
+        statistics[name] = sum((s[name].to(STAT_DTYPE) for s in previous), own[name]).float()
+    shared = pooled_covariance([statistics])
     tensors.update(
         {
-            COV_MEAN: moments.means().float(),
-            COV_COVARIANCE: scatters.float(),
             COV_SHARED: shared.float(),
             COV_PARAMS: torch.tensor([cfg.covariance_weight, cfg.covariance_shrink, cfg.covariance_blend]),
         }

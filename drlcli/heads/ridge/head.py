@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import COV_COVARIANCE, COV_MEAN, COV_PARAMS, COV_SHARED, LAYOUT, PROJECTION, WEIGHT
-from .covariance import covariance_input, precisions, standardise
+from . import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_PARAMS, COV_SHARED, COV_TRACE, LAYOUT, PROJECTION, WEIGHT
+from .covariance import LowRankPrecisions, covariance_input, lowrank_distance, precisions, standardise
 from .options import MAX_LAYOUT_GRID
 
 
@@ -63,27 +63,24 @@ class RanpacHead(nn.Module):
         cov_precision: Tensor | None = None,
         cov_weight: Tensor | None = None,
         layout: int = 0,
+        cov_lowrank: LowRankPrecisions | None = None,
     ):
         super().__init__()
         self.layout_grid = layout  # g: the input ends with the PTM's g² layout rows (0: none)
         self.register_buffer("layout", torch.tensor(layout) if layout else None)
         self.register_buffer("projection", projection.float().contiguous())  # (d, M)
         self.register_buffer("weight", weight.float().contiguous())  # (M, C)
-        parts = (cov_mean, cov_precision, cov_weight)
-        if any(p is not None for p in parts):
-            if any(p is None for p in parts):
-                raise ValueError("the class-covariance head needs cov_mean, cov_precision and cov_weight")
-            num_classes, width = weight.shape[1], cov_mean.shape[-1]
-            if (
-                tuple(cov_mean.shape) != (num_classes, width)
-                or tuple(cov_precision.shape) != (num_classes, width, width)
-                or cov_weight.numel() != 1
-            ):
+        lowrank = _check_lowrank(cov_lowrank, weight.shape[1]) if cov_lowrank is not None else None
+        for name in LOWRANK:  # the class covariances in low-rank form (covariance.LowRankPrecisions)
+            self.register_buffer(name, None if lowrank is None else getattr(lowrank, name[4:]).float().contiguous())
+        if lowrank is not None:
+            if cov_mean is not None or cov_precision is not None or cov_weight is None:
                 raise ValueError(
-                    f"class-covariance tensors of shapes {tuple(cov_mean.shape)}, {tuple(cov_precision.shape)}, "
-                    f"{tuple(cov_weight.shape)} do not fit {num_classes} classes"
+                    "a low-rank class-covariance head takes cov_weight and no dense cov_mean or cov_precision"
                 )
-            parts = tuple(p.float().contiguous() for p in (cov_mean, cov_precision, cov_weight.reshape(())))
+            parts = (None, None, cov_weight.float().reshape(()))
+        else:
+            parts = _dense_parts(cov_mean, cov_precision, cov_weight, weight.shape[1])
         self.register_buffer("cov_mean", parts[0])  # (C, d); None: plain ridge (RanPAC's)
         self.register_buffer("cov_precision", parts[1])  # (C, d, d)
         self.register_buffer("cov_weight", parts[2])  # () w
@@ -94,11 +91,27 @@ class RanpacHead(nn.Module):
         cells = self.layout_grid**2
         phi = F.relu(head_input(features, self.projection.shape[0], cells) @ self.projection)  # (B, M)
         scores = phi @ self.weight
-        if self.cov_mean is None:
+        if self.cov_weight is None:
             return scores
-        diff = covariance_input(features)[:, None, :] - self.cov_mean  # (B, C, d)
-        distance = (torch.einsum("bcd,cde->bce", diff, self.cov_precision) * diff).sum(-1)  # (B, C)
+        x = covariance_input(features)
+        if self.cov_rotation is not None:
+            distance = lowrank_distance(
+                x, self.cov_rotation, self.cov_scale, self.cov_center, self.cov_const, self.cov_factor, self.cov_offset
+            )
+        else:
+            diff = x[:, None, :] - self.cov_mean  # (B, C, d)
+            distance = (torch.einsum("bcd,cde->bce", diff, self.cov_precision) * diff).sum(-1)  # (B, C)
         return standardise(scores) - self.cov_weight * standardise(distance)
+
+    @property
+    def has_covariances(self) -> bool:
+        return self.cov_weight is not None
+
+    @property
+    def covariance_width(self) -> int | None:
+        if self.cov_rotation is not None:
+            return self.cov_rotation.shape[0]
+        return None if self.cov_mean is None else self.cov_mean.shape[-1]
 
     def check_width(self, width: int) -> None:
         """ValueError unless the head reads one or two subspaces of the network's ``width`` (and its
@@ -108,8 +121,8 @@ class RanpacHead(nn.Module):
         allowed = [width * (subspaces + cells) for subspaces in (1, 2)]
         if rows not in allowed:
             raise ValueError(f"the head's projection has {rows} input rows, not {' or '.join(map(str, allowed))}")
-        if self.cov_mean is not None and self.cov_mean.shape[-1] != width:
-            raise ValueError(f"the class covariances have width {self.cov_mean.shape[-1]}, not the network's {width}")
+        if self.covariance_width not in (None, width):
+            raise ValueError(f"the class covariances have width {self.covariance_width}, not the network's {width}")
 
     def stages_read(self, width: int) -> int:
         """How many stage subspaces after f_0 the head reads (0: f_0 alone, RanPAC's)."""
@@ -117,6 +130,11 @@ class RanpacHead(nn.Module):
 
     @classmethod
     def from_state(cls, state: dict[str, Tensor]) -> RanpacHead:
+        lowrank = None
+        if any(name in state for name in LOWRANK):
+            if not all(name in state for name in LOWRANK):
+                raise ValueError(f"the low-rank class covariances need {', '.join(LOWRANK)}")
+            lowrank = LowRankPrecisions(*(state[name] for name in LOWRANK))
         return cls(
             state["projection"],
             state["weight"],
@@ -124,6 +142,7 @@ class RanpacHead(nn.Module):
             state.get("cov_precision"),
             state.get("cov_weight"),
             layout=check_layout(state.get("layout")),
+            cov_lowrank=lowrank,
         )
 
     @classmethod
@@ -143,21 +162,80 @@ class RanpacHead(nn.Module):
         weight = newest[WEIGHT]
         if COV_PARAMS not in newest:
             return cls(projection, weight, layout=layout)
-        if any(COV_MEAN not in t or COV_COVARIANCE not in t for t in stages) or COV_SHARED not in newest:
-            raise ValueError("a stage lacks the class-covariance tensors its newest stage uses")
         cov_weight, shrink, blend = _cov_params(newest[COV_PARAMS])
-        covariances = torch.cat([t[COV_COVARIANCE] for t in stages])
+        if COV_SHARED not in newest:
+            raise ValueError("the newest stage lacks the pooled covariance")
         shared = newest[COV_SHARED]
+        if COV_FACTOR in newest:  # the low-rank form (ranpac.covariance_rank > 0)
+            parts = (_joined(stages, name) for name in (COV_MEAN, COV_FACTOR, COV_TRACE))
+            lowrank = LowRankPrecisions.of(*parts, shared, shrink=shrink, blend=blend)
+            return cls(projection, weight, cov_weight=torch.tensor(cov_weight), layout=layout, cov_lowrank=lowrank)
+        covariances = _joined(stages, COV_COVARIANCE)
         if covariances.dim() != 3 or tuple(shared.shape) != tuple(covariances.shape[1:]):
             raise ValueError(f"{COV_SHARED} has shape {tuple(shared.shape)}, not one class covariance's")
         return cls(
             projection,
             weight,
-            torch.cat([t[COV_MEAN] for t in stages]),
+            _joined(stages, COV_MEAN),
             precisions(covariances, shared, shrink=shrink, blend=blend),
             torch.tensor(cov_weight),
             layout=layout,
         )
+
+
+def _dense_parts(
+    mean: Tensor | None, precision: Tensor | None, weight: Tensor | None, num_classes: int
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The dense class-covariance tensors checked against each other and the C classes (all None:
+    the plain ridge); ValueError otherwise."""
+    parts = (mean, precision, weight)
+    if all(p is None for p in parts):
+        return None, None, None
+    if mean is None or precision is None or weight is None:
+        raise ValueError("the class-covariance head needs cov_mean, cov_precision and cov_weight")
+    width = mean.shape[-1]
+    shapes = (tuple(mean.shape), tuple(precision.shape), weight.numel())
+    if shapes != ((num_classes, width), (num_classes, width, width), 1):
+        raise ValueError(
+            f"class-covariance tensors of shapes {tuple(mean.shape)}, {tuple(precision.shape)}, "
+            f"{tuple(weight.shape)} do not fit {num_classes} classes"
+        )
+    return mean.float().contiguous(), precision.float().contiguous(), weight.float().reshape(())
+
+
+LOWRANK = ("cov_rotation", "cov_scale", "cov_center", "cov_const", "cov_factor", "cov_offset")
+
+
+def _joined(stages: list[dict[str, Tensor]], name: str) -> Tensor:
+    """Every stage's per-class rows of ``name``, in class order; ValueError when a stage lacks them or
+    their shapes differ."""
+    if any(name not in t for t in stages):
+        raise ValueError(f"a stage lacks the class-covariance tensor {name} its newest stage uses")
+    parts = [t[name] for t in stages]
+    if len({tuple(p.shape[1:]) for p in parts}) != 1:
+        raise ValueError(f"the stages' {name} tensors have different shapes")
+    return torch.cat(parts)
+
+
+def _check_lowrank(lowrank: LowRankPrecisions, num_classes: int) -> LowRankPrecisions:
+    """The low-rank tensors' shapes against each other and the C classes; ValueError otherwise."""
+    width = lowrank.rotation.shape[-1] if lowrank.rotation.dim() == 2 else -1
+    rank = lowrank.factor.shape[-1] // max(num_classes, 1) if lowrank.factor.dim() == 2 else -1
+    want = {
+        "rotation": (width, width),
+        "scale": (num_classes, width),
+        "center": (num_classes, width),
+        "const": (num_classes,),
+        "factor": (width, num_classes * rank),
+        "offset": (num_classes * rank,),
+    }
+    for name, shape in want.items():
+        if tuple(getattr(lowrank, name).shape) != shape or width < 1 or rank < 1:
+            raise ValueError(
+                f"low-rank class-covariance tensor {name} has shape {tuple(getattr(lowrank, name).shape)}, "
+                f"not {shape} for {num_classes} classes"
+            )
+    return lowrank
 
 
 def _cov_params(params: Tensor) -> tuple[float, float, float]:

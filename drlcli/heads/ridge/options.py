@@ -25,6 +25,9 @@ class RanpacConfig:
     covariance_weight: float = option(0.0, within=Range(0, 100))
     covariance_shrink: float = option(0.3, within=Range(0, 1))  # a: S <- (1 - a) S + a (tr S / d) I
     covariance_blend: float = option(0.8, within=Range(0, 1))  # b: S_c <- (1 - b) S_c + b S_pooled
+    # r: each class's covariance kept as its r leading eigenpairs (stored (d, r), scored by Woodbury:
+    # C·d·(r + 2) per image instead of C·d²); 0: whole (d, d) per class, as runs before it
+    covariance_rank: int = option(0, within=Range(0, 4096))
     # the PTM's layout in the head's input (drl's default, not RanPAC's): g > 0 appends the last
     # block's patch tokens averaged over a g x g grid of the image (backbone.ptm_layout), fixed at stage 1
     layout_grid: int = option(0, within=Range(0, MAX_LAYOUT_GRID))

@@ -4,7 +4,7 @@ and validation parts apart, λ chosen from them alone, W = (G + λI)⁻¹ Q. No 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ... import distributed
+from ..base import TOTALS_MARK
 from .options import RanpacConfig
 
 STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, stored as float32
@@ -35,14 +36,17 @@ def validation_mask(labels: Tensor, *, fraction: float, seed: int) -> Tensor:
 
 @dataclass(frozen=True)
 class Statistics:
-    """Sums over images: fit and validation parts. Q's columns are the classes these images cover."""
+    """Sums over images: fit and validation parts. Q's columns are the classes these images cover.
+    A stage of a run holds its Q alone (``grams`` None) or, for the newest, also the running totals
+    of G and the counts (``totals``); a stage of an earlier release holds its own increments of G."""
 
-    gram_fit: Tensor  # (M, M)
-    gram_val: Tensor  # (M, M)
+    gram_fit: Tensor | None  # (M, M)
+    gram_val: Tensor | None  # (M, M)
     q_fit: Tensor  # (M, C)
     q_val: Tensor  # (M, C)
     num_fit: float
     num_val: float  # = ‖Y_v‖² for one-hot targets
+    totals: bool = False  # G and the counts sum every stage up to this one
 
     @classmethod
     def of(cls, phi: Tensor, labels: Tensor, num_classes: int, val: Tensor) -> Statistics:
@@ -74,44 +78,64 @@ class Statistics:
     def accumulate(parts: Iterable[Statistics]) -> Statistics:
         """The statistics of all parts' images; parts cover disjoint classes (stages), in class order.
         Folded one part at a time, in place: an iterator that makes each part when asked keeps one
-        part's (M, M) Grams in memory beside the sums, however many stages there are."""
-        total: Statistics | None = None
+        part's (M, M) Grams in memory beside the sums, however many stages there are. A part holding
+        running totals replaces the Grams and counts summed so far (they are in it); a part without
+        Grams adds its Q alone."""
+        gram_fit: Tensor | None = None
+        gram_val: Tensor | None = None
+        num_fit = num_val = 0.0
         q_fit: list[Tensor] = []
         q_val: list[Tensor] = []
         for part in parts:
-            if total is None:
-                total = Statistics(part.gram_fit.clone(), part.gram_val.clone(), part.q_fit, part.q_val, 0.0, 0.0)
-            else:
-                total.gram_fit.add_(part.gram_fit)
-                total.gram_val.add_(part.gram_val)
             q_fit.append(part.q_fit)
             q_val.append(part.q_val)
-            num_fit, num_val = total.num_fit + part.num_fit, total.num_val + part.num_val
-            total = replace(total, num_fit=num_fit, num_val=num_val)
-        if total is None:
+            if part.gram_fit is None or part.gram_val is None:
+                continue
+            if gram_fit is None or gram_val is None or part.totals:
+                gram_fit, gram_val = part.gram_fit.clone(), part.gram_val.clone()
+                num_fit, num_val = part.num_fit, part.num_val
+            else:
+                gram_fit.add_(part.gram_fit)
+                gram_val.add_(part.gram_val)
+                num_fit, num_val = num_fit + part.num_fit, num_val + part.num_val
+        if gram_fit is None or gram_val is None:
             raise ValueError("no statistics to accumulate")
-        return replace(total, q_fit=torch.cat(q_fit, dim=1), q_val=torch.cat(q_val, dim=1))
+        return Statistics(gram_fit, gram_val, torch.cat(q_fit, dim=1), torch.cat(q_val, dim=1), num_fit, num_val, True)
 
-    def to_tensors(self) -> dict[str, Tensor]:
+    def own(self) -> dict[str, Tensor]:
+        """A stage's statistics file: Q of its own classes."""
+        return {"q_fit": self.q_fit.float(), "q_val": self.q_val.float()}
+
+    def running(self) -> dict[str, Tensor]:
+        """The Grams and counts, into the newest stage's totals."""
+        if self.gram_fit is None or self.gram_val is None:
+            raise ValueError("statistics without Grams have no totals")
         return {
             "gram_fit": pack(self.gram_fit),
             "gram_val": pack(self.gram_val),
-            "q_fit": self.q_fit.float(),
-            "q_val": self.q_val.float(),
             "counts": torch.tensor([self.num_fit, self.num_val], dtype=STAT_DTYPE),
         }
 
+    def to_tensors(self) -> dict[str, Tensor]:
+        return {**self.own(), **self.running()}
+
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor]) -> Statistics:
+        """A stage's statistics (its file, and its totals when it is the newest); ``KeyError`` or
+        ``ValueError`` for a file no stage writes."""
         m = tensors["q_fit"].shape[0]
+        q_fit, q_val = tensors["q_fit"].to(STAT_DTYPE), tensors["q_val"].to(STAT_DTYPE)
+        if "gram_fit" not in tensors and "gram_val" not in tensors:
+            return cls(None, None, q_fit, q_val, 0.0, 0.0)
         counts = tensors["counts"].tolist()
         return cls(
             unpack(tensors["gram_fit"], m),
             unpack(tensors["gram_val"], m),
-            tensors["q_fit"].to(STAT_DTYPE),
-            tensors["q_val"].to(STAT_DTYPE),
+            q_fit,
+            q_val,
             counts[0],
             counts[1],
+            TOTALS_MARK in tensors,
         )
 
 
@@ -130,18 +154,29 @@ def unpack(packed: Tensor, size: int) -> Tensor:
 def validation_errors(stats: Statistics, lambdas: list[float]) -> list[float]:
     """Validation squared error of W_λ = (G_f + λI)⁻¹ Q_f for each λ, from the statistics alone.
 
-    One eigendecomposition G_f = U diag(s) Uᵀ serves every λ: Uᵀ W_λ = (Uᵀ Q_f) / (s + λ).
+    One eigendecomposition G_f = U diag(s) Uᵀ serves every λ: Uᵀ W_λ = D_λ A with A = Uᵀ Q_f and
+    D_λ = diag(1 / (s + λ)), so with B = Uᵀ G_v U and C = Uᵀ Q_v
+
+        ‖Φ_v W_λ − Y_v‖² = Σ_ij B_ij (A Aᵀ)_ij / ((s_i + λ)(s_j + λ)) − 2 Σ_i (A ∘ C)_i· / (s_i + λ) + n_v
+
+    A Aᵀ and the row sums of A ∘ C are formed once, so each λ costs M² whatever the number of classes.
+    With few classes (a small stage), B is never formed: tr(W_λᵀ G_v W_λ) is taken directly per λ,
+    3·M²·C a λ against the 2·M³ that forming B costs.
     """
     s, u = torch.linalg.eigh(stats.gram_fit)
     s = s.clamp_min(0)  # G_f is PSD; round-off may make its null eigenvalues slightly negative
     a = u.T @ stats.q_fit  # (M, C)
-    b = u.T @ stats.gram_val @ u  # (M, M)
-    c = u.T @ stats.q_val  # (M, C)
-    errors = []
-    for lam in lambdas:
-        w = a / (s + lam)[:, None]  # Uᵀ W_λ
-        errors.append(float((w * (b @ w)).sum() - 2 * (w * c).sum() + stats.num_val))
-    return errors
+    cross = (a * (u.T @ stats.q_val)).sum(1)  # (M,)
+    size, classes = a.shape
+    if 3 * classes * len(lambdas) < 2 * size:
+        fitted = []
+        for lam in lambdas:
+            w = u @ (a / (s + lam)[:, None])  # W_λ (M, C)
+            fitted.append(float((w * (stats.gram_val @ w)).sum()))
+    else:
+        b_outer = (u.T @ stats.gram_val @ u) * (a @ a.T)  # B ∘ A Aᵀ (M, M)
+        fitted = [float((1 / (s + lam)) @ b_outer @ (1 / (s + lam))) for lam in lambdas]
+    return [f - 2 * float((cross / (s + lam)).sum()) + stats.num_val for f, lam in zip(fitted, lambdas)]
 
 
 def choose_lambda(stats: Statistics, lambdas: list[float]) -> tuple[float, list[float]]:

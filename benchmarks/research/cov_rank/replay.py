@@ -1,0 +1,148 @@
+"""Issue 33, item 3: does the low-rank form of the class covariances (``ranpac.covariance_rank`` r) keep
+the default head's accuracy? Replays B0 Inc10 offline through the product's own ``fit_stage`` (the
+ridge + class-covariance head of the default ``drl``, every stage's tensors and statistics kept in
+memory as a run would store them) on cached frozen DeiT-Tiny features, and scores with the head it
+returns (rank 0: the dense head) and, for each r > 0, with the same head's class covariances in
+rank-r form (``covariance.class_factors`` of each class's covariance and ``LowRankPrecisions``, as a
+run with that rank assembles them: the ridge part is the same whatever r is).
+
+    python replay.py --data CALTECH --feats cal_none.pt --split val --seeds 1993,1994,1995 --ranks 0,8,16,32,64
+    python replay.py --data CALTECH --feats cal_none.pt --split test --seeds 1993,1994,1995 --ranks 0,16
+
+The features come from ``../adapt/first_stage.py embed --peft none`` (f_0 and the 2 x 2 layout of the
+frozen PTM for every training and test image: the rows the default head reads). ``--split val``
+holds out 20 % of each class's training images as ``drl benchmark --val-fraction 0.2`` does and
+evaluates on them; ``test`` fits on all training images and evaluates on test.txt. Each evaluation is
+reported twice: "capped" (the first 10 images per class, as ``--max-test-per-class 10``) and "full".
+Rank 0 is the dense (d, d) covariance per class, today's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from drlcli.benchmark import class_order, load_data, split_validation, stage_classes
+from drlcli.config import RunConfig
+from drlcli.heads.base import EarlierStages
+from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_PARAMS, COV_SHARED
+from drlcli.heads.ridge.covariance import LowRankPrecisions, class_factors
+from drlcli.heads.ridge.fit import fit_stage
+from drlcli.heads.ridge.head import RanpacHead
+from drlcli.metrics import accuracy_report, summarize_history
+
+CAP = 10
+
+
+def plan(data_dir: Path, seed: int, split: str):
+    data = load_data(data_dir, skip_classes={"BACKGROUND_Google"})
+    if split == "val":
+        data = split_validation(data, 0.2, seed)
+    order = class_order(list(data.train), seed=seed, shuffle=True)
+    return data, stage_classes(order, 0, 10)
+
+
+def lowrank_head(dense: RanpacHead, stages: list[dict], counts: torch.Tensor, rank: int) -> RanpacHead:
+    """The dense head with its class covariances in rank-``rank`` form."""
+    newest = stages[-1]
+    _, shrink, blend = newest[COV_PARAMS].tolist()
+    covariances = torch.cat([t[COV_COVARIANCE] for t in stages]).double()
+    factors, traces = class_factors(covariances * (counts - 1).clamp_min(1)[:, None, None], counts, rank)
+    means = torch.cat([t[COV_MEAN] for t in stages])
+    low = LowRankPrecisions.of(means, factors, traces, newest[COV_SHARED], shrink=shrink, blend=blend)
+    return RanpacHead(
+        dense.projection, dense.weight, cov_weight=dense.cov_weight, layout=dense.layout_grid, cov_lowrank=low
+    )
+
+
+def replay(data, stages, lookup, config: RunConfig, ranks: list[int]) -> dict:
+    """Every stage fitted by ``fit_stage`` on the earlier stages' stored tensors; A_t on the seen test
+    images (capped and full) after each stage, for each rank."""
+    weights, statistics, head = [], [], None
+    seen: list[str] = []
+    counts: list[float] = []
+    reports = {(rank, kind): [] for rank in ranks for kind in ("capped", "full")}
+    for k, classes in enumerate(stages, 1):
+        names = sorted(classes)
+        paths = [p for c in names for p in data.train[c]]
+        labels = [i for i, c in enumerate(names) for _ in data.train[c]]
+        counts += [float(len(data.train[c])) for c in names]
+        features = torch.stack([lookup[str(p)] for p in paths])
+        earlier = EarlierStages(head, list(weights), lambda s=list(statistics): iter(s))
+        fit = fit_stage(
+            earlier,
+            features,
+            torch.tensor(labels),
+            image_labels=labels,
+            indices=None,
+            num_classes=len(names),
+            config=config,
+            stage_index=k,
+        )
+        weights.append(fit.tensors)
+        statistics.append(fit.statistics)
+        head = fit.head
+        seen += names
+        stage_of = torch.tensor([j // 10 + 1 for j in range(len(seen))])  # B0 Inc10: class j's stage
+        for rank in ranks:
+            scorer = head if rank == 0 else lowrank_head(head, weights, torch.tensor(counts, dtype=torch.float64), rank)
+            for kind, cap in (("capped", CAP), ("full", None)):
+                test_paths, test_labels = [], []
+                for j, c in enumerate(seen):
+                    chosen = data.test[c][:cap] if cap else data.test[c]
+                    test_paths += chosen
+                    test_labels += [j] * len(chosen)
+                with torch.no_grad():
+                    scores = scorer(torch.stack([lookup[str(p)] for p in test_paths]))
+                reports[rank, kind].append(
+                    accuracy_report(scores.argmax(1), torch.tensor(test_labels), stage_of, num_stages=k)
+                )
+    out: dict = {}
+    for (rank, kind), history in reports.items():
+        h = summarize_history(history)
+        out.setdefault(rank, {})[kind] = {
+            "average": h.average,
+            "last": h.last,
+            "forgetting": h.mean_forgetting,
+            "accuracy": h.accuracy,
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--feats", type=Path, required=True)
+    parser.add_argument("--split", choices=("val", "test"), default="val")
+    parser.add_argument("--seeds", default="1993,1994,1995")
+    parser.add_argument("--ranks", default="0,8,16,32,64")
+    parser.add_argument("--out", type=Path, help="JSON lines appended here")
+    args = parser.parse_args()
+    saved = torch.load(args.feats)
+    lookup = dict(zip(saved["paths"], saved["features"]))
+    ranks = [int(r) for r in args.ranks.split(",")]
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        data, stages = plan(args.data, seed, args.split)
+        config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=seed)  # dense; r > 0 derived
+        tick = time.perf_counter()
+        results = replay(data, stages, lookup, config, ranks)
+        for rank, result in results.items():
+            line = " | ".join(
+                f"{kind} Ā {result[kind]['average']:.2f} A_T {result[kind]['last']:.2f} "
+                f"F {result[kind]['forgetting']:.2f}"
+                for kind in ("capped", "full")
+            )
+            print(f"{args.feats.name} {args.split} seed {seed} rank {rank}: {line}", flush=True)
+            if args.out:
+                record = {"feats": args.feats.name, "split": args.split, "seed": seed, "rank": rank, **result}
+                with open(args.out, "a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+        print(f"({time.perf_counter() - tick:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The run's running totals (``stages/NNN/totals.safetensors``): only the newest stage carries them, a
+stage's own files hold what is its own, and runs of earlier releases (each stage its increments and
+its W) load and learn on unchanged."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from drlcli import learn_stage
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.data.images import scan_class_folders
+from drlcli.heads import TOTALS_MARK, running
+from drlcli.model.incremental import embed_images
+from drlcli.run.directory import RunDir
+from drlcli.run.layout import sha256_bytes
+from drlcli.run.load import load_run
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+CONFIG = {"ranpac": {"proj_dim": 64}}  # the default drl head (ridge, layout, class covariances), narrow
+
+
+def _init(path):
+    init_run(
+        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", CONFIG)
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, stage_folders):
+    """A run after stage 1 only, and one after stages 1 to 3."""
+    root = tmp_path_factory.mktemp("totals")
+    one, three = _init(root / "one"), _init(root / "three")
+    learn_stage(one, data_dir=stage_folders[0][0], device="cpu")
+    for train, _ in stage_folders:
+        learn_stage(three, data_dir=train, device="cpu")
+    return one, three
+
+
+def _scores(run, stage_folders):
+    model = load_run(run, device="cpu").model
+    images = scan_class_folders(stage_folders[0][1])
+    feats, _ = embed_images(
+        model.network, images, model.data_config, batch_size=64, stages=model.stages_scored, layout=model.layout_scored
+    )
+    with torch.no_grad():
+        return model.scores(feats)
+
+
+def test_only_the_newest_stage_carries_the_totals(runs):
+    _, run = runs
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["format_version"] == 3
+    assert [n for n in manifest["files"] if "totals" in n] == ["stages/003/totals.safetensors"]
+    totals = load((run / "stages/003/totals.safetensors").read_bytes())
+    assert set(totals) == set(running()) and totals[TOTALS_MARK].tolist() == [3]
+    assert totals["ranpac.weight"].shape == (64, 9)  # W for every class seen
+    assert totals["counts"].sum().item() == 3 * 3 * 12  # every image of the three stages
+    for index in (1, 2, 3):  # a stage's own files: its Q, its classes' rows; no Gram, no W
+        statistics = load((run / f"stages/{index:03d}/statistics.safetensors").read_bytes())
+        weights = load((run / f"stages/{index:03d}/weights.safetensors").read_bytes())
+        assert set(statistics) == {"q_fit", "q_val"} and statistics["q_fit"].shape == (64, 3)
+        assert not set(weights) & running()
+
+
+def test_the_totals_sum_what_the_stages_would_have_summed(runs, stage_folders, tmp_path):
+    """Stage 2 learned on top of stage 1's totals gives the scores of the run that learned 1 to 3, up
+    to round-off (its Grams summed in float64 from stage 1's stored float32 totals)."""
+    one, three = runs
+    two = shutil.copytree(one, tmp_path / "two")
+    for train, _ in stage_folders[1:]:
+        learn_stage(two, data_dir=train, device="cpu")
+    assert torch.allclose(_scores(two, stage_folders), _scores(three, stage_folders), atol=1e-5)
+
+
+def _to_release_before(run):
+    """A run as releases before the totals stored it: each stage's own increments in its statistics,
+    its W (and the newest's shared covariance, the rmd scatter) in its weights; format 1."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    (index,) = manifest["stages"]
+    folder = f"stages/{index:03d}"
+    totals = load((run / f"{folder}/totals.safetensors").read_bytes())
+    totals.pop(TOTALS_MARK)
+    into = {"weights": {}, "statistics": {}}
+    for name, tensor in totals.items():
+        into["statistics" if name in ("gram_fit", "gram_val", "counts", "cov_scatter", "cov_counts") else "weights"][
+            name
+        ] = tensor
+    for file, extra in into.items():
+        name = f"{folder}/{file}.safetensors"
+        data = save({**load((run / name).read_bytes()), **extra})
+        (run / name).write_bytes(data)
+        manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / f"{folder}/totals.safetensors").unlink()
+    del manifest["files"][f"{folder}/totals.safetensors"]
+    manifest["format_version"] = 1
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_run_of_an_earlier_release_loads_and_learns_on(runs, stage_folders, tmp_path):
+    one, three = runs
+    old = shutil.copytree(one, tmp_path / "old")
+    _to_release_before(old)
+    assert RunDir(old).verify() == []
+    assert torch.equal(_scores(old, stage_folders), _scores(one, stage_folders))  # loads as it answered
+    before = (old / "stages/001/statistics.safetensors").read_bytes()
+    for train, _ in stage_folders[1:]:
+        learn_stage(old, data_dir=train, device="cpu")
+    assert (old / "stages/001/statistics.safetensors").read_bytes() == before  # its stages are left as they were
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest["format_version"] == 3 and [n for n in manifest["files"] if "totals" in n] == [
+        "stages/003/totals.safetensors"
+    ]
+    assert torch.allclose(_scores(old, stage_folders), _scores(three, stage_folders), atol=1e-5)
