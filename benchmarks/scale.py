@@ -29,6 +29,7 @@ import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,6 +100,15 @@ def fit_growth(xs: list[float], ys: list[float], at: float) -> dict[str, float]:
     return out
 
 
+def predict_peak_rss(model: Path, pictures: list[str]) -> float:
+    """Peak RSS (MiB) of ``drl predict --model MODEL`` on ``pictures`` in a process of its own."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    command = [sys.executable, "-m", "drlcli", "predict", "--model", str(model), *pictures, "--device", "cpu", "-q"]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(after, before) / 1024  # the largest child so far: predict is this script's only child
+
+
 def head_cost(model_path: Path, repeats: int, reference: str) -> dict[str, float]:
     """The exported model's head on random features against a bare forward of ``reference`` (ViT-B/16
     at its own 224 x 224), batch 16."""
@@ -151,6 +161,7 @@ def year_run(args, out: Path, log) -> dict:
     tick = time.perf_counter()
     answered = list(predict_sources(pictures, model_path=Path(exported.path), device="cpu"))
     result["predict"] = {"images": len(answered), "seconds": time.perf_counter() - tick}
+    result["predict"]["process_peak_rss_mib"] = predict_peak_rss(Path(exported.path), pictures)
     result["head_cost"] = head_cost(Path(exported.path), args.repeats, args.reference)
     xs = [r["stage"] for r in rows]
     result["extrapolated_to_365"] = {
@@ -234,7 +245,8 @@ def print_summary(report: dict) -> None:
             f"and records); peak RSS {last['peak_rss_mib']:.0f} MiB"
         )
         print(
-            f"export {report['export']['mib']:.1f} MiB ({report['base_mib']:.1f} MiB of it the PTM); head / ViT-B forward per image: {report['head_cost']['ratio']:.3f}"
+            f"export {report['export']['mib']:.1f} MiB ({report['base_mib']:.1f} MiB of it the PTM); head / ViT-B forward per image: {report['head_cost']['ratio']:.3f}; "
+            f"predict's peak RSS {report['predict']['process_peak_rss_mib']:.0f} MiB"
         )
         print(
             f"median feature pass {statistics.median(r['feature_pass'] for r in rows):.1f} s, "

@@ -23,6 +23,7 @@ def test_scale_benchmark_reports_every_stage_and_the_extrapolation(tmp_path):
     assert all(r["feature_pass"] >= 0 and r["head_fit"] > 0 and r["read_mib"] > 0 for r in rows)
     assert rows[2]["stages_mib"] > rows[0]["stages_mib"] > 0  # every stage adds its files
     assert report["export"]["mib"] > report["base_mib"] > 0 and report["predict"]["images"] == 6
+    assert report["predict"]["process_peak_rss_mib"] > 0  # predict in a process of its own
     assert report["head_cost"]["ratio"] > 0
     assert set(report["extrapolated_to_365"]) >= {"head_fit", "read_mib", "stages_mib", "export_mib_beyond_ptm"}
     assert "3 stages of 2 classes" in result.stdout
