@@ -51,7 +51,9 @@ def _dense_distance(query, means, covariances, shared):
 
 def _lowrank_distance(query, means, factors, traces, shared):
     lr = LowRankPrecisions.of(means, factors, traces, shared, shrink=0.3, blend=0.8)
-    return lowrank_distance(query.float(), lr.rotation, lr.scale, lr.center, lr.const, lr.factor, lr.offset).double()
+    return lowrank_distance(
+        query.float(), lr.rotation, lr.scale, lr.center, lr.const, lr.full_factor(), lr.offset
+    ).double()
 
 
 def test_woodbury_equals_the_dense_precisions_when_every_rank_fits():
@@ -130,6 +132,32 @@ def test_a_lowrank_run_stores_factors_and_scores_like_a_dense_one(runs, stage_fo
         want, got = dense.scores(features), lowrank.scores(features)
     assert torch.allclose(got, want, atol=2e-4)
     assert lowrank.head.cov_precision is None and lowrank.head.cov_factor.shape == (64, 6 * 16)
+
+
+def test_the_factor_is_kept_in_float16_and_an_export_scores_exactly_like_its_run(runs, stage_folders, tmp_path):
+    from safetensors import safe_open
+
+    from drlcli.heads.ridge.head import RanpacHead
+
+    export_run(runs["lowrank"], tmp_path / "m.drl", fmt="drl")
+    with safe_open(str(tmp_path / "m.drl"), framework="pt") as handle:
+        assert handle.get_slice("head.cov_factor").get_dtype() == "F16" and "head.cov_factor_full" not in set(
+            handle.keys()
+        )
+    model = load_run(runs["lowrank"], device="cpu").model
+    features = _test_batch(model, stage_folders)
+    with torch.no_grad():
+        want = model.scores(features)
+        assert torch.equal(load_export(tmp_path / "m.drl").scores(features), want)
+        # an export of the release before: F_c in float32, no scale
+        state = model.head.state_dict()
+        state["cov_factor"] = model.head.cov_factor_full.clone()
+        del state["cov_factor_scale"]
+        old = RanpacHead.from_state(state)
+        assert torch.equal(old(features), model.head(features))
+        for scale in (float("nan"), 0.0, -1.0):
+            with pytest.raises(ValueError, match="factor"):
+                RanpacHead.from_state({**model.head.state_dict(), "cov_factor_scale": torch.tensor(scale)})
 
 
 @pytest.mark.parametrize("fmt", ["drl", "torchscript", "onnx"])

@@ -356,6 +356,12 @@ def test_spec_that_is_not_an_object_and_old_formats_are_refused(exports, images,
     save_file(load_file(str(original)), str(old), metadata={**metadata, "format_version": "1"})
     result = _predict(old, images)
     assert result.exit_code == 5 and "from an older drl" in _error(result) and "export it again" in _error(result)
+    for version, code in (("2", 0), ("4", 5)):  # format 2 (a float32 covariance factor) loads; a newer one is refused
+        path = tmp_path / f"v{version}.drl"
+        save_file(load_file(str(original)), str(path), metadata={**metadata, "format_version": version})
+        result = _predict(path, images)
+        assert result.exit_code == code, result.stderr
+    assert "this drl reads 3; use the drl release that wrote it" in _error(result)
 
 
 def _answers(model_path: Path, images: list[Path]) -> list[dict[str, Any]]:

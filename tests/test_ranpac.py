@@ -25,7 +25,10 @@ from drlcli.heads.ridge.head import RanpacHead, expand, random_projection
 from drlcli.heads.ridge.statistics import (
     Statistics,
     choose_lambda,
+    kernel_errors,
+    local_search,
     pack,
+    ridge_error,
     solve,
     unpack,
     validation_errors,
@@ -99,6 +102,50 @@ def test_validation_errors_equal_the_direct_squared_error(width):
     for lam, err in zip([1e-3, 1.0, 1e3], validation_errors(stats, [1e-3, 1.0, 1e3])):
         w = torch.linalg.solve(phi[~val].T @ phi[~val] + lam * eye, phi[~val].T @ y[~val])
         assert err == pytest.approx(float(((phi[val] @ w - y[val]) ** 2).sum()), rel=1e-8)
+
+
+def test_the_kernel_form_and_the_cholesky_error_equal_the_eigendecomposition():
+    """Stage 1's errors from its images (n_f x n_f) and one λ's by Cholesky: the (M, M) form's."""
+    g = torch.Generator().manual_seed(4)
+    phi = torch.rand(40, 64, generator=g, dtype=torch.float64)  # fewer fitted images than M
+    labels = torch.arange(4).repeat_interleave(10)
+    val = validation_mask(labels, fraction=0.2, seed=0)
+    stats = _stats(phi, labels, 4, val)
+    lambdas = [1e-2, 1.0, 1e2, 1e4]
+    assert kernel_errors(phi, labels, 4, val, lambdas) == pytest.approx(validation_errors(stats, lambdas), rel=1e-7)
+    assert [ridge_error(stats, lam) for lam in lambdas] == pytest.approx(validation_errors(stats, lambdas), rel=1e-7)
+
+
+def test_the_local_search_finds_the_grids_lambda_with_fewer_factorisations():
+    g = torch.Generator().manual_seed(5)
+    centres = torch.randn(4, 30, generator=g, dtype=torch.float64)
+    labels = torch.arange(4).repeat_interleave(40)
+    phi = centres[labels] + 0.8 * torch.randn(160, 30, generator=g, dtype=torch.float64)
+    stats = _stats(phi, labels, 4, validation_mask(labels, fraction=0.2, seed=0))
+    grid, all_errors = choose_lambda(stats, LAMBDAS)
+    best = LAMBDAS.index(grid)
+    for start in {0, best, len(LAMBDAS) - 1, min(best + 2, len(LAMBDAS) - 1)}:
+        lam, tried = choose_lambda(stats, LAMBDAS, start=LAMBDAS[start])
+        assert lam == grid and LAMBDAS[start] in tried
+        assert all(tried[x] == pytest.approx(all_errors[x], rel=1e-7) for x in tried)
+    assert len(choose_lambda(stats, LAMBDAS, start=grid)[1]) == 3  # from the grid's λ: it and both neighbours
+    assert best > 0 and list(local_search(stats, LAMBDAS, 0)) == LAMBDAS[: best + 2]  # steps while the error falls
+    off, tried = choose_lambda(stats, LAMBDAS, start=float("nan"))  # a start off the grid: every λ
+    assert off == grid and len(tried) == len(LAMBDAS)
+
+
+def test_the_local_search_steps_up_past_lambdas_that_do_not_factorise():
+    """Grams summed in float32 may be slightly indefinite: G + λI fails Cholesky for the smallest λ."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(6)
+    phi = torch.rand(30, 40, generator=g, dtype=torch.float64)  # G_f of rank < 40
+    labels = torch.arange(3).repeat_interleave(10)
+    stats = _stats(phi, labels, 3, validation_mask(labels, fraction=0.2, seed=0))
+    stats = replace(stats, gram_fit=stats.gram_fit - 0.5 * torch.eye(40, dtype=torch.float64))
+    assert ridge_error(stats, 1e-8) == float("inf")
+    lam, tried = choose_lambda(stats, LAMBDAS, start=1e-8)
+    assert lam >= 1 and tried[lam] < float("inf") and tried[1e-8] == float("inf")
 
 
 def test_lambda_follows_the_signal():

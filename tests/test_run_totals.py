@@ -67,6 +67,18 @@ def test_only_the_newest_stage_carries_the_totals(runs):
         assert not set(weights) & running()
 
 
+def test_each_stage_searches_lambda_from_the_one_before(runs):
+    """Stage 1 tries the whole grid; later stages start at the λ the totals before them recorded."""
+    _, run = runs
+    metas = [json.loads((run / f"stages/{i:03d}/stage.json").read_text())["ridge"] for i in (1, 2, 3)]
+    assert len(metas[0]["validation_errors"]) == 17
+    for before, meta in zip(metas, metas[1:]):
+        tried = [float(x) for x in meta["validation_errors"]]
+        assert before["lambda"] in tried and 3 <= len(tried) < 17 and meta["lambda"] in tried
+    totals = load((run / "stages/003/totals.safetensors").read_bytes())
+    assert totals["lambda"].tolist() == [metas[2]["lambda"]]
+
+
 def test_the_totals_sum_what_the_stages_would_have_summed(runs, stage_folders, tmp_path):
     """Stage 2 learned on top of stage 1's totals gives the scores of the run that learned 1 to 3, up
     to round-off (its Grams summed in float64 from stage 1's stored float32 totals)."""
@@ -85,6 +97,7 @@ def _to_release_before(run):
     folder = f"stages/{index:03d}"
     totals = load((run / f"{folder}/totals.safetensors").read_bytes())
     totals.pop(TOTALS_MARK)
+    totals.pop("lambda")  # no earlier release recorded the λ chosen
     into = {"weights": {}, "statistics": {}}
     for name, tensor in totals.items():
         into["statistics" if name in ("gram_fit", "gram_val", "counts", "cov_scatter", "cov_counts") else "weights"][

@@ -6,7 +6,8 @@ and ``load_model`` reads any of the four, the format told by the file name (``mo
 The file's metadata holds ``format``/``format_version`` and a JSON ``spec`` (class names, config,
 PTM identity, data config) that carries ``payload_sha256`` over every tensor (name, dtype, shape,
 bytes) and ``spec_sha256`` over the spec itself, so a damaged file is refused, never used.
-Format 2 added ``spec_sha256``; a format-1 file is refused with "export it again".
+Format 2 added ``spec_sha256``; a format-1 file is refused with "export it again". Format 3 keeps a
+low-rank head's factor in float16 with its scale (older releases refuse it; this one reads 2).
 It is written atomically (``storage.write_atomic``).
 """
 
@@ -33,7 +34,8 @@ from ..version import __version__
 from . import modelfile
 
 FORMAT = "drl-export"
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"  # 3: the low-rank class covariances' factor in float16 with its scale
+READS = ("2",)  # format 2 (F_c in float32) loads as it was written
 PTM_PREFIX = "ptm."  # the PTM's weights; every other tensor is named as restore.py says
 STAGE_PREFIX = "stage."  # restore.STAGE's prefix: stage.<i>.<param>
 SPEC_TYPES = {
@@ -127,7 +129,7 @@ def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     odd = next((f"{k} ({v.dtype})" for k, v in tensors.items() if v.dtype not in TENSOR_DTYPES), None)
     if odd is not None:
         raise IntegrityError(f"{path} holds tensor {odd} of a dtype drl never writes; export it again")
-    modelfile.check_version(path, metadata.get("format_version"), FORMAT_VERSION, what="drl export")
+    modelfile.check_version(path, metadata.get("format_version"), FORMAT_VERSION, what="drl export", also=READS)
     spec = modelfile.parse_spec(path, metadata.get("spec", ""))
     modelfile.check_spec_sha256(path, spec)
     if backbone.tensors_sha256(tensors) != spec.get("payload_sha256"):

@@ -167,14 +167,18 @@ class LowRankPrecisions:
         m_c(x) = Σ_i (z_i − ν_ci)² D_c,ii − ‖F_cᵀ (z − ν_c)‖²
 
     d² + C·d·(r + 2) multiply-adds per image, against C·d² for the dense precisions; the same
-    numbers up to round-off when every class's rank fits in r."""
+    numbers up to round-off when every class's rank fits in r. F_c, the bulk of the head at
+    many classes (d·r a class), is kept in float16 times one float32 scale s (its largest entry at
+    2¹⁴: no overflow, a relative rounding of 2⁻¹¹), and ν_c's offsets are taken from that rounded F_c,
+    so a run and its exports score with the same numbers."""
 
     rotation: Tensor  # (d, d) V
     scale: Tensor  # (C, d) diagonal of D_c
     center: Tensor  # (C, d) ν_c ∘ D_c
     const: Tensor  # (C,) Σ_i ν_ci² D_c,ii
-    factor: Tensor  # (d, C·r) F_c side by side
+    factor: Tensor  # (d, C·r) F_c / s side by side, float16 (float32 in exports of releases before)
     offset: Tensor  # (C·r,) F_cᵀ ν_c
+    factor_scale: Tensor  # () s
 
     @classmethod
     def of(
@@ -198,16 +202,23 @@ class LowRankPrecisions:
         inner = torch.eye(factors.shape[-1], dtype=STAT_DTYPE) + rotated.transpose(1, 2) @ scaled  # (C, r, r)
         lower = torch.linalg.cholesky(inner)
         factor = torch.linalg.solve_triangular(lower, scaled.transpose(1, 2), upper=False)  # F_cᵀ (C, r, d)
+        factor_scale = float(factor.abs().max()) / 2**14 or 1.0
+        half = (factor / factor_scale).half()
         center = means @ rotation  # ν (C, d)
-        offset = (factor @ center[:, :, None]).squeeze(-1)  # (C, r)
+        offset = (half.to(STAT_DTYPE) @ center[:, :, None]).squeeze(-1) * factor_scale  # (C, r), of the rounded F_c
         return cls(
             rotation.float(),
             scale.float(),
             (center * scale).float(),
             (center * center * scale).sum(1).float(),
-            factor.permute(2, 0, 1).reshape(width, -1).float().contiguous(),
+            half.permute(2, 0, 1).reshape(width, -1).contiguous(),
             offset.reshape(-1).float(),
+            torch.tensor(factor_scale, dtype=torch.float32),
         )
+
+    def full_factor(self) -> Tensor:
+        """F_c side by side (d, C·r) in float32: what ``lowrank_distance`` reads."""
+        return self.factor.float() * self.factor_scale
 
 
 def lowrank_distance(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ... import distributed
 from ...errors import IntegrityError
 from ..base import TOTALS_MARK, EarlierStages
 from . import (
@@ -29,7 +30,16 @@ from . import (
 )
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RanpacHead, expand, head_input, random_projection
-from .statistics import STAT_DTYPE, Statistics, choose_lambda, lambda_grid, solve, validation_mask
+from .statistics import (
+    LAMBDA,
+    STAT_DTYPE,
+    Statistics,
+    choose_lambda,
+    kernel_errors,
+    lambda_grid,
+    solve,
+    validation_mask,
+)
 
 if TYPE_CHECKING:
     from ...config import RunConfig
@@ -76,7 +86,7 @@ def fit_stage(
     scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
     total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
     lambdas = lambda_grid(cfg)
-    lam, errors = choose_lambda(total, lambdas)
+    lam, errors = _choose_lambda(total, lambdas, cfg, first=earlier.head is None, images=(phi, labels.cpu(), val))
     weight = solve(total, lam)
     tensors = {WEIGHT: weight.float()}
     if earlier.head is None:
@@ -85,13 +95,14 @@ def fit_stage(
             tensors[LAYOUT] = torch.tensor(layout)
     # the stage's own Q, and the run's totals through this stage (record.py puts them in its totals file)
     statistics = {**stage.own(), **total.running(), TOTALS_MARK: torch.tensor([stage_index])}
+    statistics[LAMBDA] = torch.tensor([lam], dtype=STAT_DTYPE)
     if cfg.covariance_weight > 0:
         _covariances(earlier, features, labels, num_classes, cfg, scatters, tensors, statistics)
     # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits them there)
     stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
     meta = {
         "lambda": lam,
-        "validation_errors": dict(zip([f"{x:g}" for x in lambdas], errors)),
+        "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
         "num_fit": total.num_fit,
         "num_val": total.num_val,
         "proj_dim": projection.shape[1],
@@ -100,6 +111,19 @@ def fit_stage(
     head = RanpacHead.assemble(projection, tensors, stages, layout=layout)
     meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
     return StageFit(head, tensors, statistics, meta, weight.numel())
+
+
+def _choose_lambda(
+    total: Statistics, lambdas: list[float], cfg: RanpacConfig, *, first: bool, images: tuple[Tensor, Tensor, Tensor]
+) -> tuple[float, dict[float, float]]:
+    """λ and the validation errors of the λ tried: stage 1 every λ, in the kernel form while it has
+    fewer fitted images than M and one process holds them all; later stages from the λ before
+    (``lambda_search`` local) or every λ again (grid, and runs that recorded no λ)."""
+    phi, labels, val = images
+    if first and distributed.world_size() == 1 and int((~val).sum()) <= phi.shape[1] and total.num_val:
+        return choose_lambda(total, lambdas, errors=kernel_errors(phi, labels, total.q_fit.shape[1], val, lambdas))
+    start = total.lam if cfg.lambda_search == "local" and not first else None
+    return choose_lambda(total, lambdas, start=start)
 
 
 def _projection(earlier: EarlierStages, width: int, cfg: RanpacConfig, *, seed: int) -> tuple[Tensor, int]:

@@ -72,7 +72,11 @@ class RanpacHead(nn.Module):
         self.register_buffer("weight", weight.float().contiguous())  # (M, C)
         lowrank = _check_lowrank(cov_lowrank, weight.shape[1]) if cov_lowrank is not None else None
         for name in LOWRANK:  # the class covariances in low-rank form (covariance.LowRankPrecisions)
-            self.register_buffer(name, None if lowrank is None else getattr(lowrank, name[4:]).float().contiguous())
+            value = None if lowrank is None else getattr(lowrank, name[4:])
+            self.register_buffer(name, value if value is None or name == "cov_factor" else value.float().contiguous())
+        # F_c in float32 for scoring, made once here: not in the state (the float16 factor and s are)
+        full = None if lowrank is None else lowrank.full_factor().contiguous()
+        self.register_buffer("cov_factor_full", full, persistent=False)
         if lowrank is not None:
             if cov_mean is not None or cov_precision is not None or cov_weight is None:
                 raise ValueError(
@@ -96,7 +100,13 @@ class RanpacHead(nn.Module):
         x = covariance_input(features)
         if self.cov_rotation is not None:
             distance = lowrank_distance(
-                x, self.cov_rotation, self.cov_scale, self.cov_center, self.cov_const, self.cov_factor, self.cov_offset
+                x,
+                self.cov_rotation,
+                self.cov_scale,
+                self.cov_center,
+                self.cov_const,
+                self.cov_factor_full,
+                self.cov_offset,
             )
         else:
             diff = x[:, None, :] - self.cov_mean  # (B, C, d)
@@ -132,9 +142,10 @@ class RanpacHead(nn.Module):
     def from_state(cls, state: dict[str, Tensor]) -> RanpacHead:
         lowrank = None
         if any(name in state for name in LOWRANK):
-            if not all(name in state for name in LOWRANK):
-                raise ValueError(f"the low-rank class covariances need {', '.join(LOWRANK)}")
-            lowrank = LowRankPrecisions(*(state[name] for name in LOWRANK))
+            required = LOWRANK[:-1]  # exports of releases before hold a float32 F_c and no scale
+            if not all(name in state for name in required):
+                raise ValueError(f"the low-rank class covariances need {', '.join(required)}")
+            lowrank = LowRankPrecisions(*(state.get(name, torch.tensor(1.0)) for name in LOWRANK))
         return cls(
             state["projection"],
             state["weight"],
@@ -203,7 +214,7 @@ def _dense_parts(
     return mean.float().contiguous(), precision.float().contiguous(), weight.float().reshape(())
 
 
-LOWRANK = ("cov_rotation", "cov_scale", "cov_center", "cov_const", "cov_factor", "cov_offset")
+LOWRANK = ("cov_rotation", "cov_scale", "cov_center", "cov_const", "cov_factor", "cov_offset", "cov_factor_scale")
 
 
 def _joined(stages: list[dict[str, Tensor]], name: str) -> Tensor:
@@ -228,6 +239,7 @@ def _check_lowrank(lowrank: LowRankPrecisions, num_classes: int) -> LowRankPreci
         "const": (num_classes,),
         "factor": (width, num_classes * rank),
         "offset": (num_classes * rank,),
+        "factor_scale": (),
     }
     for name, shape in want.items():
         if tuple(getattr(lowrank, name).shape) != shape or width < 1 or rank < 1:
@@ -235,6 +247,8 @@ def _check_lowrank(lowrank: LowRankPrecisions, num_classes: int) -> LowRankPreci
                 f"low-rank class-covariance tensor {name} has shape {tuple(getattr(lowrank, name).shape)}, "
                 f"not {shape} for {num_classes} classes"
             )
+    if lowrank.factor.dtype not in (torch.float16, torch.float32) or not 0 < float(lowrank.factor_scale) < float("inf"):
+        raise ValueError("the low-rank class covariances' factor is neither float16 with a positive scale nor float32")
     return lowrank
 
 

@@ -19,6 +19,10 @@ class RanpacConfig:
     val_fraction: float = option(0.2, within=Range(0, 1, low_open=True, high_open=True))
     lambda_min_exp: int = option(-8, within=Range(-30, 30))  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
     lambda_max_exp: int = option(8, within=Range(-30, 30))
+    # grid: every λ of the grid at every stage (RanPAC's); local: from stage 2, start at the λ the stage
+    # before chose and step through the grid while the validation error falls (a few Cholesky
+    # factorisations instead of one eigendecomposition: the same λ wherever the error has one minimum)
+    lambda_search: str = option("grid", choices=("grid", "local"))
     # leading subspaces the head reads: 1: f_0 (RanPAC's); 2: [f_0, f_1] (drl: + stage 1's)
     subspaces: int = option(1, within=Range(1, 2))
     # class covariances: w of z(ridge) + w z(-Mahalanobis to class means); 0: RanPAC's ridge alone

@@ -16,6 +16,7 @@ from ..base import TOTALS_MARK
 from .options import RanpacConfig
 
 STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, stored as float32
+LAMBDA = "lambda"  # (1,) in the newest stage's totals: the λ its fit chose, where the next stage's search starts
 
 
 def lambda_grid(cfg: RanpacConfig) -> list[float]:
@@ -47,6 +48,7 @@ class Statistics:
     num_fit: float
     num_val: float  # = ‖Y_v‖² for one-hot targets
     totals: bool = False  # G and the counts sum every stage up to this one
+    lam: float | None = None  # the λ chosen by the stage whose totals these are (None: not recorded)
 
     @classmethod
     def of(cls, phi: Tensor, labels: Tensor, num_classes: int, val: Tensor) -> Statistics:
@@ -84,6 +86,7 @@ class Statistics:
         gram_fit: Tensor | None = None
         gram_val: Tensor | None = None
         num_fit = num_val = 0.0
+        lam: float | None = None
         q_fit: list[Tensor] = []
         q_val: list[Tensor] = []
         for part in parts:
@@ -93,14 +96,15 @@ class Statistics:
                 continue
             if gram_fit is None or gram_val is None or part.totals:
                 gram_fit, gram_val = part.gram_fit.clone(), part.gram_val.clone()
-                num_fit, num_val = part.num_fit, part.num_val
+                num_fit, num_val, lam = part.num_fit, part.num_val, part.lam
             else:
                 gram_fit.add_(part.gram_fit)
                 gram_val.add_(part.gram_val)
                 num_fit, num_val = num_fit + part.num_fit, num_val + part.num_val
         if gram_fit is None or gram_val is None:
             raise ValueError("no statistics to accumulate")
-        return Statistics(gram_fit, gram_val, torch.cat(q_fit, dim=1), torch.cat(q_val, dim=1), num_fit, num_val, True)
+        q = torch.cat(q_fit, dim=1), torch.cat(q_val, dim=1)
+        return Statistics(gram_fit, gram_val, *q, num_fit, num_val, True, lam)
 
     def own(self) -> dict[str, Tensor]:
         """A stage's statistics file: Q of its own classes."""
@@ -128,6 +132,7 @@ class Statistics:
         if "gram_fit" not in tensors and "gram_val" not in tensors:
             return cls(None, None, q_fit, q_val, 0.0, 0.0)
         counts = tensors["counts"].tolist()
+        lam = tensors[LAMBDA].tolist() if LAMBDA in tensors else None
         return cls(
             unpack(tensors["gram_fit"], m),
             unpack(tensors["gram_val"], m),
@@ -136,6 +141,7 @@ class Statistics:
             counts[0],
             counts[1],
             TOTALS_MARK in tensors,
+            lam[0] if isinstance(lam, list) and len(lam) == 1 else None,
         )
 
 
@@ -179,16 +185,82 @@ def validation_errors(stats: Statistics, lambdas: list[float]) -> list[float]:
     return [f - 2 * float((cross / (s + lam)).sum()) + stats.num_val for f, lam in zip(fitted, lambdas)]
 
 
-def choose_lambda(stats: Statistics, lambdas: list[float]) -> tuple[float, list[float]]:
-    """The λ of smallest validation error (the first on ties); λ 1 when nothing is held out."""
+def kernel_errors(phi: Tensor, labels: Tensor, num_classes: int, val: Tensor, lambdas: list[float]) -> list[float]:
+    """``validation_errors`` when G_f is the Gram of images at hand (Φ_f, n_f rows: stage 1), in the
+    kernel form W_λ = Φ_fᵀ (K + λI)⁻¹ Y_f with K = Φ_f Φ_fᵀ = V diag(e) Vᵀ, so
+
+        Φ_v W_λ = (Φ_v Φ_fᵀ V) diag(1 / (e + λ)) (Vᵀ Y_f)
+
+    one n_f x n_f eigendecomposition for every λ (the same errors as the (M, M) one, in exact
+    arithmetic; far cheaper while n_f < M)."""
+    phi = phi.to(STAT_DTYPE)
+    y = F.one_hot(labels, num_classes).to(STAT_DTYPE)
+    fit = ~val
+    e, v = torch.linalg.eigh(phi[fit] @ phi[fit].T)
+    e = e.clamp_min(0)
+    left = (phi[val] @ phi[fit].T) @ v  # (n_v, n_f)
+    right = v.T @ y[fit]  # (n_f, C)
+    return [float(((left / (e + lam)) @ right - y[val]).square().sum()) for lam in lambdas]
+
+
+def ridge_error(stats: Statistics, lam: float) -> float:
+    """The validation squared error of W_λ = (G_f + λI)⁻¹ Q_f by one Cholesky factorisation
+    (inf where G_f + λI is not numerically positive definite)."""
+    chol, info = torch.linalg.cholesky_ex(_shifted(stats.gram_fit, lam))
+    if int(info):
+        return float("inf")
+    w = torch.cholesky_solve(stats.q_fit, chol)
+    return float((w * (stats.gram_val @ w)).sum()) - 2 * float((w * stats.q_val).sum()) + stats.num_val
+
+
+def local_search(stats: Statistics, lambdas: list[float], start: int) -> dict[float, float]:
+    """The validation errors of the grid's λ from index ``start`` outwards, one step at a time while
+    the smallest error so far lies at an end of the λ tried (ties: the smaller λ, as the grid's
+    search), and upwards while no λ tried has factorised: the grid's choice wherever the error has
+    one minimum over the grid."""
+    errors = {start: ridge_error(stats, lambdas[start])}
+    low = high = start
+    while True:
+        best = min(errors, key=lambda i: (errors[i], i))
+        if errors[best] == float("inf") and high < len(lambdas) - 1:  # none factorised yet: a larger λ
+            high += 1
+            errors[high] = ridge_error(stats, lambdas[high])
+        elif best == low and low > 0:
+            low -= 1
+            errors[low] = ridge_error(stats, lambdas[low])
+        elif best == high and high < len(lambdas) - 1:
+            high += 1
+            errors[high] = ridge_error(stats, lambdas[high])
+        else:
+            return {lambdas[i]: errors[i] for i in sorted(errors)}
+
+
+def choose_lambda(
+    stats: Statistics, lambdas: list[float], *, start: float | None = None, errors: list[float] | None = None
+) -> tuple[float, dict[float, float]]:
+    """The λ of smallest validation error (the smaller on ties) and the errors of the λ tried; λ 1
+    when nothing is held out. ``start``: a λ of the grid to search from (``local_search``); else
+    every λ, by ``errors`` when given (``kernel_errors``), else by ``validation_errors``."""
     if stats.num_val == 0:
-        return 1.0, []
-    errors = validation_errors(stats, lambdas)
-    return lambdas[int(np.argmin(errors))], errors
+        return 1.0, {}
+    if start is not None and start in lambdas:
+        tried = local_search(stats, lambdas, lambdas.index(start))
+    else:
+        tried = dict(zip(lambdas, errors if errors is not None else validation_errors(stats, lambdas)))
+    return min(tried, key=lambda lam: (tried[lam], lam)), tried
 
 
 def solve(stats: Statistics, lam: float) -> Tensor:
-    """W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v): (M, C), float64."""
-    gram = stats.gram_fit + stats.gram_val
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-    return torch.linalg.solve(gram + lam * eye, stats.q_fit + stats.q_val)
+    """W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v): (M, C), float64 (by Cholesky; LU where it fails)."""
+    gram = _shifted(stats.gram_fit + stats.gram_val, lam)
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if int(info):
+        return torch.linalg.solve(gram, stats.q_fit + stats.q_val)
+    return torch.cholesky_solve(stats.q_fit + stats.q_val, chol)
+
+
+def _shifted(gram: Tensor, lam: float) -> Tensor:
+    """G + λI, a new tensor."""
+    out = gram.clone()
+    out.diagonal().add_(lam)
+    return out

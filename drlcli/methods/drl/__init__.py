@@ -39,7 +39,14 @@ METHOD = Method(
     defaults={
         "score": {"head": "ridge"},
         # class covariances of rank 16 (docs/research/covariance-rank.md): flat in the classes, as accurate
-        ridge.SECTION: {"covariance_weight": 4.0, "covariance_rank": 16, "layout_grid": 2, "layout_scale": 0.5},
+        # and λ searched from the stage before's (flat in the stages: docs/performance.md)
+        ridge.SECTION: {
+            "covariance_weight": 4.0,
+            "covariance_rank": 16,
+            "layout_grid": 2,
+            "layout_scale": 0.5,
+            "lambda_search": "local",
+        },
         "train": {"skip_unread": True},  # the head reads no stage subspace: none is trained
     },
     # the paper's §III-D scoring (SPEC §2.3), which reads every stage, each trained
