@@ -101,12 +101,28 @@ def fit_growth(xs: list[float], ys: list[float], at: float) -> dict[str, float]:
 
 
 def predict_peak_rss(model: Path, pictures: list[str]) -> float:
-    """Peak RSS (MiB) of ``drl predict --model MODEL`` on ``pictures`` in a process of its own."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    command = [sys.executable, "-m", "drlcli", "predict", "--model", str(model), *pictures, "--device", "cpu", "-q"]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(after, before) / 1024  # the largest child so far: predict is this script's only child
+    """Peak RSS (MiB) of ``drl predict --model MODEL`` on ``pictures`` in a process of its own: the
+    child's own VmHWM at exit (a forked child's ru_maxrss can count the parent's pages it shared
+    before exec), its ru_maxrss where /proc is missing."""
+    report = (
+        "import atexit, pathlib, resource, runpy, sys\n"
+        "def peak():\n"
+        "    status = pathlib.Path('/proc/self/status')\n"
+        "    lines = status.read_text().splitlines() if status.exists() else []\n"
+        "    kib = next((int(l.split()[1]) for l in lines if l.startswith('VmHWM:')), None)\n"
+        "    kib = kib if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "    print(f'peak-rss-kib {kib}', file=sys.stderr)\n"
+        "atexit.register(peak)\n"
+        "sys.argv = ['drl', *sys.argv[1:]]\n"
+        "runpy.run_module('drlcli', run_name='__main__')\n"
+    )
+    command = [sys.executable, "-c", report, "predict", "--model", str(model), *pictures, "--device", "cpu", "-q"]
+    done = subprocess.run(
+        command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    kib = [int(line.split()[1]) for line in done.stderr.splitlines() if line.startswith("peak-rss-kib ")]
+    return kib[-1] / 1024
 
 
 def head_cost(model_path: Path, repeats: int, reference: str) -> dict[str, float]:
