@@ -110,7 +110,9 @@ def test_a_method_registered_in_one_line_goes_through_every_command(toy, tmp_pat
         assert result.status == "learned" and result.num_params == 2 * 64 * 3
     report = evaluate(run, all_seen=True, device="cpu").report
     assert report.num_images == 6 * 4 and 0 <= report.top1 <= 100
-    assert [s["num_params"] for s in info(run)["stages"]] == [384, 384]
+    stages = info(run)["stages"]
+    assert [s["num_params"] for s in stages] == [384, 384]
+    assert [s["cumulative_params"] for s in stages] == [384, 768]  # stage networks add up
 
     exported = export_run(run, tmp_path / "toy.drl")
     images = sorted(str(p) for p in stage_folders[1][1].rglob("*.png"))

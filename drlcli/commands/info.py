@@ -31,11 +31,15 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
         check_stage_meta(run, index, meta)
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
     total_bytes = run.size_bytes(manifest)
-    cum_params = cum_bytes = cum_classes = 0
+    cum_bytes = cum_classes = trained_params = solved_params = 0
     for index, meta in zip(run.stage_indices(manifest), metas):
         evaluation = meta["metrics"].get("eval")
         stage_bytes = run.stage_bytes(index, manifest)
-        cum_params += meta["num_params"]
+        if meta.get("train") is None:  # no stage network: its parameters are the head's, solved again each stage
+            solved_params = meta["num_params"]
+        else:
+            trained_params += meta["num_params"]
+        cum_params = trained_params + solved_params
         cum_bytes += stage_bytes
         num_classes = len(forgotten.active(meta))
         cum_classes += num_classes
@@ -55,6 +59,8 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 # the newest stage also holds the run's running totals (its totals file: Grams, W)
                 "holds_totals": run.stage_file_name(index, TOTALS, manifest) is not None,
                 "cumulative_classes": cum_classes,
+                # the model's parameters after this stage: every stage network so far and the newest
+                # stage's solved head (W for every class seen supersedes the stage before's)
                 "cumulative_params": cum_params,
                 "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)
                 "accuracy": evaluation["top1"] if evaluation else None,
