@@ -26,4 +26,7 @@ def test_scale_benchmark_reports_every_stage_and_the_extrapolation(tmp_path):
     assert report["predict"]["process_peak_rss_mib"] > 0  # predict in a process of its own
     assert report["head_cost"]["ratio"] > 0
     assert set(report["extrapolated_to_365"]) >= {"head_fit", "read_mib", "stages_mib", "export_mib_beyond_ptm"}
+    export = report["extrapolated_to_365"]["export_mib_beyond_ptm"]  # a line through two exports: stage 1's and 3's
+    assert report["early_export"]["classes"] == 2 and export["per_class_kib"] > 0
+    assert 0 < export["two_exports"] <= export["proportional"]  # the fixed part is not scaled
     assert "3 stages of 2 classes" in result.stdout
