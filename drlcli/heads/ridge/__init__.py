@@ -81,8 +81,9 @@ COV_TRACE = f"{PREFIX}cov_trace"  # (n,) per class of the stage: tr S_c (covaria
 COV_SHARED = f"{PREFIX}cov_shared"  # (d, d) pooled within-class covariance, newest stage
 COV_PARAMS = f"{PREFIX}cov_params"  # (3,) w, a, b, newest stage
 COV_SCATTER, COV_COUNTS = "cov_scatter", "cov_counts"  # statistics: (d, d) summed scatter, (2,) images, classes
+LAMBDA = "lambda"  # statistics: (1,) the λ the newest stage chose, where the next stage's search starts
 # the newest stage's totals: W and what the covariances share, the Grams and scatters summed so far
-RUNNING = (WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", "lambda", COV_SCATTER, COV_COUNTS)
+RUNNING = (WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", LAMBDA, COV_SCATTER, COV_COUNTS)
 PER_CLASS = (
     PerClass("weights", COV_MEAN, 0),
     PerClass("weights", COV_COVARIANCE, 0),

@@ -24,6 +24,7 @@ from . import (
     COV_SCATTER,
     COV_SHARED,
     COV_TRACE,
+    LAMBDA,
     LAYOUT,
     PROJECTION,
     WEIGHT,
@@ -31,7 +32,6 @@ from . import (
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RanpacHead, expand, head_input, random_projection
 from .statistics import (
-    LAMBDA,
     STAT_DTYPE,
     Statistics,
     choose_lambda,

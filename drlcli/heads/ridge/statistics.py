@@ -13,10 +13,10 @@ from torch import Tensor
 
 from ... import distributed
 from ..base import TOTALS_MARK
+from . import LAMBDA
 from .options import RanpacConfig
 
 STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, stored as float32
-LAMBDA = "lambda"  # (1,) in the newest stage's totals: the λ its fit chose, where the next stage's search starts
 
 
 def lambda_grid(cfg: RanpacConfig) -> list[float]:
@@ -222,17 +222,14 @@ def local_search(stats: Statistics, lambdas: list[float], start: int) -> dict[fl
     low = high = start
     while True:
         best = min(errors, key=lambda i: (errors[i], i))
-        if errors[best] == float("inf") and high < len(lambdas) - 1:  # none factorised yet: a larger λ
-            high += 1
-            errors[high] = ridge_error(stats, lambdas[high])
-        elif best == low and low > 0:
-            low -= 1
-            errors[low] = ridge_error(stats, lambdas[low])
-        elif best == high and high < len(lambdas) - 1:
-            high += 1
-            errors[high] = ridge_error(stats, lambdas[high])
+        factorised = errors[best] < float("inf")
+        if factorised and best == low and low > 0:
+            low = step = low - 1
+        elif (best == high or not factorised) and high < len(lambdas) - 1:
+            high = step = high + 1
         else:
             return {lambdas[i]: errors[i] for i in sorted(errors)}
+        errors[step] = ridge_error(stats, lambdas[step])
 
 
 def choose_lambda(
@@ -252,7 +249,8 @@ def choose_lambda(
 
 def solve(stats: Statistics, lam: float) -> Tensor:
     """W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v): (M, C), float64 (by Cholesky; LU where it fails)."""
-    gram = _shifted(stats.gram_fit + stats.gram_val, lam)
+    gram = stats.gram_fit + stats.gram_val
+    gram.diagonal().add_(lam)
     chol, info = torch.linalg.cholesky_ex(gram)
     if int(info):
         return torch.linalg.solve(gram, stats.q_fit + stats.q_val)
