@@ -230,10 +230,12 @@ class _Interrupt(Exception):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["drl", "ease"])
-def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
+@pytest.mark.parametrize(("method", "preset"), [("drl", "paper"), ("ease", None)])
+def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method, preset):
     """The whole cycle on CUDA: learn two stages (the second interrupted and resumed), evaluate,
-    predict; a CUDA checkpoint is refused on CPU; the run's scores on CUDA match CPU's."""
+    predict; a CUDA checkpoint is refused on CPU; the run's scores on CUDA match CPU's. drl runs its
+    paper preset: the default trains no stage (nothing it answers reads one), so it has no epoch to
+    interrupt."""
     from drlcli import evaluate
     from drlcli.commands.init import init_run
     from drlcli.config import RunConfig
@@ -243,7 +245,8 @@ def test_learn_resume_eval_predict_on_cuda(stage_folders, tmp_path, method):
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
     run, opts = tmp_path / "r", {"epochs": 2, "batch_size": 12}
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method(method))
+    config = RunConfig.for_method(method, preset=preset)
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     learn_stage(
         run, data_dir=stage_folders[0][0], eval_data_dir=stage_folders[0][1], train_overrides=opts, device="cuda"
     )

@@ -333,7 +333,7 @@ def real_top1(data, root, *, device, precision, epochs=3):
 
 @pytest.mark.gpu
 @pytest.mark.realdata
-def test_bf16_accuracy_is_fp32_accuracy_on_a_real_run(shared_data, tmp_path):
+def test_bf16_accuracy_is_fp32_accuracy_on_a_real_run(shared_data, tmp_path, record_property):
     """DeiT-Tiny with its ImageNet weights on Caltech-101 (2 stages of 10 classes, 30 train and 15
     test images per class at most: 293, 3 epochs), learned and evaluated on CUDA: bf16 autocast
     reaches fp32's top-1 within REAL_TOLERANCE points, and so does evaluating the fp32 run in bf16.
@@ -344,4 +344,6 @@ def test_bf16_accuracy_is_fp32_accuracy_on_a_real_run(shared_data, tmp_path):
     assert reports["fp32"].top1 > 50  # a real run: pretrained features, far above chance (5%)
     assert abs(reports["bf16"].top1 - reports["fp32"].top1) <= REAL_TOLERANCE
     rounded = evaluate(tmp_path / "run-fp32", all_seen=True, device="cuda", precision="bf16").report
+    for name, report in (("fp32", reports["fp32"]), ("bf16", reports["bf16"]), ("fp32 run read in bf16", rounded)):
+        record_property(f"top1 {name}", round(report.top1, 2))  # for docs/performance.md (--junitxml)
     assert abs(rounded.top1 - reports["fp32"].top1) <= REAL_TOLERANCE

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from drlcli.benchmark import class_order, load_data, split_validation, stage_classes
 from drlcli.data import ImageDataset, ImageSet, eval_transform
@@ -99,8 +98,13 @@ def embed(args) -> None:
         images = ImageSet(args.data, tuple(first), tuple(paths), tuple(labels))
         net.new_stage(seed=args.seed)
         train = TrainConfig(
-            epochs=args.epochs, batch_size=args.batch, lr=args.lr, loss=args.loss, kd_weight=args.kd,
-            scale_init=args.scale_init, seed=args.seed,
+            epochs=args.epochs,
+            batch_size=args.batch,
+            lr=args.lr,
+            loss=args.loss,
+            kd_weight=args.kd,
+            scale_init=args.scale_init,
+            seed=args.seed,
         )
         tick = time.time()
         last = [0.0]
@@ -113,6 +117,10 @@ def embed(args) -> None:
         result = train_stage(net, images, train, cfg, progress=progress)
         info["train"] = {"seconds": time.time() - tick, "losses": result.epoch_losses, "images": len(paths)}
         print(f"trained on {len(paths)} images in {time.time() - tick:.0f}s: {result.epoch_losses}", flush=True)
+    elif args.adapters:  # trained elsewhere (gpu_adapt.py): {variant: state dict} of this order and split
+        net.new_stage(seed=args.seed)
+        net.stages[-1].load_state_dict(torch.load(args.adapters)[args.key])
+        info["adapters"] = f"{args.adapters}:{args.key}"
     all_paths = sorted({p for part in (data.train, data.test) for ps in part.values() for p in ps})
     images = ImageSet(args.data, ("x",), tuple(all_paths), (0,) * len(all_paths))
     loader = torch.utils.data.DataLoader(ImageDataset(images, eval_transform(cfg)), batch_size=64)
@@ -183,14 +191,29 @@ def score(args) -> None:
         name = "+".join(Path(path).name for path in group)
         for cov in (0.0, 4.0):
             r = replay(
-                data, stages, lookup, seed=args.seed, cov_weight=cov, layout_scale=0.5, proj_dim=3000,
+                data,
+                stages,
+                lookup,
+                seed=args.seed,
+                cov_weight=cov,
+                layout_scale=0.5,
+                proj_dim=3000,
                 cov_token=args.cov_token,
             )
             acc = " ".join(f"{a:.1f}" for a in r["accuracy"])
-            print(f"{name} cov {cov:g}@{args.cov_token}: Ā {r['average']:.2f} A_T {r['last']:.2f} F {r['forgetting']:.2f} | {acc}", flush=True)
+            print(
+                f"{name} cov {cov:g}@{args.cov_token}: Ā {r['average']:.2f} A_T {r['last']:.2f} F {r['forgetting']:.2f} | {acc}",
+                flush=True,
+            )
             if args.out:
                 with open(args.out, "a") as fh:
-                    record = {"feats": name, "split": args.split, "seed": args.seed, "cov": cov, "cov_token": args.cov_token}
+                    record = {
+                        "feats": name,
+                        "split": args.split,
+                        "seed": args.seed,
+                        "cov": cov,
+                        "cov_token": args.cov_token,
+                    }
                     fh.write(json.dumps({**record, **r}) + "\n")
 
 
@@ -210,6 +233,8 @@ def main() -> None:
     e.add_argument("--batch", type=int, default=48)
     e.add_argument("--scale-init", type=float, default=16.0)
     e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--adapters", type=Path, help="with --peft none: embed with gpu_adapt.py's adapters instead")
+    e.add_argument("--key", help="the variant in --adapters")
     e.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("score")
     s.add_argument("--data", type=Path, required=True)
@@ -218,7 +243,9 @@ def main() -> None:
     s.add_argument("--split", choices=("val", "test"), default="val")
     s.add_argument("--out", type=Path)
     s.add_argument("--concat", action="store_true", help="join the files' tokens per image (one head on all)")
-    s.add_argument("--cov-token", type=int, default=0, help="the token the class covariances read (5: the second file's f)")
+    s.add_argument(
+        "--cov-token", type=int, default=0, help="the token the class covariances read (5: the second file's f)"
+    )
     args = p.parse_args()
     embed(args) if args.command == "embed" else score(args)
 
