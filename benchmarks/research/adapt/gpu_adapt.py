@@ -11,7 +11,16 @@ classes do, with ``manifest.json`` (the stage-1 images and labels of each order 
 sha256 of each sketch as ``make.py`` wrote it here), and the sketches are redrawn there by the data
 set's own generator (``make.py``'s ``sketch``), checked against those hashes.
 
-    python gpu_adapt.py --src .devdata/sketchsrc --weights W.safetensors --out $OUT --budget 300
+Here, once (``.devdata/`` is ignored: ``echo /.devdata/ >> .git/info/exclude``), 55 MB:
+
+    python gpu_adapt.py pack --sketch /work/scratch/sketch --shared ../shared/data --out .devdata
+
+It also writes ``.devdata/caltech101`` (the 20 classes, 30 train and 15 test images each, that
+``tests/test_precision.py``'s real-data test reads) and the DeiT-Tiny weights, so that one device call
+with ``carry [".devdata"]`` runs both ``DRL_SHARED_DATA=$PWD/.devdata pytest -m gpu`` and
+
+    python gpu_adapt.py train --src .devdata/sketchsrc --weights .devdata/deit_tiny_patch16_224/*.safetensors \
+        --out $OUT --budget 280 --workers 12
 """
 
 from __future__ import annotations
@@ -20,12 +29,14 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from drlcli.benchmark import class_order, load_data, split_validation, stage_classes
 from drlcli.data import ImageSet
 from drlcli.methods.ease.options import EaseConfig
 from drlcli.options import TrainConfig
@@ -62,6 +73,49 @@ def redraw(src: Path, manifest: dict, dst: Path) -> int:
     return same
 
 
+def pack(args) -> None:
+    """The bundle a device call carries: weights, the tests' Caltech subset, the stage-1 photos."""
+    out, shared = args.out, args.shared
+    weights = out / "deit_tiny_patch16_224"
+    weights.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shared / "deit_tiny_patch16_224" / "deit_tiny_patch16_224.safetensors", weights)
+    caltech, lists = shared / "caltech101", {}
+    for split in ("train", "test"):  # as tests/test_precision.py's caltech_stages picks them
+        for line in (caltech / f"{split}.txt").read_text().split():
+            if (caltech / "101_ObjectCategories" / line).is_file():
+                lists.setdefault((split, line.split("/")[0]), []).append(line)
+    names = sorted({name for _, name in lists})[:20]
+    for split, cap in (("train", 30), ("test", 15)):
+        keep = [line for name in names for line in lists[split, name][:cap]]
+        (out / "caltech101").mkdir(exist_ok=True)
+        (out / "caltech101" / f"{split}.txt").write_text("\n".join(keep) + "\n")
+        for line in keep:
+            dst = out / "caltech101" / "101_ObjectCategories" / line
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(caltech / "101_ObjectCategories" / line, dst)
+    src, full = out / "sketchsrc", load_data(args.sketch, skip_classes={"BACKGROUND_Google"})
+    manifest: dict = {"runs": {}, "sha256": {}}
+    for seed in (1993, 1994, 1995):
+        for split in ("val", "test"):  # first_stage.py's plan(): the fit part of the validation split, or all
+            data = split_validation(full, 0.2, seed) if split == "val" else full
+            first = sorted(stage_classes(class_order(list(data.train), seed=seed, shuffle=True), 0, 10)[0])
+            items = [
+                [str(Path(p).relative_to(args.sketch / "101_ObjectCategories")), i]
+                for i, c in enumerate(first)
+                for p in data.train[c]
+            ]
+            manifest["runs"][f"{seed}-{split}"] = {"classes": first, "items": items}
+            for rel, _ in items:
+                photo = rel[:-4] + ".jpg"
+                (src / photo).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(caltech / "101_ObjectCategories" / photo, src / photo)
+                sketch = args.sketch / "101_ObjectCategories" / rel
+                manifest["sha256"][rel] = hashlib.sha256(sketch.read_bytes()).hexdigest()
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copy(shared / "caltech101-sketch" / "make.py", src / "make.py")
+    print(f"packed {len(manifest['sha256'])} stage-1 photos and {len(names)} test classes into {out}")
+
+
 def persistent(loader_factory):
     def make(*args, **kwargs):
         if kwargs.get("num_workers", 0) > 0:
@@ -72,7 +126,13 @@ def persistent(loader_factory):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    k = sub.add_parser("pack")
+    k.add_argument("--sketch", type=Path, required=True, help="Caltech-101-Sketch as make.py wrote it")
+    k.add_argument("--shared", type=Path, default=Path("../shared/data"))
+    k.add_argument("--out", type=Path, default=Path(".devdata"))
+    p = sub.add_parser("train")
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--weights", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -83,7 +143,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--max-images", type=int, default=0, help="a smoke test: the first N images of each run")
     p.add_argument("--epochs", type=int, default=0, help="a smoke test: this many epochs for every variant")
-    args = p.parse_args()
+    args = parser.parse_args()
+    if args.command == "pack":
+        pack(args)
+        return
     start = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     manifest = json.loads((args.src / "manifest.json").read_text())

@@ -59,13 +59,13 @@ def lowrank_head(dense: RanpacHead, stages: list[dict], counts: torch.Tensor, ra
     )
 
 
-def replay(data, stages, lookup, config: RunConfig, ranks: list[int]) -> dict:
-    """Every stage fitted by ``fit_stage`` on the earlier stages' stored tensors; A_t on the seen test
-    images (capped and full) after each stage, for each rank."""
+def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int]):
+    """Every stage fitted by ``fit_stage`` on the earlier stages' stored tensors; after each stage,
+    yields (stage, each test image's stage (tensor), {(rank, kind): (scores, labels)}) on the seen
+    classes' test images, capped and full."""
     weights, statistics, head = [], [], None
     seen: list[str] = []
     counts: list[float] = []
-    reports = {(rank, kind): [] for rank in ranks for kind in ("capped", "full")}
     for k, classes in enumerate(stages, 1):
         names = sorted(classes)
         paths = [p for c in names for p in data.train[c]]
@@ -88,6 +88,7 @@ def replay(data, stages, lookup, config: RunConfig, ranks: list[int]) -> dict:
         head = fit.head
         seen += names
         stage_of = torch.tensor([j // 10 + 1 for j in range(len(seen))])  # B0 Inc10: class j's stage
+        out = {}
         for rank in ranks:
             scorer = head if rank == 0 else lowrank_head(head, weights, torch.tensor(counts, dtype=torch.float64), rank)
             for kind, cap in (("capped", CAP), ("full", None)):
@@ -98,18 +99,24 @@ def replay(data, stages, lookup, config: RunConfig, ranks: list[int]) -> dict:
                     test_labels += [j] * len(chosen)
                 with torch.no_grad():
                     scores = scorer(torch.stack([lookup[str(p)] for p in test_paths]))
-                reports[rank, kind].append(
-                    accuracy_report(scores.argmax(1), torch.tensor(test_labels), stage_of, num_stages=k)
-                )
+                out[rank, kind] = (scores, torch.tensor(test_labels))
+        yield k, stage_of, out
+
+
+def summary(history) -> dict:
+    h = summarize_history(history)
+    return {"average": h.average, "last": h.last, "forgetting": h.mean_forgetting, "accuracy": h.accuracy}
+
+
+def replay(data, stages, lookup, config: RunConfig, ranks: list[int]) -> dict:
+    """A_t on the seen test images (capped and full) after each stage, for each rank."""
+    reports = {(rank, kind): [] for rank in ranks for kind in ("capped", "full")}
+    for k, stage_of, scored in stage_scores(data, stages, lookup, config, ranks):
+        for key, (scores, labels) in scored.items():
+            reports[key].append(accuracy_report(scores.argmax(1), labels, stage_of, num_stages=k))
     out: dict = {}
     for (rank, kind), history in reports.items():
-        h = summarize_history(history)
-        out.setdefault(rank, {})[kind] = {
-            "average": h.average,
-            "last": h.last,
-            "forgetting": h.mean_forgetting,
-            "accuracy": h.accuracy,
-        }
+        out.setdefault(rank, {})[kind] = summary(history)
     return out
 
 
@@ -127,7 +134,9 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     for seed in [int(s) for s in args.seeds.split(",")]:
         data, stages = plan(args.data, seed, args.split)
-        config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=seed)  # dense; r > 0 derived
+        config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(
+            seed=seed
+        )  # dense; r > 0 derived
         tick = time.perf_counter()
         results = replay(data, stages, lookup, config, ranks)
         for rank, result in results.items():
