@@ -92,7 +92,7 @@ def embed(args) -> None:
     cfg = backbone.data_config(ptm)
     info = {"args": {k: str(v) for k, v in vars(args).items()}}
     if args.peft == "adaptformer":
-        first = sorted(stages[0])
+        first = sorted(set().union(*stages[: args.adapt_stages]))  # an oracle beyond stage 1: later classes too
         paths = [p for c in first for p in data.train[c]]
         labels = [i for i, c in enumerate(first) for _ in data.train[c]]
         images = ImageSet(args.data, tuple(first), tuple(paths), tuple(labels))
@@ -233,6 +233,9 @@ def main() -> None:
     e.add_argument("--batch", type=int, default=48)
     e.add_argument("--scale-init", type=float, default=16.0)
     e.add_argument("--threads", type=int, default=2)
+    e.add_argument(
+        "--adapt-stages", type=int, default=1, help="train on the first K stages' classes (K > 1: an oracle)"
+    )
     e.add_argument("--adapters", type=Path, help="with --peft none: embed with gpu_adapt.py's adapters instead")
     e.add_argument("--key", help="the variant in --adapters")
     e.add_argument("--out", type=Path, required=True)
