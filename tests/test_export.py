@@ -374,9 +374,9 @@ def test_every_format_runs_on_cuda_like_on_the_cpu(exported, fmt, method):
         expected, known_expected = on_cpu.classify(images)
         with autocast(torch.device("cuda"), "fp32"):  # as drl predicts in fp32 on CUDA: no TF32 convolution
             got, known = on_gpu.classify(images.to(on_gpu.device))
-    # fp32 on both, in different kernels: the scores agree to 1e-3 plus 2e-4 of their size (the
-    # TorchScript graphs' unknown scores, about 12 to 20 in size, differed by up to 1.7e-3 on an H200)
-    torch.testing.assert_close(got.float().cpu(), expected, atol=1e-3, rtol=2e-4)
+    assert (got.float().cpu() - expected).abs().max() <= 1e-3
+    # the unknown scores are 12 to 20 in size: they agree to 1e-3 plus 2e-4 of their size (the
+    # TorchScript graphs' differed by up to 1.7e-3 on an H200, fp32 on both in different kernels)
     torch.testing.assert_close(known.float().cpu(), known_expected, atol=1e-3, rtol=2e-4)
 
 

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from drlcli.benchmark import class_order, load_data, split_validation, stage_classes
 from drlcli.data import ImageSet
 from drlcli.methods.ease.options import EaseConfig
 from drlcli.options import TrainConfig
@@ -46,7 +45,7 @@ from drlcli.stage import train as stage_train
 from drlcli.stage.train import train_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from first_stage import Adapted  # noqa: E402
+from first_stage import Adapted, plan  # noqa: E402
 
 # name -> (loss, epochs, lr, kd)
 VARIANTS = {
@@ -93,12 +92,12 @@ def pack(args) -> None:
             dst = out / "caltech101" / "101_ObjectCategories" / line
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(caltech / "101_ObjectCategories" / line, dst)
-    src, full = out / "sketchsrc", load_data(args.sketch, skip_classes={"BACKGROUND_Google"})
+    src = out / "sketchsrc"
     manifest: dict = {"runs": {}, "sha256": {}}
     for seed in (1993, 1994, 1995):
-        for split in ("val", "test"):  # first_stage.py's plan(): the fit part of the validation split, or all
-            data = split_validation(full, 0.2, seed) if split == "val" else full
-            first = sorted(stage_classes(class_order(list(data.train), seed=seed, shuffle=True), 0, 10)[0])
+        for split in ("val", "test"):  # the images first_stage.py embed trains on
+            data, stages = plan(args.sketch, seed, split)
+            first = sorted(stages[0])
             items = [
                 [str(Path(p).relative_to(args.sketch / "101_ObjectCategories")), i]
                 for i, c in enumerate(first)

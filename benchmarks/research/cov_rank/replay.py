@@ -134,9 +134,8 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     for seed in [int(s) for s in args.seeds.split(",")]:
         data, stages = plan(args.data, seed, args.split)
-        config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(
-            seed=seed
-        )  # dense; r > 0 derived
+        dense = {"ranpac": {"covariance_rank": 0}}  # r > 0 is derived from the dense head
+        config = RunConfig.for_method("drl", dense).with_train(seed=seed)
         tick = time.perf_counter()
         results = replay(data, stages, lookup, config, ranks)
         for rank, result in results.items():
