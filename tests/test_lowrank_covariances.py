@@ -205,3 +205,12 @@ def test_crafted_lowrank_covariances_are_refused(runs, stage_folders, tmp_path, 
     result = CliRunner().invoke(app, ["predict", image, "--run", str(run), "--json"])
     assert result.exit_code == 5, result.stdout
     assert "stage 2 of run" in result.stderr and "restore it from a backup" in result.stderr
+    # learn-stage loads the run without assembling the class covariances (it fits a new head): its load
+    # refuses what every load checks (NaN), its fit the rest
+    before = (run / "manifest.json").read_bytes()
+    result = CliRunner().invoke(app, ["learn-stage", "--run", str(run), "--data", str(stage_folders[2][0])])
+    assert result.exit_code == 5, result.stdout
+    assert ("class covariances do not fit" in result.stderr or "stage 2 of run" in result.stderr) and (
+        "restore it from a backup" in result.stderr
+    )
+    assert (run / "manifest.json").read_bytes() == before  # nothing learned

@@ -29,6 +29,7 @@ from drlcli.heads.ridge.statistics import (
     local_search,
     pack,
     ridge_error,
+    sampled,
     solve,
     unpack,
     validation_errors,
@@ -102,6 +103,46 @@ def test_validation_errors_equal_the_direct_squared_error(width):
     for lam, err in zip([1e-3, 1.0, 1e3], validation_errors(stats, [1e-3, 1.0, 1e3])):
         w = torch.linalg.solve(phi[~val].T @ phi[~val] + lam * eye, phi[~val].T @ y[~val])
         assert err == pytest.approx(float(((phi[val] @ w - y[val]) ** 2).sum()), rel=1e-8)
+
+
+def test_moving_the_earlier_columns_equals_solving_them_again():
+    """A stage of 6 images after one of 12 classes: W of the earlier classes moved by the new images
+    (``solve(previous=, phi=)``) is the whole solve's, new classes included."""
+    g = torch.Generator().manual_seed(7)
+    phi = torch.rand(66, 40, generator=g, dtype=torch.float64)
+    labels = torch.cat([torch.arange(12).repeat_interleave(5), 12 + torch.arange(3).repeat_interleave(2)])
+    val = validation_mask(labels, fraction=0.2, seed=0)
+    before = _stats(phi[:60], labels[:60], 12, val[:60])
+    total = Statistics.accumulate([before, _stats(phi[60:], labels[60:] - 12, 3, val[60:])])
+    lam = 0.5
+    previous = solve(before, lam).float()  # as the run stores it
+    moved = solve(total, lam, previous=previous, phi=phi[60:])
+    whole = solve(total, lam)
+    assert moved.shape == whole.shape == (40, 15)
+    assert torch.allclose(moved, whole, rtol=1e-5, atol=1e-6 * float(whole.abs().max()))
+    assert not torch.equal(previous.double(), whole[:, :12])  # the new images did move them
+
+
+def test_lambda_from_a_sample_of_the_classes():
+    """``sampled``: no more than k columns of Q, scaled so that the error estimates every class's;
+    the statistics themselves at k >= C or k 0; the same λ as every class on a clear problem."""
+    g = torch.Generator().manual_seed(8)
+    centres = torch.randn(40, 30, generator=g, dtype=torch.float64)
+    labels = torch.arange(40).repeat_interleave(8)
+    phi = centres[labels] + 0.8 * torch.randn(320, 30, generator=g, dtype=torch.float64)
+    stats = _stats(phi, labels, 40, validation_mask(labels, fraction=0.2, seed=0))
+    assert sampled(stats, 40, seed=0) is stats and sampled(stats, 0, seed=0) is stats
+    part = sampled(stats, 10, seed=3)
+    assert part.q_fit.shape == (30, 10) and part.gram_fit is stats.gram_fit
+    match = [[torch.equal(part.q_fit[:, k], 2 * stats.q_fit[:, c]) for c in range(40)] for k in range(10)]  # √(40/10)
+    assert all(sum(row) == 1 for row in match) and len({row.index(True) for row in match}) == 10  # 10 distinct
+    assert torch.equal(sampled(stats, 10, seed=3).q_fit, part.q_fit)  # seeded
+    estimates = torch.tensor(
+        [[ridge_error(sampled(stats, 10, seed=s), lam) for lam in LAMBDAS[6:12]] for s in range(40)]
+    )
+    exact = torch.tensor([ridge_error(stats, lam) for lam in LAMBDAS[6:12]])
+    assert torch.allclose(estimates.mean(0), exact, rtol=0.1)  # unbiased over the draws
+    assert choose_lambda(sampled(stats, 10, seed=3), LAMBDAS)[0] == choose_lambda(stats, LAMBDAS)[0]
 
 
 def test_the_kernel_form_and_the_cholesky_error_equal_the_eigendecomposition():

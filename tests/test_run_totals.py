@@ -129,3 +129,29 @@ def test_a_run_of_an_earlier_release_loads_and_learns_on(runs, stage_folders, tm
         "stages/003/totals.safetensors"
     ]
     assert torch.allclose(_scores(old, stage_folders), _scores(three, stage_folders), atol=1e-5)
+
+
+def test_a_small_stage_moves_the_earlier_classes_weights(tmp_path):
+    """A stage of fewer images than earlier classes, at the λ of the stage before (one λ on the grid
+    here): its W of the earlier classes is moved by its images, not solved again, and equals the
+    whole solve from the run's totals."""
+    from drlcli.heads.ridge.statistics import Statistics, solve
+    from drlcli.synthetic import make_class_folders
+
+    run = tmp_path / "run"
+    config = {"ranpac": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}}
+    init_run(
+        run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", config)
+    )
+    learn_stage(run, data_dir=make_class_folders(tmp_path / "one", list(range(8)), images_per_class=3), device="cpu")
+    learn_stage(run, data_dir=make_class_folders(tmp_path / "two", [8, 9], images_per_class=2), device="cpu")
+    metas = [json.loads((run / f"stages/{i:03d}/stage.json").read_text())["ridge"] for i in (1, 2)]
+    assert [m["earlier_columns"] for m in metas] == ["solved", "moved"] and metas[1]["lambda"] == 10.0
+    files = [
+        load((run / f"stages/{i:03d}/{f}.safetensors").read_bytes()) for i, f in ((1, "statistics"), (2, "statistics"))
+    ]
+    totals = load((run / "stages/002/totals.safetensors").read_bytes())
+    total = Statistics.accumulate([Statistics.from_tensors(files[0]), Statistics.from_tensors({**files[1], **totals})])
+    whole = solve(total, 10.0).float()
+    assert totals["ranpac.weight"].shape == (64, 10)
+    assert torch.allclose(totals["ranpac.weight"], whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))

@@ -73,8 +73,9 @@ class AnalyticHead(Protocol):
         """learn-stage: add a stage's features (N, S, d) to the run's statistics and solve."""
         ...
 
-    def from_stages(self, stage_tensors: list[dict[str, Tensor]]) -> nn.Module:
-        """load a run: the head from every committed stage's tensors."""
+    def from_stages(self, stage_tensors: list[dict[str, Tensor]], *, scoring: bool = True) -> nn.Module:
+        """load a run: the head from every committed stage's tensors (``scoring`` False: only what a
+        learn-stage reads of the head before it fits a new one)."""
         ...
 
     def from_state(self, state: dict[str, Tensor]) -> nn.Module:

@@ -75,14 +75,21 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
     return model
 
 
-def load_run(run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | None = None) -> LoadedRun:
+def load_run(
+    run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | None = None, scoring: bool = True
+) -> LoadedRun:
     """The run's model and records, all of one generation (``RunDir.read_generation``: a ``drl
-    forget`` committing meanwhile makes it read the newer one)."""
+    forget`` committing meanwhile makes it read the newer one). ``scoring`` False: an analytic head
+    without what only its scores need (learn-stage fits a new head; ``AnalyticHead.from_stages``)."""
     run = RunDir(run_dir)
-    return run.read_generation(lambda manifest: _load(run, manifest, device=device, ptm_weights=ptm_weights))
+    return run.read_generation(
+        lambda manifest: _load(run, manifest, device=device, ptm_weights=ptm_weights, scoring=scoring)
+    )
 
 
-def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None) -> LoadedRun:
+def _load(
+    run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None, scoring: bool = True
+) -> LoadedRun:
     start = time.perf_counter()
     record, config = read_record(run, manifest)
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
@@ -92,7 +99,9 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
     forgotten, classes = active_classes(run, manifest, stages)  # per stage: its classes not forgotten
     head = head_of(config)
     analytic = head.load() if head is not None else None
-    tensors = _run_tensors(run, method_of(config), analytic, stages, classes, width=backbone.width(ptm))
+    tensors = _run_tensors(
+        run, method_of(config), analytic, stages, classes, width=backbone.width(ptm), scoring=scoring
+    )
 
     def fit_error(position: int | None, exc: Exception) -> IntegrityError:
         index = stages[position].index if position is not None else stages[-1].index
@@ -135,6 +144,7 @@ def _run_tensors(
     classes: list[list[str]],
     *,
     width: int,
+    scoring: bool = True,
 ) -> dict[str, torch.Tensor]:
     """A run's stages under ``model/restore.py``'s tensor names: each stage's ``<method prefix><param>``
     becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded
@@ -159,7 +169,7 @@ def _run_tensors(
     tensors[CLASS_STAGE] = torch.tensor(class_stage, dtype=torch.long)
     tensors.update(_open_set_tensors(run, stages))
     if head is not None and stages:  # the analytic head: R from stage 1, W from the newest stage
-        tensors.update({HEAD + k: v for k, v in _head_state(run, head, stages, width).items()})
+        tensors.update({HEAD + k: v for k, v in _head_state(run, head, stages, width, scoring).items()})
     return tensors
 
 
@@ -188,10 +198,12 @@ def _check_stage_tensors(run: RunDir, stage: StageRecord, expected: tuple[int, i
             raise _stage_error(run, stage.index, ValueError(problem))
 
 
-def _head_state(run: RunDir, head: AnalyticHead, stages: list[StageRecord], width: int) -> dict[str, torch.Tensor]:
+def _head_state(
+    run: RunDir, head: AnalyticHead, stages: list[StageRecord], width: int, scoring: bool
+) -> dict[str, torch.Tensor]:
     """The analytic head's state from the stages' tensors; a crafted or damaged head tensor is damage."""
     try:
-        module = head.from_stages([stage.merged for stage in stages])
+        module = head.from_stages([stage.merged for stage in stages], scoring=scoring)
         module.check_width(width)
         return module.state_dict()
     except (RuntimeError, KeyError, ValueError) as exc:

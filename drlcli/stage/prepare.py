@@ -70,7 +70,8 @@ def prepare(
     """Load the run's model (the PTM, every stage) and set up the call: its config with the overrides."""
     if progress is not None:
         progress(Progress("load", 0, 0, "the PTM and the run's stages"))
-    loaded = run_load.load_run(run.path, device=device, ptm_weights=ptm_weights)
+    # the head as learn-stage reads it: the stage fits a new one (with every class's covariances) from the tensors
+    loaded = run_load.load_run(run.path, device=device, ptm_weights=ptm_weights, scoring=False)
     return StageContext(
         run=run,
         writer=writer,

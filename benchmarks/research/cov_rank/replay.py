@@ -59,10 +59,10 @@ def lowrank_head(dense: RanpacHead, stages: list[dict], counts: torch.Tensor, ra
     )
 
 
-def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int]):
+def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int], lambdas: list[float] | None = None):
     """Every stage fitted by ``fit_stage`` on the earlier stages' stored tensors; after each stage,
     yields (stage, each test image's stage (tensor), {(rank, kind): (scores, labels)}) on the seen
-    classes' test images, capped and full."""
+    classes' test images, capped and full. Each stage's λ is appended to ``lambdas`` when given."""
     weights, statistics, head = [], [], None
     seen: list[str] = []
     counts: list[float] = []
@@ -84,6 +84,8 @@ def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int]):
             stage_index=k,
         )
         weights.append(fit.tensors)
+        if lambdas is not None:
+            lambdas.append(fit.meta["lambda"])
         statistics.append(fit.statistics)
         head = fit.head
         seen += names
@@ -108,10 +110,10 @@ def summary(history) -> dict:
     return {"average": h.average, "last": h.last, "forgetting": h.mean_forgetting, "accuracy": h.accuracy}
 
 
-def replay(data, stages, lookup, config: RunConfig, ranks: list[int]) -> dict:
+def replay(data, stages, lookup, config: RunConfig, ranks: list[int], lambdas: list[float] | None = None) -> dict:
     """A_t on the seen test images (capped and full) after each stage, for each rank."""
     reports = {(rank, kind): [] for rank in ranks for kind in ("capped", "full")}
-    for k, stage_of, scored in stage_scores(data, stages, lookup, config, ranks):
+    for k, stage_of, scored in stage_scores(data, stages, lookup, config, ranks, lambdas):
         for key, (scores, labels) in scored.items():
             reports[key].append(accuracy_report(scores.argmax(1), labels, stage_of, num_stages=k))
     out: dict = {}
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1993,1994,1995")
     parser.add_argument("--ranks", default="0,8,16,32,64")
     parser.add_argument("--out", type=Path, help="JSON lines appended here")
+    parser.add_argument("--lambda-classes", type=int, help="ranpac.lambda_classes (default: drl's)")
     args = parser.parse_args()
     saved = torch.load(args.feats)
     lookup = dict(zip(saved["paths"], saved["features"]))
@@ -135,9 +138,13 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         data, stages = plan(args.data, seed, args.split)
         dense = {"ranpac": {"covariance_rank": 0}}  # r > 0 is derived from the dense head
+        if args.lambda_classes is not None:
+            dense["ranpac"]["lambda_classes"] = args.lambda_classes
         config = RunConfig.for_method("drl", dense).with_train(seed=seed)
         tick = time.perf_counter()
-        results = replay(data, stages, lookup, config, ranks)
+        lambdas: list[float] = []
+        results = replay(data, stages, lookup, config, ranks, lambdas)
+        print(f"seed {seed}: λ per stage {' '.join(f'{x:g}' for x in lambdas)}", flush=True)
         for rank, result in results.items():
             line = " | ".join(
                 f"{kind} Ā {result[kind]['average']:.2f} A_T {result[kind]['last']:.2f} "
@@ -146,7 +153,8 @@ def main() -> None:
             )
             print(f"{args.feats.name} {args.split} seed {seed} rank {rank}: {line}", flush=True)
             if args.out:
-                record = {"feats": args.feats.name, "split": args.split, "seed": seed, "rank": rank, **result}
+                record = {"feats": args.feats.name, "split": args.split, "seed": seed, "rank": rank,
+                          "lambda_classes": config.ranpac.lambda_classes, "lambdas": lambdas, **result}  # fmt: skip
                 with open(args.out, "a") as fh:
                     fh.write(json.dumps(record) + "\n")
         print(f"({time.perf_counter() - tick:.0f} s)", flush=True)

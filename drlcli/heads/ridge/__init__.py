@@ -16,7 +16,11 @@ log grid, W_λ = (G_f + λI)⁻¹ Q_f and its validation squared error is
 
     ‖Φ_v W_λ − Y_v‖² = tr(W_λᵀ G_v W_λ) − 2 tr(W_λᵀ Q_v) + n_v        (one-hot rows: ‖Y_v‖² = n_v)
 
-The best λ then solves on the sum: W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v).
+The best λ then solves on the sum: W = (G_f + G_v + λI)⁻¹ (Q_f + Q_v). Two things keep a stage's
+work from growing with the classes seen: ``lambda_classes`` k takes each λ's error over k of them,
+drawn at random and scaled to all (``statistics.sampled``), and a stage with fewer images than earlier
+classes, at the λ of the stage before, moves their columns of W by its images, W_prev − (G + λI)⁻¹ Φᵀ
+(Φ W_prev), instead of solving them again (``statistics.solve``; exact up to round-off).
 
 Storage: ``statistics.safetensors`` of each stage holds Q_f, Q_v for its own classes only (an
 old class's columns of Q never change: its y is 0 in later stages); ``weights.safetensors`` of

@@ -37,6 +37,7 @@ from .statistics import (
     choose_lambda,
     kernel_errors,
     lambda_grid,
+    sampled,
     solve,
     validation_mask,
 )
@@ -86,8 +87,12 @@ def fit_stage(
     scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
     total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
     lambdas = lambda_grid(cfg)
-    lam, errors = _choose_lambda(total, lambdas, cfg, first=earlier.head is None, images=(phi, labels.cpu(), val))
-    weight = solve(total, lam)
+    seed = config.train.seed + stage_index
+    lam, errors = _choose_lambda(
+        total, lambdas, cfg, first=earlier.head is None, images=(phi, labels.cpu(), val), seed=seed
+    )
+    moved = _moved(earlier, total, lam, phi, images=len(image_labels), new=num_classes)
+    weight = solve(total, lam, **moved)
     tensors = {WEIGHT: weight.float()}
     if earlier.head is None:
         tensors[PROJECTION] = projection.float()
@@ -103,27 +108,63 @@ def fit_stage(
     meta = {
         "lambda": lam,
         "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
+        # the classes those errors are over (``ranpac.lambda_classes``), and W of the earlier classes (``_moved``)
+        "validation_classes": _validated(cfg.lambda_classes, total.q_fit.shape[1], first=earlier.head is None),
+        "earlier_columns": "moved" if moved else "solved",
         "num_fit": total.num_fit,
         "num_val": total.num_val,
         "proj_dim": projection.shape[1],
         "layout_grid": layout,
     }
-    head = RanpacHead.assemble(projection, tensors, stages, layout=layout)
+    try:  # the earlier stages' class covariances are checked here (learn-stage loads the run without them)
+        head = RanpacHead.assemble(projection, tensors, stages, layout=layout)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise IntegrityError(
+            f"the run's class covariances do not fit ({str(exc).splitlines()[0]}); restore it from a backup"
+        ) from exc
     meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
     return StageFit(head, tensors, statistics, meta, weight.numel())
 
 
 def _choose_lambda(
-    total: Statistics, lambdas: list[float], cfg: RanpacConfig, *, first: bool, images: tuple[Tensor, Tensor, Tensor]
+    total: Statistics,
+    lambdas: list[float],
+    cfg: RanpacConfig,
+    *,
+    first: bool,
+    images: tuple[Tensor, Tensor, Tensor],
+    seed: int,
 ) -> tuple[float, dict[float, float]]:
     """λ and the validation errors of the λ tried: stage 1 every λ, in the kernel form while it has
     fewer fitted images than M and one process holds them all; later stages from the λ before
-    (``lambda_search`` local) or every λ again (grid, and runs that recorded no λ)."""
+    (``lambda_search`` local) or every λ again (grid, and runs that recorded no λ), over at most
+    ``lambda_classes`` of the classes (``statistics.sampled``)."""
     phi, labels, val = images
     if first and distributed.world_size() == 1 and int((~val).sum()) <= phi.shape[1] and total.num_val:
         return choose_lambda(total, lambdas, errors=kernel_errors(phi, labels, total.q_fit.shape[1], val, lambdas))
     start = total.lam if cfg.lambda_search == "local" and not first else None
-    return choose_lambda(total, lambdas, start=start)
+    return choose_lambda(sampled(total, cfg.lambda_classes, seed=seed), lambdas, start=start)
+
+
+def _validated(sample: int, classes: int, *, first: bool) -> int:
+    """How many classes ``_choose_lambda``'s errors are over: stage 1 every class, later ones a sample."""
+    return classes if first or sample <= 0 else min(sample, classes)
+
+
+def _moved(
+    earlier: EarlierStages, total: Statistics, lam: float, phi: Tensor, *, images: int, new: int
+) -> dict[str, Tensor]:
+    """``solve``'s arguments that move the earlier classes' W instead of solving it again: where the
+    newest stage's W covers the ``new`` classes' predecessors, was solved at this λ (the run's totals
+    record it), and this stage has fewer images than there are earlier classes (else solving is as
+    cheap); none otherwise."""
+    previous = earlier.tensors[-1].get(WEIGHT) if earlier.head is not None and earlier.tensors else None
+    if previous is None or total.lam is None or total.lam != lam:
+        return {}
+    size, seen = total.q_fit.shape
+    if tuple(previous.shape) != (size, seen - new) or not 0 < images < seen - new:
+        return {}
+    return {"previous": previous, "phi": phi}
 
 
 def _projection(earlier: EarlierStages, width: int, cfg: RanpacConfig, *, seed: int) -> tuple[Tensor, int]:
@@ -163,7 +204,7 @@ def _covariances(
 ) -> None:
     """The stage's class covariances into ``tensors``, and the within-class scatter summed over every
     stage so far into ``statistics`` (the run's totals)."""
-    if earlier.head is not None and not earlier.head.has_covariances:
+    if earlier.head is not None and COV_PARAMS not in earlier.tensors[-1]:
         raise IntegrityError(
             "the run asks for class covariances (ranpac.covariance_weight) that its earlier stages lack; "
             "restore it from a backup"

@@ -114,10 +114,6 @@ class RanpacHead(nn.Module):
         return standardise(scores) - self.cov_weight * standardise(distance)
 
     @property
-    def has_covariances(self) -> bool:
-        return self.cov_weight is not None
-
-    @property
     def covariance_width(self) -> int | None:
         if self.cov_rotation is not None:
             return self.cov_rotation.shape[0]
@@ -157,11 +153,14 @@ class RanpacHead(nn.Module):
         )
 
     @classmethod
-    def from_stages(cls, stage_tensors: list[dict[str, Tensor]]) -> RanpacHead:
+    def from_stages(cls, stage_tensors: list[dict[str, Tensor]], *, scoring: bool = True) -> RanpacHead:
         """R from stage 1's weights, W (and, with class covariances, S and w, a, b) from the newest
-        stage's, μ_c and S_c from each class's own stage."""
+        stage's, μ_c and S_c from each class's own stage. ``scoring`` False: without the class
+        covariances (the ridge alone), for a learn-stage that fits and scores with a new head."""
         first = stage_tensors[0]
         layout = check_layout(first.get(LAYOUT))
+        if not scoring:
+            return cls(first[PROJECTION], stage_tensors[-1][WEIGHT], layout=layout)
         return cls.assemble(first[PROJECTION], stage_tensors[-1], stage_tensors, layout=layout)
 
     @classmethod

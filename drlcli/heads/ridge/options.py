@@ -23,6 +23,9 @@ class RanpacConfig:
     # before chose and step through the grid while the validation error falls (a few Cholesky
     # factorisations instead of one eigendecomposition: the same λ wherever the error has one minimum)
     lambda_search: str = option("grid", choices=("grid", "local"))
+    # λ's validation error over at most this many of the classes seen, drawn at random each stage and
+    # scaled to all of them (the search's work stops growing with the classes); 0: every class
+    lambda_classes: int = option(0, within=Range(0, 1_000_000))
     # leading subspaces the head reads: 1: f_0 (RanPAC's); 2: [f_0, f_1] (drl: + stage 1's)
     subspaces: int = option(1, within=Range(1, 2))
     # class covariances: w of z(ridge) + w z(-Mahalanobis to class means); 0: RanPAC's ridge alone

@@ -46,6 +46,7 @@ METHOD = Method(
             "layout_grid": 2,
             "layout_scale": 0.5,
             "lambda_search": "local",
+            "lambda_classes": 128,  # and over at most 128 classes (flat in the classes: docs/research/lambda-search.md)
         },
         "train": {"skip_unread": True},  # the head reads no stage subspace: none is trained
     },
