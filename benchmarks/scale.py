@@ -4,6 +4,7 @@ on a long run of a randomly initialised ViT of ViT-B width, measuring how each c
     python benchmarks/scale.py --out /tmp/scale                       # 100 stages of 10 classes, d 768
     python benchmarks/scale.py --out /tmp/scale --stages 12 --json scale.json
     python benchmarks/scale.py --out /tmp/scale --stages 0 --thousand  # one stage of 1,000 classes only
+    python benchmarks/scale.py --out /tmp/scale --stages 100 --paired 5  # and stage 10 against 100, turn about
 
 The PTM is ``vit_base_patch16_224``'s shape (d 768, 12 blocks, 12 heads) on 32 x 32 generated
 images with 16 x 16 patches (4 patch tokens: the 2 x 2 layout of the default head still fits), so
@@ -170,6 +171,8 @@ def year_run(args, out: Path, log) -> dict:
         if t == early and t < args.stages:
             at = export_run(run, out / "model_early.drl")
             result["early_export"] = {"classes": t * args.classes, "mib": at.bytes / 2**20}
+            if args.paired:
+                shutil.copytree(run, out / "run_early")  # learned again at the end, beside the last stage
     result["stages"] = rows
     if not rows:
         return result
@@ -205,6 +208,36 @@ def year_run(args, out: Path, log) -> dict:
         extrapolated["per_class_kib"] = per_class * 1024
     result["extrapolated_to_365"]["export_mib_beyond_ptm"] = extrapolated
     result["extrapolated_to_365"]["head_ratio"] = {"linear": result["head_cost"]["ratio"] * YEAR_CLASSES / classes[-1]}
+    if args.paired and (out / "run_early").is_dir():
+        result["paired"] = paired(out / "run_early", run, args, out, log)
+    return result
+
+
+def paired(early: Path, late: Path, args, out: Path, log) -> dict:
+    """One more drop learned on a copy of the run at an early stage and on a copy at its last, turn
+    about, ``args.paired`` times each: the ratio of their learn time without the feature pass, each
+    pair measured under the same load (the per-stage rows above were minutes apart)."""
+    rows: dict[str, list[dict]] = {"early": [], "late": []}
+    drop = make_drop(out / "data_paired", 10**6, args.classes, args.images)  # classes neither run has
+    for repeat in range(args.paired):
+        for name, source in (("early", early), ("late", late))[:: 1 if repeat % 2 == 0 else -1]:
+            copy = out / f"paired_{name}"
+            shutil.copytree(source, copy)
+            os.sync()  # the copy's writeback does not fall inside the timing
+            index = max(RunDir(copy).stage_indices()) + 1
+            row = learn_one(copy, drop, index)
+            row["without_features"] = row["seconds"] - row["feature_pass"]
+            rows[name].append(row)
+            shutil.rmtree(copy)
+    shutil.rmtree(drop)
+    result = {"repeats": args.paired, "stages": {n: rows[n][0]["stage"] for n in rows}, "rows": rows}
+    for key in ("without_features", "head_fit", "feature_pass"):
+        early_s = statistics.median(r[key] for r in rows["early"])
+        late_s = statistics.median(r[key] for r in rows["late"])
+        ratios = [b[key] / max(a[key], 1e-9) for a, b in zip(rows["early"], rows["late"])]
+        result[key] = {"early": early_s, "late": late_s, "median_ratio": statistics.median(ratios), "ratios": ratios}
+    summary = {k: v for k, v in result.items() if k != "rows"}
+    log(f"paired, stage {result['stages']['early']} and {result['stages']['late']}: {json.dumps(summary)}")
     return result
 
 
@@ -234,6 +267,19 @@ def main() -> None:
     parser.add_argument("--ptm-kwargs", type=json.loads, default=PTM_KWARGS, help="its timm options (JSON)")
     parser.add_argument("--reference", default=PTM, help="the model whose bare forward the head is compared with")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="also learn one more drop on the run at a tenth of its stages and at its last, N times each, turn about",
+    )
+    parser.add_argument(
+        "--pair",
+        type=Path,
+        nargs=2,
+        metavar=("EARLY_RUN", "LATE_RUN"),
+        help="only --paired, on copies of these two runs",
+    )
     args = parser.parse_args()
 
     def log(message: str) -> None:
@@ -248,7 +294,10 @@ def main() -> None:
         report = {"threads": torch.get_num_threads(), **vars(args)}
         report["out"] = str(out)
         report["json"] = str(args.json) if args.json else None
-        report.update(year_run(args, out, log))
+        if args.pair:
+            report["paired"] = paired(*args.pair, args, out, log)
+        else:
+            report.update(year_run(args, out, log))
         if args.thousand:
             report["one_stage_of_1000"] = thousand(args, out, log)
     finally:
@@ -260,7 +309,7 @@ def main() -> None:
 
 
 def print_summary(report: dict) -> None:
-    rows = report.get("stages", [])
+    rows = report["stages"] if isinstance(report.get("stages"), list) else []  # (--pair: none)
     if rows:
         first, last = rows[min(9, len(rows) - 1)], rows[-1]
         print(f"\n{len(rows)} stages of {report['classes']} classes, {report['ptm']} {report['ptm_kwargs']}:")
@@ -287,6 +336,15 @@ def print_summary(report: dict) -> None:
             + json.dumps(
                 {k: {m: round(v, 1) for m, v in fits.items()} for k, fits in report["extrapolated_to_365"].items()}
             )
+        )
+    if "paired" in report:
+        pair = report["paired"]
+        print(
+            f"paired, {pair['repeats']} times each: learn-stage without the feature pass at stage {pair['stages']['late']} "
+            f"/ stage {pair['stages']['early']}: {pair['without_features']['median_ratio']:.2f}x, the median of "
+            f"{' '.join(f'{r:.2f}' for r in pair['without_features']['ratios'])} "
+            f"({pair['without_features']['late']:.1f} s against {pair['without_features']['early']:.1f} s; head fit "
+            f"{pair['head_fit']['median_ratio']:.2f}x)"
         )
     if "one_stage_of_1000" in report:
         t = report["one_stage_of_1000"]

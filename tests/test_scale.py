@@ -14,7 +14,7 @@ def test_scale_benchmark_reports_every_stage_and_the_extrapolation(tmp_path):
     out = tmp_path / "report.json"
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "scratch"), "--stages", "3", "--classes", "2"]
     command += ["--images", "3", "--repeats", "1", "--ptm", TINY_PTM, "--ptm-kwargs", json.dumps(TINY_PTM_KWARGS)]
-    command += ["--reference", TINY_PTM, "--json", str(out)]
+    command += ["--reference", TINY_PTM, "--json", str(out), "--paired", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -30,3 +30,7 @@ def test_scale_benchmark_reports_every_stage_and_the_extrapolation(tmp_path):
     assert report["early_export"]["classes"] == 2 and export["per_class_kib"] > 0
     assert 0 < export["two_exports"] <= export["proportional"]  # the fixed part is not scaled
     assert "3 stages of 2 classes" in result.stdout
+    pair = report["paired"]  # one more drop on the run after stage 1 and after stage 3, twice each
+    assert pair["repeats"] == 2 and pair["stages"] == {"early": 2, "late": 4}
+    assert pair["without_features"]["late"] > 0 and pair["without_features"]["median_ratio"] > 0
+    assert "learn-stage without the feature pass at stage 4 / stage 2" in result.stdout

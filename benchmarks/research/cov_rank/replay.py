@@ -8,6 +8,7 @@ run with that rank assembles them: the ridge part is the same whatever r is).
 
     python replay.py --data CALTECH --feats cal_none.pt --split val --seeds 1993,1994,1995 --ranks 0,8,16,32,64
     python replay.py --data CALTECH --feats cal_none.pt --split test --seeds 1993,1994,1995 --ranks 0,16
+    python replay.py --data CALTECH,SKETCH --feats cal_all.pt,sk_all.pt --split test --ranks 16   # 202 classes
 
 The features come from ``../adapt/first_stage.py embed --peft none`` (f_0 and the 2 x 2 layout of the
 frozen PTM for every training and test image: the rows the default head reads). ``--split val``
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from drlcli.benchmark import class_order, load_data, split_validation, stage_classes
+from drlcli.benchmark.protocol import BenchmarkData
 from drlcli.config import RunConfig
 from drlcli.heads.base import EarlierStages
 from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_PARAMS, COV_SHARED
@@ -38,8 +40,24 @@ from drlcli.metrics import accuracy_report, summarize_history
 CAP = 10
 
 
-def plan(data_dir: Path, seed: int, split: str):
-    data = load_data(data_dir, skip_classes={"BACKGROUND_Google"})
+def plan(data_dirs: list[Path], seed: int, split: str):
+    """The B0 Inc10 stages of one data set, or of several side by side (classes named ``i:name``, i
+    the data set's place in ``data_dirs``: more classes than any one has)."""
+    parts = [load_data(d, skip_classes={"BACKGROUND_Google"}) for d in data_dirs]
+    if len(parts) == 1:
+        data = parts[0]
+    else:
+        named = [
+            {f"{i}:{c}": v for c, v in getattr(part, kind).items()}
+            for kind in ("train", "test")
+            for i, part in enumerate(parts)
+        ]
+        half = len(parts)
+        data = BenchmarkData(
+            {k: v for d in named[:half] for k, v in d.items()},
+            {k: v for d in named[half:] for k, v in d.items()},
+            "joined",
+        )
     if split == "val":
         data = split_validation(data, 0.2, seed)
     order = class_order(list(data.train), seed=seed, shuffle=True)
@@ -124,19 +142,22 @@ def replay(data, stages, lookup, config: RunConfig, ranks: list[int], lambdas: l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", type=Path, required=True)
-    parser.add_argument("--feats", type=Path, required=True)
+    parser.add_argument("--data", required=True, help="a data folder, or several joined: A,B")
+    parser.add_argument("--feats", required=True, help="its cached features (several: one per folder, A,B)")
     parser.add_argument("--split", choices=("val", "test"), default="val")
     parser.add_argument("--seeds", default="1993,1994,1995")
     parser.add_argument("--ranks", default="0,8,16,32,64")
     parser.add_argument("--out", type=Path, help="JSON lines appended here")
     parser.add_argument("--lambda-classes", type=int, help="ranpac.lambda_classes (default: drl's)")
     args = parser.parse_args()
-    saved = torch.load(args.feats)
-    lookup = dict(zip(saved["paths"], saved["features"]))
+    lookup = {}
+    label = "+".join(Path(f).name for f in args.feats.split(","))
+    for feats in args.feats.split(","):  # several: one per --data folder
+        saved = torch.load(feats)
+        lookup.update(zip(saved["paths"], saved["features"]))
     ranks = [int(r) for r in args.ranks.split(",")]
     for seed in [int(s) for s in args.seeds.split(",")]:
-        data, stages = plan(args.data, seed, args.split)
+        data, stages = plan([Path(d) for d in args.data.split(",")], seed, args.split)
         dense = {"ranpac": {"covariance_rank": 0}}  # r > 0 is derived from the dense head
         if args.lambda_classes is not None:
             dense["ranpac"]["lambda_classes"] = args.lambda_classes
@@ -151,9 +172,9 @@ def main() -> None:
                 f"F {result[kind]['forgetting']:.2f}"
                 for kind in ("capped", "full")
             )
-            print(f"{args.feats.name} {args.split} seed {seed} rank {rank}: {line}", flush=True)
+            print(f"{label} {args.split} seed {seed} rank {rank}: {line}", flush=True)
             if args.out:
-                record = {"feats": args.feats.name, "split": args.split, "seed": seed, "rank": rank,
+                record = {"feats": label, "split": args.split, "seed": seed, "rank": rank,
                           "lambda_classes": config.ranpac.lambda_classes, "lambdas": lambdas, **result}  # fmt: skip
                 with open(args.out, "a") as fh:
                     fh.write(json.dumps(record) + "\n")

@@ -184,11 +184,14 @@ class LowRankPrecisions:
     def of(
         cls, means: Tensor, factors: Tensor, traces: Tensor, shared: Tensor, *, shrink: float, blend: float
     ) -> LowRankPrecisions:
-        """From μ (C, d), Y (C, d, r), tr S_c (C,) and the pooled S (d, d); float64 inside, float32 out.
+        """From μ (C, d), Y (C, d, r), tr S_c (C,) and the pooled S (d, d); float32 out. What is d x d or
+        C x d is taken in float64; what is C x d x r (every class's factor: the work that grows with the
+        classes, done for every class at every stage as S changes) in float32, its r x r Cholesky
+        factors in float64: F_c is stored in float16, 2⁻¹¹ of relative rounding against float32's 2⁻²⁴.
         ValueError for tensors no fit writes (non-finite, a negative trace, S not symmetric PSD)."""
-        means, factors, traces, shared = (t.to(STAT_DTYPE) for t in (means, factors, traces, shared))
         if not all(bool(torch.isfinite(t).all()) for t in (means, factors, traces, shared)):
             raise ValueError("the class covariances hold non-finite values")
+        means, traces, shared = (t.to(STAT_DTYPE) for t in (means, traces, shared))
         if bool((traces < 0).any()) or float(torch.trace(shared)) < 0:
             raise ValueError("a class covariance has a negative trace")
         width = shared.shape[0]
@@ -197,18 +200,16 @@ class LowRankPrecisions:
             raise ValueError("the pooled covariance is not positive semi-definite")
         alpha = shrink * ((1 - blend) * traces + blend * torch.trace(shared)) / width + 1e-8  # (C,)
         scale = 1 / (values.clamp_min(0)[None, :] + alpha[:, None])  # (C, d)
-        # Vᵀ Y_c for every class: the one product of the head that grows as C·d²·r (every class again
-        # at every stage, S changing), taken in float32 (twice as fast; F_c is stored in float16 anyway)
-        turned = torch.einsum("de,cdr->cer", rotation.float(), factors.float()).to(STAT_DTYPE)
-        rotated = ((1 - shrink) * (1 - blend)) ** 0.5 * turned
-        scaled = scale[:, :, None] * rotated  # D_c Ỹ_c (C, d, r)
-        inner = torch.eye(factors.shape[-1], dtype=STAT_DTYPE) + rotated.transpose(1, 2) @ scaled  # (C, r, r)
-        lower = torch.linalg.cholesky(inner)
-        factor = torch.linalg.solve_triangular(lower, scaled.transpose(1, 2), upper=False)  # F_cᵀ (C, r, d)
-        factor_scale = float(factor.abs().max()) / 2**14 or 1.0
+        turn = (((1 - shrink) * (1 - blend)) ** 0.5 * rotation).float()
+        rotated = torch.einsum("de,cdr->cer", turn, factors.float())  # Ỹ_c (C, d, r), float32
+        scaled = scale.float()[:, :, None] * rotated  # D_c Ỹ_c (C, d, r)
+        inner = torch.eye(factors.shape[-1], dtype=STAT_DTYPE) + (rotated.transpose(1, 2) @ scaled).to(STAT_DTYPE)
+        lower = torch.linalg.cholesky(inner)  # (C, r, r)
+        factor = torch.linalg.solve_triangular(lower.float(), scaled.transpose(1, 2), upper=False)  # F_cᵀ (C, r, d)
+        factor_scale = float(factor.abs().amax()) / 2**14 or 1.0
         half = (factor / factor_scale).half()
         center = means @ rotation  # ν (C, d)
-        offset = (half.to(STAT_DTYPE) @ center[:, :, None]).squeeze(-1) * factor_scale  # (C, r), of the rounded F_c
+        offset = (half.float() @ center.float()[:, :, None]).squeeze(-1) * factor_scale  # (C, r), of the rounded F_c
         return cls(
             rotation.float(),
             scale.float(),
