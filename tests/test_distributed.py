@@ -92,6 +92,31 @@ def test_two_processes_match_one(tmp_path, stage_folders):
     assert result["accuracy"]["top1"] == out["eval"]["top1"]
 
 
+def test_two_processes_move_the_earlier_classes_weights_as_one_does(tmp_path):
+    """A stage of fewer images than earlier classes, at the λ before (one λ on the grid): under
+    torchrun each process moves W by its shard of the images and the moves are summed; the run's W
+    is the one process's."""
+    from safetensors.torch import load
+
+    from drlcli.synthetic import make_class_folders
+
+    config = RunConfig.for_method("drl", {"ranpac": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}})
+    first = make_class_folders(tmp_path / "first", list(range(8)), images_per_class=3)
+    small = make_class_folders(tmp_path / "small", [8, 9], images_per_class=2)
+    runs = {}
+    for name in ("one", "two"):
+        runs[name] = tmp_path / name
+        init_run(runs[name], ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+        learn_stage(runs[name], data_dir=first, device="cpu")
+    learn_stage(runs["one"], data_dir=small, device="cpu")
+    done = _torchrun("learn-stage", "--run-dir", runs["two"], "--data", small, "--device", "cpu", "--json")
+    assert done.returncode == 0, _rank_lines(done.stderr)
+    metas = [RunDir(runs[name]).stage_meta(2)["ridge"] for name in ("one", "two")]
+    assert [m["earlier_columns"] for m in metas] == ["moved", "moved"]
+    w = [load((runs[name] / "stages/002/totals.safetensors").read_bytes())["ranpac.weight"] for name in ("one", "two")]
+    assert w[0].shape == (64, 10) and torch.allclose(w[0], w[1], rtol=1e-4, atol=1e-5 * float(w[0].abs().max()))
+
+
 def test_a_failure_fails_every_rank_and_changes_nothing(tmp_path, make_folder):
     run = tmp_path / "run"
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)

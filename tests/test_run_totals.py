@@ -155,3 +155,16 @@ def test_a_small_stage_moves_the_earlier_classes_weights(tmp_path):
     whole = solve(total, 10.0).float()
     assert totals["ranpac.weight"].shape == (64, 10)
     assert torch.allclose(totals["ranpac.weight"], whole, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))
+
+
+def test_stage_json_says_how_many_classes_lambda_was_chosen_over(tmp_path, stage_folders):
+    """Stage 1 with more fitted images than M leaves the kernel form: its λ, like a later stage's, is
+    chosen over ``lambda_classes`` of its classes, and stage.json says so."""
+    run = tmp_path / "run"
+    config = {"ranpac": {"proj_dim": 16, "lambda_classes": 2}}  # 3 classes of 12 images: 27 fitted > M 16
+    init_run(
+        run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", config)
+    )
+    learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    meta = json.loads((run / "stages/001/stage.json").read_text())["ridge"]
+    assert meta["validation_classes"] == 2 and meta["earlier_columns"] == "solved"

@@ -88,9 +88,12 @@ def fit_stage(
     total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
     lambdas = lambda_grid(cfg)
     seed = config.train.seed + stage_index
-    lam, errors = _choose_lambda(
+    lam, errors, validated = _choose_lambda(
         total, lambdas, cfg, first=earlier.head is None, images=(phi, labels.cpu(), val), seed=seed
     )
+    # every process goes on with the first's λ: the same statistics everywhere, but an eigensolver or
+    # factorisation may round differently on another CPU, and the moved solve below sums over processes
+    lam = distributed.broadcast_object(lam)
     moved = _moved(earlier, total, lam, phi, images=len(image_labels), new=num_classes)
     weight = solve(total, lam, **moved)
     tensors = {WEIGHT: weight.float()}
@@ -109,7 +112,7 @@ def fit_stage(
         "lambda": lam,
         "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
         # the classes those errors are over (``ranpac.lambda_classes``), and W of the earlier classes (``_moved``)
-        "validation_classes": _validated(cfg.lambda_classes, total.q_fit.shape[1], first=earlier.head is None),
+        "validation_classes": validated,
         "earlier_columns": "moved" if moved else "solved",
         "num_fit": total.num_fit,
         "num_val": total.num_val,
@@ -134,21 +137,19 @@ def _choose_lambda(
     first: bool,
     images: tuple[Tensor, Tensor, Tensor],
     seed: int,
-) -> tuple[float, dict[float, float]]:
-    """λ and the validation errors of the λ tried: stage 1 every λ, in the kernel form while it has
-    fewer fitted images than M and one process holds them all; later stages from the λ before
-    (``lambda_search`` local) or every λ again (grid, and runs that recorded no λ), over at most
-    ``lambda_classes`` of the classes (``statistics.sampled``)."""
+) -> tuple[float, dict[float, float], int]:
+    """λ, the validation errors of the λ tried and how many classes they are over: stage 1 every λ,
+    in the kernel form (every class) while it has fewer fitted images than M and one process holds
+    them all; otherwise, and at later stages from the λ before (``lambda_search`` local) or every λ
+    again (grid, and runs that recorded no λ), over at most ``lambda_classes`` of the classes
+    (``statistics.sampled``)."""
     phi, labels, val = images
+    classes = total.q_fit.shape[1]
     if first and distributed.world_size() == 1 and int((~val).sum()) <= phi.shape[1] and total.num_val:
-        return choose_lambda(total, lambdas, errors=kernel_errors(phi, labels, total.q_fit.shape[1], val, lambdas))
+        return (*choose_lambda(total, lambdas, errors=kernel_errors(phi, labels, classes, val, lambdas)), classes)
     start = total.lam if cfg.lambda_search == "local" and not first else None
-    return choose_lambda(sampled(total, cfg.lambda_classes, seed=seed), lambdas, start=start)
-
-
-def _validated(sample: int, classes: int, *, first: bool) -> int:
-    """How many classes ``_choose_lambda``'s errors are over: stage 1 every class, later ones a sample."""
-    return classes if first or sample <= 0 else min(sample, classes)
+    part = sampled(total, cfg.lambda_classes, seed=seed)
+    return (*choose_lambda(part, lambdas, start=start), part.q_fit.shape[1])
 
 
 def _moved(

@@ -272,7 +272,10 @@ def solve(stats: Statistics, lam: float, *, previous: Tensor | None = None, phi:
     gram.diagonal().add_(lam)
     q = stats.q_fit + stats.q_val
     chol, info = torch.linalg.cholesky_ex(gram)
-    if int(info):
+    failed = int(info)
+    if previous is not None and phi is not None:  # every process takes the same branch: the moved one sums over them
+        failed = int(distributed.all_reduce_sum(torch.tensor([float(failed)], dtype=STAT_DTYPE)).item())
+    if failed:
         return torch.linalg.solve(gram, q)
     if previous is None or phi is None:
         return torch.cholesky_solve(q, chol)
