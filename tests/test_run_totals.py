@@ -147,9 +147,7 @@ def test_a_small_stage_moves_the_earlier_classes_weights(tmp_path):
     learn_stage(run, data_dir=make_class_folders(tmp_path / "two", [8, 9], images_per_class=2), device="cpu")
     metas = [json.loads((run / f"stages/{i:03d}/stage.json").read_text())["ridge"] for i in (1, 2)]
     assert [m["earlier_columns"] for m in metas] == ["solved", "moved"] and metas[1]["lambda"] == 10.0
-    files = [
-        load((run / f"stages/{i:03d}/{f}.safetensors").read_bytes()) for i, f in ((1, "statistics"), (2, "statistics"))
-    ]
+    files = [load((run / f"stages/{i:03d}/statistics.safetensors").read_bytes()) for i in (1, 2)]
     totals = load((run / "stages/002/totals.safetensors").read_bytes())
     total = Statistics.accumulate([Statistics.from_tensors(files[0]), Statistics.from_tensors({**files[1], **totals})])
     whole = solve(total, 10.0).float()

@@ -87,9 +87,7 @@ def load_run(
     )
 
 
-def _load(
-    run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None, scoring: bool = True
-) -> LoadedRun:
+def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None, scoring: bool) -> LoadedRun:
     start = time.perf_counter()
     record, config = read_record(run, manifest)
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
@@ -144,7 +142,7 @@ def _run_tensors(
     classes: list[list[str]],
     *,
     width: int,
-    scoring: bool = True,
+    scoring: bool,
 ) -> dict[str, torch.Tensor]:
     """A run's stages under ``model/restore.py``'s tensor names: each stage's ``<method prefix><param>``
     becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded
