@@ -80,11 +80,15 @@ def lowrank_head(dense: RanpacHead, stages: list[dict], counts: torch.Tensor, ra
 def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int], lambdas: list[float] | None = None):
     """Every stage fitted by ``fit_stage`` on the earlier stages' stored tensors; after each stage,
     yields (stage, each test image's stage (tensor), {(rank, kind): (scores, labels)}) on the seen
-    classes' test images, capped and full. Each stage's λ is appended to ``lambdas`` when given."""
+    classes' test images, capped and full. Each stage's λ is appended to ``lambdas`` when given.
+    ``lookup``: path -> features, or a list of them, one per stage (features that change with the stages:
+    stage k's images and the test images scored after it are read from ``lookup[k - 1]``)."""
     weights, statistics, head = [], [], None
+    per_stage = lookup if isinstance(lookup, list) else [lookup] * len(stages)
     seen: list[str] = []
     counts: list[float] = []
     for k, classes in enumerate(stages, 1):
+        lookup = per_stage[k - 1]
         names = sorted(classes)
         paths = [p for c in names for p in data.train[c]]
         labels = [i for i, c in enumerate(names) for _ in data.train[c]]

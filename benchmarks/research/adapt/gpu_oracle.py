@@ -1,0 +1,387 @@
+"""Issue 32, bounds on a lent GPU: how much can adapting DeiT-Tiny on Caltech-101-Sketch give the default head at all?
+
+First-session adaptation gave at most +0.74 A_T on validation (``first-session-peft.md``). This script
+bounds the directions that adapt beyond stage 1 by giving them what no run has: every class's training
+images, and old classes' statistics recomputed on the final features (no drift to compensate).
+
+- ``joint``: one AdaptFormer set (r 64, s 0.1, every block) trained on the fit images of all 101
+  classes at once (one cosine classifier over 101 classes): the features any adaptation of this PTM with
+  these images could reach in one stream.
+- ``continual``: the same adapter set trained stage after stage on each stage's classes only (B0
+  Inc10, a new cosine classifier per stage, the adapters carried on): per-stage adapters merged into
+  one stream, as MOS / TUNA-like methods keep one, with old-class statistics recomputed (an oracle).
+
+Every training image is then embedded by the adapted network (f and the 2 x 2 layout, as
+``first_stage.py embed``) and the whole B0 Inc10 run is replayed here by the product's own head
+(``../cov_rank/replay.py``): the A_T these features allow.
+
+The images travel as Caltech-101 photos in two parts (the device tool carries 64 MiB a call) and are
+redrawn there by the data set's own generator, checked against the sha256 of the sketches here:
+
+    python gpu_oracle.py pack --sketch /work/scratch/sketch --shared ../shared/data --out .devA,.devB
+    # device call 1 (carry .devA): python3 gpu_oracle.py draw --src .devA --dst /tmp/sketch
+    # device call 2 (carry .devB), on the same warm machine:
+    python3 gpu_oracle.py draw --src .devB --dst /tmp/sketch && python3 gpu_oracle.py train \
+        --manifest .devB/manifest.json --weights /tmp/weights.safetensors --sketches /tmp/sketch --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from drlcli.data import ImageDataset, ImageSet, eval_transform
+from drlcli.methods.ease.options import EaseConfig
+from drlcli.options import TrainConfig
+from drlcli.ptm import backbone
+from drlcli.ptm.backbone import PTMSource
+from drlcli.stage import train as stage_train
+from drlcli.stage.train import initial_class_means, train_stage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
+from first_stage import Adapted, plan  # noqa: E402
+
+# name -> (kind, order, loss, epochs, lr)
+EXPERIMENTS = {
+    "joint-ce20-1993": ("joint", 1993, "ce", 20, 0.01),
+    "cont-ce5-1993": ("continual", 1993, "ce", 5, 0.01),
+    "joint-das20-1993": ("joint", 1993, "das", 20, 0.01),
+    "joint-ce20-1994": ("joint", 1994, "ce", 20, 0.01),
+}
+# ``staged``: the realistic protocol. name -> (order, loss, epochs, lr, kd, (stage-1 epochs, lr) or None)
+STAGED = {
+    "frozen-1993": (1993, "ce", 0, 0.0, 0.0, None),
+    "slow-ce10-1993": (1993, "ce", 10, 0.001, 0.0, None),
+    "slow-das10-1993": (1993, "das", 10, 0.001, 0.0, None),
+    "fs20-slow-ce10-1993": (1993, "ce", 10, 0.001, 0.0, (20, 0.01)),
+    "slow-ce10-kd2-1993": (1993, "ce", 10, 0.001, 2.0, None),
+    "cont-ce5-1993": (1993, "ce", 5, 0.01, 0.0, None),
+    # each stage's classifier also holds the earlier classes, as their stored class means (frozen)
+    "seen-ce5-1993": (1993, "ce", 5, 0.01, 0.0, None, "seen"),
+    "seen-ce5-map-1993": (1993, "ce", 5, 0.01, 0.0, None, "seen", "map"),
+}
+MAP_LAMBDA = 100.0  # drift.py's best on the frozen-to-oracle jump
+OLD_MEANS: list[torch.Tensor] = []  # ``seen``: the earlier classes' mean features, each from its own stage
+
+
+def with_earlier_classes(make_classifier):
+    """The stage's cosine classifier over the earlier classes and its own: the earlier rows are their
+    stored class means and never move (their gradient is zeroed), the new rows start at the new
+    classes' means (``head_init prototypes``). The earlier classes then act as negatives."""
+
+    def make(network, images, cfg, data_config, **kw):
+        classifier = make_classifier(network, images, cfg, data_config, **kw)
+        if OLD_MEANS:
+            old = torch.cat(OLD_MEANS).to(classifier.weight.device)
+            classifier.weight.data[: len(old)] = old
+            classifier.weight.register_hook(lambda g: torch.cat([torch.zeros_like(g[: len(old)]), g[len(old) :]]))
+        return classifier
+
+    return make
+
+
+def pack(args) -> None:
+    """Two bundles: the train photos split in two (the DeiT-Tiny weights with the first), the manifest."""
+    outs = [Path(p) for p in args.out.split(",")]
+    caltech = args.shared / "caltech101" / "101_ObjectCategories"
+    root = args.sketch / "101_ObjectCategories"
+    rels = sorted(
+        line for line in (args.sketch / "train.txt").read_text().split() if not line.startswith("BACKGROUND_Google")
+    )
+    manifest: dict = {"sha256": {}, "orders": {}}
+    for rel in rels:
+        manifest["sha256"][rel] = hashlib.sha256((root / rel).read_bytes()).hexdigest()
+    for seed in (1993, 1994):
+        data, stages = plan(args.sketch, seed, "val")
+        manifest["orders"][seed] = {
+            "stages": stages,
+            "fit": {c: [str(Path(p).relative_to(root)) for p in data.train[c]] for c in data.train},
+            "val": {c: [str(Path(p).relative_to(root)) for p in data.test[c]] for c in data.test},
+        }
+    sizes = [(caltech / (r[:-4] + ".jpg")).stat().st_size for r in rels]
+    half, total = sum(sizes) * args.first_share, 0
+    for out in outs:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        shutil.copy(args.shared / "caltech101-sketch" / "make.py", out / "make.py")
+    shutil.copy(
+        args.shared / "deit_tiny_patch16_224" / "deit_tiny_patch16_224.safetensors", outs[0] / "weights.safetensors"
+    )
+    for rel, size in zip(rels, sizes):
+        out = outs[0] if total < half else outs[1]
+        total += size
+        dst = out / "photos" / (rel[:-4] + ".jpg")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(caltech / (rel[:-4] + ".jpg"), dst)
+    (outs[1] / "manifest.json").write_text(json.dumps(manifest))
+    for out in outs:
+        mib = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+        print(f"{out}: {mib:.1f} MiB")
+
+
+def draw(args) -> None:
+    """The sketches of one bundle's photos, by make.py's own ``sketch``, in parallel."""
+    spec = importlib.util.spec_from_file_location("make", args.src / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    sys.modules["make"] = make  # the worker processes unpickle make.sketch by its module's name
+    spec.loader.exec_module(make)
+    photos = sorted((args.src / "photos").rglob("*.jpg"))
+    jobs = [
+        (p, args.dst / "101_ObjectCategories" / p.relative_to(args.src / "photos").with_suffix(".png")) for p in photos
+    ]
+    tick = time.time()
+    with ProcessPoolExecutor() as ex:
+        list(ex.map(make.sketch, jobs, chunksize=16))
+    if (args.src / "weights.safetensors").is_file():
+        shutil.copy(args.src / "weights.safetensors", args.dst.parent / "weights.safetensors")
+    print(f"drew {len(jobs)} sketches from {args.src} in {time.time() - tick:.0f}s", flush=True)
+
+
+def check(manifest: dict, sketches: Path) -> None:
+    root = sketches / "101_ObjectCategories"
+    missing = [r for r in manifest["sha256"] if not (root / r).is_file()]
+    if missing:
+        sys.exit(f"{len(missing)} sketches missing (first {missing[0]}): was the first bundle drawn on this machine?")
+    same = sum(hashlib.sha256((root / r).read_bytes()).hexdigest() == d for r, d in manifest["sha256"].items())
+    print(f"{same} of {len(manifest['sha256'])} sketches byte-identical to make.py's here", flush=True)
+
+
+def images_of(sketches: Path, names: list[str], fit: dict) -> ImageSet:
+    root = sketches / "101_ObjectCategories"
+    paths = [root / p for c in names for p in fit[c]]
+    labels = [i for i, c in enumerate(names) for _ in fit[c]]
+    return ImageSet(sketches, tuple(names), tuple(paths), tuple(labels))
+
+
+@torch.no_grad()
+def embed(net, rels: list[str], sketches: Path, cfg, workers: int, device) -> torch.Tensor:
+    root = sketches / "101_ObjectCategories"
+    images = ImageSet(sketches, ("x",), tuple(root / r for r in rels), (0,) * len(rels))
+    loader = torch.utils.data.DataLoader(ImageDataset(images, eval_transform(cfg)), batch_size=256, num_workers=workers)
+    net.eval()
+    return torch.cat([net.embed(batch.to(device)).half().cpu() for batch, _ in loader])
+
+
+def train(args) -> None:
+    start = time.time()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    manifest = json.loads(args.manifest.read_text())
+    check(manifest, args.sketches)
+    rels = sorted(manifest["sha256"])[: args.max_images or None]
+    stage_train.make_loader = persistent(stage_train.make_loader)
+    ptm = backbone.create_ptm("deit_tiny_patch16_224", source=PTMSource(weights_path=args.weights))
+    cfg = backbone.data_config(ptm)
+    args.out.mkdir(parents=True, exist_ok=True)
+    adapters = {}
+    for name in args.experiments.split(","):
+        if time.time() - start > args.budget:
+            print(f"budget spent: {name} and later not trained", flush=True)
+            break
+        kind, seed, loss, epochs, lr = EXPERIMENTS[name]
+        order = manifest["orders"][str(seed)]
+        fit = {c: ps[: args.max_per_class or None] for c, ps in order["fit"].items()}
+        parts = [sorted(fit)] if kind == "joint" else order["stages"]
+        net = Adapted(ptm, EaseConfig(adapter_dim=64))
+        net.new_stage(seed=seed)
+        net.to(device)
+        tick, losses = time.time(), []
+        for names in parts:
+            config = TrainConfig(
+                epochs=args.epochs or epochs,
+                batch_size=48,
+                lr=lr,
+                loss=loss,
+                kd_weight=0.0,
+                seed=seed,
+                num_workers=args.workers,
+            )
+            result = train_stage(net, images_of(args.sketches, names, fit), config, cfg)
+            losses.append(result.epoch_losses[-1])
+        seconds = time.time() - tick
+        adapters[name] = {k: v.detach().cpu() for k, v in net.stages[-1].state_dict().items()}
+        torch.save(adapters, args.out / "adapters.pt")
+        feats = embed(net, rels, args.sketches, cfg, args.workers, device)
+        torch.save({"paths": rels, "features": feats}, args.out / f"{name}.pt")
+        record = {"experiment": name, "seconds": seconds, "last_losses": losses, "embedded": len(rels)}
+        with open(args.out / "train.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+        print(
+            f"{name}: trained {seconds:.0f}s, last losses {[round(x, 3) for x in losses]}, embedded {len(rels)}",
+            flush=True,
+        )
+    print(f"done in {time.time() - start:.0f}s", flush=True)
+
+
+def staged(args) -> None:  # noqa: C901
+    """Adapters carried from stage to stage; each stage's statistics from the features of its own
+    stage (never recomputed: what a run can do), and, as a bound, every stage from the final ones.
+    The head is replayed here, on this machine's CPUs, by ``../cov_rank/replay.py``."""
+    from drift import ridge_map  # noqa: PLC0415
+    from replay import replay  # noqa: PLC0415
+
+    from drlcli.benchmark.protocol import BenchmarkData  # noqa: PLC0415
+    from drlcli.config import RunConfig  # noqa: PLC0415
+
+    start = time.time()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    manifest = json.loads(args.manifest.read_text())
+    check(manifest, args.sketches)
+    stage_train.make_loader = persistent(stage_train.make_loader)
+    stage_train._classifier = with_earlier_classes(stage_train._classifier)
+    ptm = backbone.create_ptm("deit_tiny_patch16_224", source=PTMSource(weights_path=args.weights))
+    cfg = backbone.data_config(ptm)
+    root = args.sketches / "101_ObjectCategories"
+    args.out.mkdir(parents=True, exist_ok=True)
+    adapters = {}
+    for name in args.experiments.split(","):
+        if time.time() - start > args.budget:
+            print(f"budget spent: {name} and later not run", flush=True)
+            break
+        seed, loss, epochs, lr, kd, first, *flags = STAGED[name]
+        seen_classes, mapping = "seen" in flags, "map" in flags
+        OLD_MEANS.clear()
+        moved: dict[str, torch.Tensor] = {}  # ``map``: earlier fit images' features, moved stage by stage
+        order = manifest["orders"][str(seed)]
+        cap = args.max_per_class or None
+        fit = {c: ps[:cap] for c, ps in order["fit"].items()}
+        val = {c: ps[:cap] for c, ps in order["val"].items()}
+        stages = order["stages"][: args.stages or None]
+        data = BenchmarkData(
+            {c: [root / p for p in ps] for c, ps in fit.items()},
+            {c: [root / p for p in ps] for c, ps in val.items()},
+            "sketch, validation split 0.2 of train",
+        )
+        net = Adapted(ptm, EaseConfig(adapter_dim=64))
+        net.new_stage(seed=seed)
+        net.to(device)
+        tick, lookups, seen, train_s = time.time(), [], [], 0.0
+        for k, names in enumerate(stages):
+            stage_epochs, stage_lr = first if (k == 0 and first) else (epochs, lr)
+            if stage_epochs:
+                config = TrainConfig(
+                    epochs=args.epochs or stage_epochs,
+                    batch_size=48,
+                    lr=stage_lr,
+                    loss=loss,
+                    kd_weight=kd,
+                    seed=seed,
+                    num_workers=args.workers,
+                )
+                images = images_of(args.sketches, sorted(names), fit)
+                if seen_classes:
+                    config = replace(config, head_init="prototypes")
+                    images = ImageSet(
+                        images.root,
+                        tuple(seen) + images.class_names,
+                        images.paths,
+                        tuple(label + len(seen) for label in images.labels),
+                    )
+                if mapping and k > 0:
+                    own = [p for c in names for p in fit[c]]
+                    before = embed(net, own, args.sketches, cfg, args.workers, device).double()
+                t0 = time.time()
+                train_stage(net, images, config, cfg)
+                train_s += time.time() - t0
+                if seen_classes:
+                    new = images_of(args.sketches, sorted(names), fit)
+                    OLD_MEANS.append(initial_class_means(net, new, cfg, batch_size=64, num_workers=args.workers))
+                    net.stages[-1].train()
+            seen += sorted(names)
+            rels = [p for c in names for p in fit[c]] + [p for c in seen for p in val[c]]
+            feats = embed(net, rels, args.sketches, cfg, args.workers, device).float()
+            lookups.append(dict(zip([str(root / r) for r in rels], feats)))
+            if mapping:
+                n = sum(len(fit[c]) for c in names)
+                if k > 0 and moved:  # each token's map from this stage's images, before and after its training
+                    old = torch.stack(list(moved.values())).double()
+                    for t in range(old.shape[1]):
+                        b_mat, b = ridge_map(before[:, t], feats[:n, t].double(), MAP_LAMBDA)
+                        old[:, t] = old[:, t] + old[:, t] @ b_mat + b
+                    moved = dict(zip(moved, old.float()))
+                moved.update(zip([str(root / r) for r in rels[:n]], feats[:n]))
+        rels = sorted({p for part in (fit, val) for c in seen for p in part[c]})
+        final = dict(
+            zip([str(root / r) for r in rels], embed(net, rels, args.sketches, cfg, args.workers, device).float())
+        )
+        adapters[name] = {k: v.detach().cpu() for k, v in net.stages[-1].state_dict().items()}
+        torch.save(adapters, args.out / "staged-adapters.pt")
+        config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=seed)
+        modes = [("own-stage", lookups), ("final", final)]
+        if mapping:  # only A_T is a run's: every stage is scored with the final features
+            modes.append(("mapped", {**final, **moved}))
+        for stats, lookup in modes:
+            result = replay(data, stages, lookup, config, [16])[16]
+            record = {"experiment": name, "statistics": stats, "train_s": train_s, "s": time.time() - tick, **result}
+            with open(args.out / "staged.jsonl", "a") as log:
+                log.write(json.dumps(record) + "\n")
+            line = " | ".join(
+                f"{kind} Ā {result[kind]['average']:.2f} A_T {result[kind]['last']:.2f} F {result[kind]['forgetting']:.2f}"
+                for kind in ("capped", "full")
+            )
+            print(f"{name} [{stats} statistics]: {line} (train {train_s:.0f}s, {time.time() - tick:.0f}s)", flush=True)
+    print(f"done in {time.time() - start:.0f}s", flush=True)
+
+
+def persistent(loader_factory):
+    def make(*a, **kw):
+        if kw.get("num_workers", 0) > 0:
+            kw["persistent_workers"] = True
+        return loader_factory(*a, **kw)
+
+    return make
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    k = sub.add_parser("pack")
+    k.add_argument("--sketch", type=Path, required=True)
+    k.add_argument("--shared", type=Path, default=Path("../shared/data"))
+    k.add_argument("--out", default=".devA,.devB")
+    k.add_argument("--first-share", type=float, default=0.45, help="of the photos' bytes, in the first bundle")
+    d = sub.add_parser("draw")
+    d.add_argument("--src", type=Path, required=True)
+    d.add_argument("--dst", type=Path, default=Path("/tmp/sketch"))
+    t = sub.add_parser("train")
+    t.add_argument("--manifest", type=Path, required=True)
+    t.add_argument("--weights", type=Path, required=True)
+    t.add_argument("--sketches", type=Path, default=Path("/tmp/sketch"))
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--experiments", default=",".join(EXPERIMENTS))
+    t.add_argument("--budget", type=float, default=330.0, help="seconds; no new experiment starts after")
+    t.add_argument("--workers", type=int, default=14)
+    t.add_argument("--max-images", type=int, default=0, help="a smoke test: embed the first N images")
+    t.add_argument("--max-per-class", type=int, default=0, help="a smoke test: train on N images a class")
+    t.add_argument("--epochs", type=int, default=0, help="a smoke test: this many epochs everywhere")
+    g = sub.add_parser("staged")
+    g.add_argument("--manifest", type=Path, required=True)
+    g.add_argument("--weights", type=Path, required=True)
+    g.add_argument("--sketches", type=Path, default=Path("/tmp/sketch"))
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--experiments", default=",".join(STAGED))
+    g.add_argument("--budget", type=float, default=330.0, help="seconds; no new experiment starts after")
+    g.add_argument("--workers", type=int, default=14)
+    g.add_argument("--max-per-class", type=int, default=0, help="a smoke test: N fit and val images a class")
+    g.add_argument("--stages", type=int, default=0, help="a smoke test: the first N stages")
+    g.add_argument("--epochs", type=int, default=0, help="a smoke test: this many epochs everywhere")
+    args = parser.parse_args()
+    {"pack": pack, "draw": draw, "train": train, "staged": staged}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
