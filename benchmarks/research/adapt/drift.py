@@ -81,7 +81,7 @@ def main() -> None:
     xo = torch.stack([before[p] for p in old]).double()
     config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
     print(f"map fitted on {len(fit)} images of {len(new)} classes; applied to {len(old)} images", flush=True)
-    for lam in ["none", *args.lams.split(",")]:
+    for lam in ["none", *[x for x in args.lams.split(",") if x]]:
         if lam == "none":
             mapped = xo  # the stale statistics
         elif args.tokens == "joint":
