@@ -51,6 +51,7 @@ from drlcli.stage.train import initial_class_means, train_stage
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
 from first_stage import Adapted, plan  # noqa: E402
+from gpu_adapt import persistent  # noqa: E402
 
 # name -> (kind, order, loss, epochs, lr)
 EXPERIMENTS = {
@@ -173,17 +174,22 @@ def embed(net, rels: list[str], sketches: Path, cfg, workers: int, device) -> to
     return torch.cat([net.embed(batch.to(device)).half().cpu() for batch, _ in loader])
 
 
-def train(args) -> None:
-    start = time.time()
+def setup(args):
+    """IEEE fp32 on the GPU, the sketches checked, the loader's workers kept between epochs, the PTM."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     manifest = json.loads(args.manifest.read_text())
     check(manifest, args.sketches)
-    rels = sorted(manifest["sha256"])[: args.max_images or None]
     stage_train.make_loader = persistent(stage_train.make_loader)
     ptm = backbone.create_ptm("deit_tiny_patch16_224", source=PTMSource(weights_path=args.weights))
-    cfg = backbone.data_config(ptm)
+    return device, manifest, ptm, backbone.data_config(ptm)
+
+
+def train(args) -> None:
+    start = time.time()
+    device, manifest, ptm, cfg = setup(args)
+    rels = sorted(manifest["sha256"])[: args.max_images or None]
     args.out.mkdir(parents=True, exist_ok=True)
     adapters = {}
     for name in args.experiments.split(","):
@@ -236,15 +242,8 @@ def staged(args) -> None:  # noqa: C901
     from drlcli.config import RunConfig  # noqa: PLC0415
 
     start = time.time()
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    manifest = json.loads(args.manifest.read_text())
-    check(manifest, args.sketches)
-    stage_train.make_loader = persistent(stage_train.make_loader)
+    device, manifest, ptm, cfg = setup(args)
     stage_train._classifier = with_earlier_classes(stage_train._classifier)
-    ptm = backbone.create_ptm("deit_tiny_patch16_224", source=PTMSource(weights_path=args.weights))
-    cfg = backbone.data_config(ptm)
     root = args.sketches / "101_ObjectCategories"
     args.out.mkdir(parents=True, exist_ok=True)
     adapters = {}
@@ -337,15 +336,6 @@ def staged(args) -> None:  # noqa: C901
     print(f"done in {time.time() - start:.0f}s", flush=True)
 
 
-def persistent(loader_factory):
-    def make(*a, **kw):
-        if kw.get("num_workers", 0) > 0:
-            kw["persistent_workers"] = True
-        return loader_factory(*a, **kw)
-
-    return make
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -358,27 +348,21 @@ def main() -> None:
     d.add_argument("--src", type=Path, required=True)
     d.add_argument("--dst", type=Path, default=Path("/tmp/sketch"))
     t = sub.add_parser("train")
-    t.add_argument("--manifest", type=Path, required=True)
-    t.add_argument("--weights", type=Path, required=True)
-    t.add_argument("--sketches", type=Path, default=Path("/tmp/sketch"))
-    t.add_argument("--out", type=Path, required=True)
     t.add_argument("--experiments", default=",".join(EXPERIMENTS))
-    t.add_argument("--budget", type=float, default=330.0, help="seconds; no new experiment starts after")
-    t.add_argument("--workers", type=int, default=14)
     t.add_argument("--max-images", type=int, default=0, help="a smoke test: embed the first N images")
     t.add_argument("--max-per-class", type=int, default=0, help="a smoke test: train on N images a class")
-    t.add_argument("--epochs", type=int, default=0, help="a smoke test: this many epochs everywhere")
     g = sub.add_parser("staged")
-    g.add_argument("--manifest", type=Path, required=True)
-    g.add_argument("--weights", type=Path, required=True)
-    g.add_argument("--sketches", type=Path, default=Path("/tmp/sketch"))
-    g.add_argument("--out", type=Path, required=True)
     g.add_argument("--experiments", default=",".join(STAGED))
-    g.add_argument("--budget", type=float, default=330.0, help="seconds; no new experiment starts after")
-    g.add_argument("--workers", type=int, default=14)
     g.add_argument("--max-per-class", type=int, default=0, help="a smoke test: N fit and val images a class")
     g.add_argument("--stages", type=int, default=0, help="a smoke test: the first N stages")
-    g.add_argument("--epochs", type=int, default=0, help="a smoke test: this many epochs everywhere")
+    for q in (t, g):
+        q.add_argument("--manifest", type=Path, required=True)
+        q.add_argument("--weights", type=Path, required=True)
+        q.add_argument("--sketches", type=Path, default=Path("/tmp/sketch"))
+        q.add_argument("--out", type=Path, required=True)
+        q.add_argument("--budget", type=float, default=330.0, help="seconds; no new experiment starts after")
+        q.add_argument("--workers", type=int, default=14)
+        q.add_argument("--epochs", type=int, default=0, help="a smoke test: this many epochs everywhere")
     args = parser.parse_args()
     {"pack": pack, "draw": draw, "train": train, "staged": staged}[args.command](args)
 
