@@ -34,6 +34,15 @@ def ridge_map(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tenso
     return b_mat, (my - mx) - mx @ b_mat
 
 
+def move_tokens(rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
+    """(n, S, d) ``rows`` moved by one ``ridge_map`` per token, fitted from ``x`` to ``y`` (m, S, d)."""
+    moved = torch.empty_like(rows)
+    for t in range(rows.shape[1]):
+        b_mat, b = ridge_map(x[:, t], y[:, t], lam)
+        moved[:, t] = rows[:, t] + rows[:, t] @ b_mat + b
+    return moved
+
+
 def synthesise(x: torch.Tensor, labels: torch.Tensor, draws: int, generator: torch.Generator) -> list[torch.Tensor]:
     """Per class (in ``labels.unique()`` order), ``draws`` times as many draws as it has rows from the
     Gaussian with its rows' mean and covariance (mean + zᵀ X_c / √(n − 1), z ~ N(0, I_n): the same
@@ -89,10 +98,7 @@ def main() -> None:
             flat = xo.flatten(1)
             mapped = (flat + flat @ b_mat + b).view_as(xo)
         else:
-            mapped = torch.empty_like(xo)
-            for t in range(x.shape[1]):
-                b_mat, b = ridge_map(x[:, t], y[:, t], float(lam))
-                mapped[:, t] = xo[:, t] + xo[:, t] @ b_mat + b
+            mapped = move_tokens(xo, x, y, float(lam))
         lookup, fitted = dict(after), data
         truth = torch.stack([after[p] for p in old]).double()
         err = ((mapped - truth).norm() / (xo - truth).norm()).item()

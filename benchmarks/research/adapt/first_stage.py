@@ -55,18 +55,21 @@ class Adapted(EaseNetwork):
         return ptm_feat, self._run(images, self.stages[-1])
 
     @torch.no_grad()
-    def embed(self, images):
-        """(B, 1 + 4, d): the class token and the 2 x 2 layout of the final patch tokens."""
+    def embed(self, images, stages=None, weight: float = 1.0):
+        """(B, 1 + 4, d): the class token and the 2 x 2 layout of the final patch tokens, through the
+        newest stage's adapters, or through several ``stages`` merged into one stream (every block
+        adds ``weight`` times the sum of their outputs)."""
         ptm = self.ptm
-        stage = self.stages[-1] if len(self.stages) else None
+        if stages is None:
+            stages = list(self.stages)[-1:]
         x = backbone.embed_tokens(ptm, images)
         for l, block in enumerate(ptm.blocks):
-            if stage is None:
+            if not stages:
                 x = block(x)
                 continue
             x = x + block.ls1(block.attn(block.norm1(x)))
-            hidden = F.relu(x @ stage.down[l] + stage.down_bias[l])
-            x = x + block.ls2(block.mlp(block.norm2(x))) + self.cfg.scale * (hidden @ stage.up[l] + stage.up_bias[l])
+            added = sum(F.relu(x @ s.down[l] + s.down_bias[l]) @ s.up[l] + s.up_bias[l] for s in stages)
+            x = x + block.ls2(block.mlp(block.norm2(x))) + self.cfg.scale * weight * added
         x = ptm.norm(x)
         cls = ptm.fc_norm(x[:, 0])
         patches = x[:, ptm.num_prefix_tokens :]

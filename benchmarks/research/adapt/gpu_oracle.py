@@ -235,7 +235,7 @@ def staged(args) -> None:  # noqa: C901
     """Adapters carried from stage to stage; each stage's statistics from the features of its own
     stage (never recomputed: what a run can do), and, as a bound, every stage from the final ones.
     The head is replayed here, on this machine's CPUs, by ``../cov_rank/replay.py``."""
-    from drift import ridge_map  # noqa: PLC0415
+    from drift import move_tokens  # noqa: PLC0415
     from replay import replay  # noqa: PLC0415
 
     from drlcli.benchmark.protocol import BenchmarkData  # noqa: PLC0415
@@ -307,10 +307,7 @@ def staged(args) -> None:  # noqa: C901
             if mapping:
                 n = sum(len(fit[c]) for c in names)
                 if k > 0 and moved:  # each token's map from this stage's images, before and after its training
-                    old = torch.stack(list(moved.values())).double()
-                    for t in range(old.shape[1]):
-                        b_mat, b = ridge_map(before[:, t], feats[:n, t].double(), MAP_LAMBDA)
-                        old[:, t] = old[:, t] + old[:, t] @ b_mat + b
+                    old = move_tokens(torch.stack(list(moved.values())).double(), before, feats[:n].double(), MAP_LAMBDA)
                     moved = dict(zip(moved, old.float()))
                 moved.update(zip([str(root / r) for r in rels[:n]], feats[:n]))
         rels = sorted({p for part in (fit, val) for c in seen for p in part[c]})

@@ -33,14 +33,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
-from drift import ridge_map  # noqa: E402
-from replay import CAP, lowrank_head, plan  # noqa: E402
+from drift import move_tokens, ridge_map  # noqa: E402
+from replay import plan, stage_scores  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
-from drlcli.heads.base import EarlierStages  # noqa: E402
 from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_SCATTER, COV_SHARED, PROJECTION  # noqa: E402
 from drlcli.heads.ridge.covariance import covariance_input  # noqa: E402
-from drlcli.heads.ridge.fit import fit_stage  # noqa: E402
 from drlcli.heads.ridge.head import expand, head_input  # noqa: E402
 from drlcli.heads.ridge.statistics import STAT_DTYPE, pack, unpack, validation_mask  # noqa: E402
 from drlcli.metrics import accuracy_report  # noqa: E402
@@ -56,15 +54,16 @@ def phi_map(x: torch.Tensor, y: torch.Tensor, kappa: float) -> torch.Tensor:
     return torch.eye(x.shape[1], dtype=x.dtype) + x.T @ dual
 
 
-def move(weights: list[dict], statistics: list[dict], t_phi: torch.Tensor, t_x: torch.Tensor, b_x: torch.Tensor):
-    """Every stored sum and moment of the stages so far, moved by φ → φT and x → xT_x + b_x, in place."""
-    size = t_phi.shape[0]
+def move(weights: list[dict], statistics: list[dict], t_phi: torch.Tensor | None, t_x: torch.Tensor, b_x: torch.Tensor):
+    """Every stored sum and moment of the stages so far, moved by φ → φT (``t_phi`` None: the sums are
+    left, to be replaced) and x → xT_x + b_x, in place."""
     for stats in statistics:
-        for name in ("q_fit", "q_val"):
-            stats[name] = (t_phi.T @ stats[name].double()).float()
-        for name in ("gram_fit", "gram_val"):
-            if name in stats:
-                stats[name] = pack(t_phi.T @ unpack(stats[name], size) @ t_phi)
+        if t_phi is not None:
+            for name in ("q_fit", "q_val"):
+                stats[name] = (t_phi.T @ stats[name].double()).float()
+            for name in ("gram_fit", "gram_val"):
+                if name in stats:
+                    stats[name] = pack(t_phi.T @ unpack(stats[name], t_phi.shape[0]) @ t_phi)
         if COV_SCATTER in stats:
             stats[COV_SCATTER] = (t_x.T @ stats[COV_SCATTER].double() @ t_x).float()
     for tensors in weights:
@@ -145,71 +144,42 @@ def gaussian_sums(
 
 
 def run(data, stages, before, after, config, first_after: int, maps, gaussian=None) -> dict:
-    """B0 Inc10 through ``fit_stage``; before stage ``first_after`` the stored statistics are moved by
-    ``maps()`` ((T, T_x, b_x), or None: left stale), and with ``gaussian`` (projection, grid -> (qs,
-    grams)) G and Q replaced by its sums. A_T capped and full after the last stage."""
-    weights: list[dict] = []
-    statistics: list[dict] = []
-    head = None
-    seen: list[str] = []
-    for k, classes in enumerate(stages, 1):
-        lookup = before if k < first_after else after
-        if k == first_after and maps is not None:
-            projection = weights[0][PROJECTION].double()
-            move(weights, statistics, *maps(projection, head.layout_grid))
-            if gaussian is not None:
-                qs, grams, moments, scatter = gaussian(projection, head.layout_grid)
-                for stats, tensors, (means, covariances) in zip(statistics, weights, moments or []):
-                    tensors[COV_MEAN], tensors[COV_COVARIANCE] = means.float(), covariances.float()
-                    stats[COV_SCATTER] = scatter.float()
-                for stats, q in zip(statistics, qs or []):
-                    stats["q_fit"], stats["q_val"] = q[0].float(), q[1].float()
-                    stats["gram_fit"], stats["gram_val"] = pack(grams[0]), pack(grams[1])
-        names = sorted(classes)
-        paths = [p for c in names for p in data.train[c]]
-        labels = [i for i, c in enumerate(names) for _ in data.train[c]]
-        earlier = EarlierStages(head, list(weights), lambda s=list(statistics): iter(s))
-        fit = fit_stage(
-            earlier,
-            torch.stack([lookup[str(p)] for p in paths]),
-            torch.tensor(labels),
-            image_labels=labels,
-            indices=None,
-            num_classes=len(names),
-            config=config,
-            stage_index=k,
-        )
-        weights.append(fit.tensors)
-        statistics.append(fit.statistics)
-        head = fit.head
-        seen += names
-    counts = torch.tensor([float(len(data.train[c])) for c in seen], dtype=torch.float64)
-    scorer = lowrank_head(head, weights, counts, RANK)
-    stage_of = torch.tensor([j // 10 + 1 for j in range(len(seen))])
-    out = {}
-    for kind, cap in (("capped", CAP), ("full", None)):
-        paths, labels = [], []
-        for j, c in enumerate(seen):
-            chosen = data.test[c][:cap] if cap else data.test[c]
-            paths += chosen
-            labels += [j] * len(chosen)
-        with torch.no_grad():
-            scores = scorer(torch.stack([after[str(p)] for p in paths]))
-        report = accuracy_report(scores.argmax(1), torch.tensor(labels), stage_of, num_stages=len(stages))
-        out[kind] = report.top1
-    return out
+    """B0 Inc10 through ``replay.stage_scores``; before stage ``first_after`` the stored statistics are
+    moved by ``maps()`` ((T or None, T_x, b_x), or None: left stale), and with ``gaussian``
+    (projection, grid -> ``gaussian_sums``) G, Q and the class moments replaced by its. A_T capped
+    and full after the last stage."""
+
+    def carry(k: int, weights: list[dict], statistics: list[dict], head) -> None:
+        if k != first_after or maps is None:
+            return
+        projection = weights[0][PROJECTION].double()
+        move(weights, statistics, *maps(projection, head.layout_grid))
+        if gaussian is None:
+            return
+        qs, grams, moments, scatter = gaussian(projection, head.layout_grid)
+        for stats, tensors, (means, covariances) in zip(statistics, weights, moments or []):
+            tensors[COV_MEAN], tensors[COV_COVARIANCE] = means.float(), covariances.float()
+            stats[COV_SCATTER] = scatter.float()
+        for stats, q in zip(statistics, qs or []):
+            stats["q_fit"], stats["q_val"] = q[0].float(), q[1].float()
+            stats["gram_fit"], stats["gram_val"] = pack(grams[0]), pack(grams[1])
+
+    lookups = [before if k < first_after else after for k in range(1, len(stages) + 1)]
+    *_, (last, stage_of, scored) = stage_scores(
+        data, stages, lookups, config, [RANK], before_stage=carry, scored={len(stages)}
+    )
+    return {
+        kind: accuracy_report(scores.argmax(1), labels, stage_of, num_stages=last).top1
+        for (_, kind), (scores, labels) in scored.items()
+    }
 
 
 def moved_rows(data, stages, before: dict, xb: torch.Tensor, xa: torch.Tensor, lam: float) -> dict:
     """class -> its rows (n, S, d) before the adaptation, moved by ``drift.py``'s per-token ridge map
     fitted from ``xb`` to ``xa`` (a run has no rows: it would move their Gaussian's moments)."""
-    maps = [ridge_map(xb[:, t], xa[:, t], lam) for t in range(xb.shape[1])]
-    moved = {}
-    for classes in stages:
-        for c in classes:
-            rows = torch.stack([before[str(p)] for p in data.train[c]]).double()
-            moved[c] = torch.stack([rows[:, t] + rows[:, t] @ b_mat + b for t, (b_mat, b) in enumerate(maps)], 1)
-    return moved
+    names = [c for classes in stages for c in classes]
+    rows = [torch.stack([before[str(p)] for p in data.train[c]]).double() for c in names]
+    return dict(zip(names, move_tokens(torch.cat(rows), xb, xa, lam).split([len(r) for r in rows])))
 
 
 def main() -> None:
@@ -252,7 +222,7 @@ def main() -> None:
             b_mat, b_x = ridge_map(cb, ca, args.x_kappa * scale)
             t_x = torch.eye(cb.shape[1], dtype=cb.dtype) + b_mat
             if kappa is None:  # G and Q are replaced (--carry gaussian)
-                return torch.eye(projection.shape[1], dtype=projection.dtype), t_x, b_x
+                return None, t_x, b_x
             t_phi = phi_map(phi(xb), phi(xa), kappa)
             # how far the map brings the old images' φ (which the run never sees) towards their φ after
             pb, pa = phi(ob), phi(oa)

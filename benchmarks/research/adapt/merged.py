@@ -31,25 +31,6 @@ from drlcli.ptm.backbone import PTMSource
 from drlcli.stage.train import train_stage
 
 
-@torch.no_grad()
-def merged_embed(net: Adapted, images: torch.Tensor, mode: str) -> torch.Tensor:
-    """(B, 1 + 4, d) as ``Adapted.embed``, every block adding the sum or mean of all stages' adapters."""
-    ptm, stages = net.ptm, list(net.stages)
-    weight = 1.0 if mode == "sum" else 1.0 / len(stages)
-    x = backbone.embed_tokens(ptm, images)
-    for level, block in enumerate(ptm.blocks):
-        x = x + block.ls1(block.attn(block.norm1(x)))
-        added = sum(F.relu(x @ s.down[level] + s.down_bias[level]) @ s.up[level] + s.up_bias[level] for s in stages)
-        x = x + block.ls2(block.mlp(block.norm2(x))) + net.cfg.scale * weight * added
-    x = ptm.norm(x)
-    cls = ptm.fc_norm(x[:, 0])
-    patches = x[:, ptm.num_prefix_tokens :]
-    b, p, d = patches.shape
-    side = int(p**0.5)
-    cells = F.adaptive_avg_pool2d(patches.transpose(1, 2).reshape(b, d, side, side), 2).flatten(2).transpose(1, 2)
-    return torch.cat([cls[:, None], cells], dim=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, required=True)
@@ -93,7 +74,8 @@ def main() -> None:
     for mode in ("sum", "mean"):
         loader = torch.utils.data.DataLoader(ImageDataset(images, eval_transform(cfg)), batch_size=64)
         tick = time.time()
-        feats = torch.cat([merged_embed(net, batch, mode).float() for batch, _ in loader])
+        weight = 1.0 if mode == "sum" else 1.0 / len(net.stages)
+        feats = torch.cat([net.embed(batch, list(net.stages), weight).float() for batch, _ in loader])
         out = args.out / f"{mode}-{args.seed}.pt"
         torch.save({"paths": [str(p) for p in all_paths], "features": feats, "info": {"norms": norms}}, out)
         print(f"{mode}: embedded {len(all_paths)} in {time.time() - tick:.0f} s -> {out}", flush=True)

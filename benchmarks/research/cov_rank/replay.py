@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import torch
@@ -77,12 +78,24 @@ def lowrank_head(dense: RanpacHead, stages: list[dict], counts: torch.Tensor, ra
     )
 
 
-def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int], lambdas: list[float] | None = None):
-    """Every stage fitted by ``fit_stage`` on the earlier stages' stored tensors; after each stage,
-    yields (stage, each test image's stage (tensor), {(rank, kind): (scores, labels)}) on the seen
-    classes' test images, capped and full. Each stage's λ is appended to ``lambdas`` when given.
-    ``lookup``: path -> features, or a list of them, one per stage (features that change with the stages:
-    stage k's images and the test images scored after it are read from ``lookup[k - 1]``)."""
+def stage_scores(
+    data,
+    stages,
+    lookup,
+    config: RunConfig,
+    ranks: list[int],
+    lambdas: list[float] | None = None,
+    *,
+    before_stage: Callable[[int, list[dict], list[dict], RanpacHead | None], None] | None = None,
+    scored: Container[int] | None = None,
+):
+    """Every stage fitted by ``fit_stage`` on the earlier stages' stored tensors; after each stage
+    (each in ``scored``, when given), yields (stage, each class's stage (tensor), {(rank, kind):
+    (scores, labels)}) on the seen classes' test images, capped and full. Each stage's λ is appended
+    to ``lambdas`` when given. ``lookup``: path -> features, or a list of them, one per stage
+    (features that change with the stages: stage k's images and the test images scored after it are
+    read from ``lookup[k - 1]``). ``before_stage(k, weights, statistics, head)`` may edit the earlier
+    stages' stored tensors in place before stage k is fitted."""
     weights, statistics, head = [], [], None
     per_stage = lookup if isinstance(lookup, list) else [lookup] * len(stages)
     seen: list[str] = []
@@ -94,6 +107,8 @@ def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int], lamb
         labels = [i for i, c in enumerate(names) for _ in data.train[c]]
         counts += [float(len(data.train[c])) for c in names]
         features = torch.stack([lookup[str(p)] for p in paths])
+        if before_stage is not None:
+            before_stage(k, weights, statistics, head)
         earlier = EarlierStages(head, list(weights), lambda s=list(statistics): iter(s))
         fit = fit_stage(
             earlier,
@@ -111,6 +126,8 @@ def stage_scores(data, stages, lookup, config: RunConfig, ranks: list[int], lamb
         statistics.append(fit.statistics)
         head = fit.head
         seen += names
+        if scored is not None and k not in scored:
+            continue
         stage_of = torch.tensor([j // 10 + 1 for j in range(len(seen))])  # B0 Inc10: class j's stage
         out = {}
         for rank in ranks:
