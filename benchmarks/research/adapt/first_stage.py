@@ -79,6 +79,15 @@ class Adapted(EaseNetwork):
         return torch.cat([cls[:, None], cells], dim=1)
 
 
+def depth_blocks(text: str) -> list[int]:
+    """Block indices: "0-5" -> 0..5; "0-3+8-11": both ranges; "7": one block."""
+    out: list[int] = []
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def plan(data_dir: Path, seed: int, split: str):
     data = load_data(data_dir, skip_classes={"BACKGROUND_Google"})
     if split == "val":
@@ -100,6 +109,13 @@ def embed(args) -> None:
         labels = [i for i, c in enumerate(first) for _ in data.train[c]]
         images = ImageSet(args.data, tuple(first), tuple(paths), tuple(labels))
         net.new_stage(seed=args.seed)
+        if args.blocks:  # only these blocks' adapters learn: the others' Up stays zero (so does Down's gradient)
+            keep = torch.zeros(len(ptm.blocks))
+            keep[depth_blocks(args.blocks)] = 1.0
+            stage = net.stages[-1]
+            stage.up.register_hook(lambda g: g * keep[:, None, None])
+            stage.up_bias.register_hook(lambda g: g * keep[:, None])
+            info["blocks"] = args.blocks
         train = TrainConfig(
             epochs=args.epochs,
             batch_size=args.batch,
@@ -239,6 +255,7 @@ def main() -> None:
     e.add_argument(
         "--adapt-stages", type=int, default=1, help="train on the first K stages' classes (K > 1: an oracle)"
     )
+    e.add_argument("--blocks", help="train only these blocks' adapters (depth.py's syntax: 0-5, 0-3+8-11)")
     e.add_argument("--adapters", type=Path, help="with --peft none: embed with gpu_adapt.py's adapters instead")
     e.add_argument("--key", help="the variant in --adapters")
     e.add_argument("--out", type=Path, required=True)
