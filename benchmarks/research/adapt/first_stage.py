@@ -70,13 +70,21 @@ class Adapted(EaseNetwork):
             x = x + block.ls1(block.attn(block.norm1(x)))
             added = sum(F.relu(x @ s.down[l] + s.down_bias[l]) @ s.up[l] + s.up_bias[l] for s in stages)
             x = x + block.ls2(block.mlp(block.norm2(x))) + self.cfg.scale * weight * added
-        x = ptm.norm(x)
-        cls = ptm.fc_norm(x[:, 0])
-        patches = x[:, ptm.num_prefix_tokens :]
-        b, p, d = patches.shape
-        side = int(p**0.5)
-        cells = F.adaptive_avg_pool2d(patches.transpose(1, 2).reshape(b, d, side, side), 2).flatten(2).transpose(1, 2)
-        return torch.cat([cls[:, None], cells], dim=1)
+        return readout(ptm, x)
+
+
+def readout(ptm, x: torch.Tensor, layout: bool = True) -> torch.Tensor:
+    """The last block's tokens (B, N, d) -> (B, 1 + 4, d): the class token after the final norms and
+    the 2 x 2 layout of the patch tokens; ``layout`` False: the class token alone, (B, d)."""
+    x = ptm.norm(x)
+    cls = ptm.fc_norm(x[:, 0])
+    if not layout:
+        return cls
+    patches = x[:, ptm.num_prefix_tokens :]
+    b, p, d = patches.shape
+    side = int(p**0.5)
+    cells = F.adaptive_avg_pool2d(patches.transpose(1, 2).reshape(b, d, side, side), 2).flatten(2).transpose(1, 2)
+    return torch.cat([cls[:, None], cells], dim=1)
 
 
 def depth_blocks(text: str) -> list[int]:

@@ -30,17 +30,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
-from post_ptm import score  # noqa: E402
+from first_stage import WEIGHTS, readout  # noqa: E402
+from post_ptm import fit_rows, score  # noqa: E402
 from replay import plan  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
 from drlcli.data import ImageDataset, ImageSet, eval_transform  # noqa: E402
 from drlcli.data.loading import train_transform  # noqa: E402
+from drlcli.methods.ease.network import EaseAdapters  # noqa: E402
 from drlcli.ptm import backbone  # noqa: E402
 from drlcli.ptm.backbone import PTMSource  # noqa: E402
+from drlcli.seeding import seeded  # noqa: E402
 from drlcli.stage.losses import ce_loss, das_loss  # noqa: E402
-
-WEIGHTS = Path("/work/shared/data/deit_tiny_patch16_224/deit_tiny_patch16_224.safetensors")
 
 
 def ptm():
@@ -55,7 +56,7 @@ def cache(args) -> None:
     data, _ = plan([args.data], 1993, "test")
     every = sorted({p for part in (data.train, data.test) for ps in part.values() for p in ps})
     train = sorted({p for ps in data.train.values() for p in ps})
-    out = {"paths": [str(p) for p in every], "first_block": args.first_block}
+    out = {"first_block": args.first_block}
     torch.manual_seed(0)
     views = [("eval", every, eval_transform(cfg))] + [
         (f"view{v}", train, train_transform(cfg, crop_scale_min=0.08, hflip=True)) for v in range(args.views)
@@ -86,29 +87,16 @@ class LastBlocks(torch.nn.Module):
         self.net, self.first, self.scale = net, first, scale
         for p in net.parameters():
             p.requires_grad_(False)
-        depth, width = len(net.blocks) - first, net.embed_dim
-        gen = torch.Generator().manual_seed(seed)
-        bound = 1 / width**0.5
-        self.down = torch.nn.Parameter(torch.empty(depth, width, rank).uniform_(-bound, bound, generator=gen))
-        self.down_bias = torch.nn.Parameter(torch.zeros(depth, rank))
-        self.up = torch.nn.Parameter(torch.zeros(depth, rank, width))
-        self.up_bias = torch.nn.Parameter(torch.zeros(depth, width))
+        with seeded(seed):
+            self.adapters = EaseAdapters(width=net.embed_dim, depth=len(net.blocks) - first, adapter_dim=rank)
 
     def forward(self, x: torch.Tensor, layout: bool = True) -> torch.Tensor:
-        net = self.net
-        for j, block in enumerate(net.blocks[self.first :]):
+        a = self.adapters
+        for j, block in enumerate(self.net.blocks[self.first :]):
             x = x + block.ls1(block.attn(block.norm1(x)))
-            added = F.relu(x @ self.down[j] + self.down_bias[j]) @ self.up[j] + self.up_bias[j]
+            added = F.relu(x @ a.down[j] + a.down_bias[j]) @ a.up[j] + a.up_bias[j]
             x = x + block.ls2(block.mlp(block.norm2(x))) + self.scale * added
-        x = net.norm(x)
-        cls = net.fc_norm(x[:, 0])
-        if not layout:
-            return cls
-        patches = x[:, net.num_prefix_tokens :]
-        b, p, d = patches.shape
-        side = int(p**0.5)
-        cells = F.adaptive_avg_pool2d(patches.transpose(1, 2).reshape(b, d, side, side), 2).flatten(2).transpose(1, 2)
-        return torch.cat([cls[:, None], cells], dim=1)
+        return readout(self.net, x, layout)
 
 
 class Cache:
@@ -116,8 +104,8 @@ class Cache:
         saved = torch.load(path)
         self.first = saved["first_block"]
         self.eval = dict(zip(saved["eval_paths"], saved["eval"]))
-        self.views = [dict(zip(saved[f"{v}_paths"], saved[v])) for v in ("view0", "view1", "view2") if v in saved]
-        self.paths = saved["paths"]
+        names = sorted(k for k in saved if k.startswith("view") and not k.endswith("_paths"))
+        self.views = [dict(zip(saved[f"{v}_paths"], saved[v])) for v in names]
 
     def batch(self, paths: list[str], gen: torch.Generator) -> torch.Tensor:
         """One random cached view of each (the evaluation view counts as one)."""
@@ -134,7 +122,7 @@ def train(model: LastBlocks, store: Cache, paths: list[str], labels: torch.Tenso
         means = torch.stack([F.normalize(f[labels == c], dim=1).mean(0) for c in range(num)])
     weight = torch.nn.Parameter(F.normalize(means, dim=1).clone())
     sigma = torch.nn.Parameter(torch.tensor(args.sigma))
-    adapters = [model.down, model.down_bias, model.up, model.up_bias]
+    adapters = list(model.adapters.parameters())
     opt = torch.optim.SGD(
         [{"params": adapters + [weight], "weight_decay": 5e-4}, {"params": [sigma], "weight_decay": 0.0}],
         lr=args.lr,
@@ -158,7 +146,7 @@ def train(model: LastBlocks, store: Cache, paths: list[str], labels: torch.Tenso
         sched.step()
         losses.append(round(total / len(paths), 4))
         print(f"epoch {epoch + 1}/{args.epochs} loss {losses[-1]} {time.time() - tick:.0f}s", flush=True)
-    return {"losses": losses, "up_norm": float(model.up.detach().norm()), "seconds": round(time.time() - tick)}
+    return {"losses": losses, "up_norm": float(model.adapters.up.detach().norm()), "seconds": round(time.time() - tick)}
 
 
 @torch.no_grad()
@@ -168,12 +156,6 @@ def embed(model: LastBlocks, store: Cache) -> dict:
     for i in range(0, len(keys), 256):
         out.append(model(torch.stack([store.eval[k] for k in keys[i : i + 256]]).float()))
     return dict(zip(keys, torch.cat(out)))
-
-
-def fit_rows(data, classes, store):
-    paths = [str(p) for c in classes for p in data.train[c]]
-    labels = torch.tensor([i for i, c in enumerate(classes) for _ in data.train[c]])
-    return paths, labels
 
 
 def run(args) -> None:
@@ -191,7 +173,7 @@ def run(args) -> None:
             ref = dict(zip(saved["paths"], saved["features"]))
             record["max_diff"] = max(float((lookup[k] - ref[k]).abs().max()) for k in list(lookup)[:500])
     else:  # oracle: all classes at once
-        paths, labels = fit_rows(data, sorted(c for s in stages for c in s), store)
+        paths, labels = fit_rows(data, sorted(c for s in stages for c in s))
         record["train"] = train(model, store, paths, labels, args)
         lookup = embed(model, store)
     record |= score(data, stages, lookup, config)

@@ -111,10 +111,10 @@ def score(data, stages, lookups, config) -> dict:
     }
 
 
-def rows_of(data, classes, lookup):
-    x = torch.stack([lookup[str(p)] for c in classes for p in data.train[c]])
-    y = torch.tensor([i for i, c in enumerate(classes) for _ in data.train[c]])
-    return x, y
+def fit_rows(data, classes) -> tuple[list[str], torch.Tensor]:
+    """The fit images of ``classes`` (paths) and their labels, the classes in the given order."""
+    paths = [str(p) for c in classes for p in data.train[c]]
+    return paths, torch.tensor([i for i, c in enumerate(classes) for _ in data.train[c]])
 
 
 def main() -> None:
@@ -143,7 +143,8 @@ def main() -> None:
     info = {}
     if args.fit != "none":
         classes = [c for s in stages for c in s] if args.fit == "oracle" else list(stages[0])
-        x, y = rows_of(data, sorted(classes), lookup)
+        paths, y = fit_rows(data, sorted(classes))
+        x = torch.stack([lookup[p] for p in paths])
         module = TokenAdapter(x.shape[-1], args.rank, args.scale)
         info["train_loss"] = train(module, x, y, len(classes), args)
         info["up_norm"] = float(module.up.weight.norm())
