@@ -87,6 +87,17 @@ def readout(ptm, x: torch.Tensor, layout: bool = True) -> torch.Tensor:
     return torch.cat([cls[:, None], cells], dim=1)
 
 
+@torch.no_grad()
+def embed_images(net, paths: list[Path], cfg, workers: int, device, batch: int = 256) -> torch.Tensor:
+    """(N, 1 + 4, d) float16 on the CPU: ``net.embed`` of these image files, in order, evaluation view."""
+    images = ImageSet(Path("."), ("x",), tuple(paths), (0,) * len(paths))
+    loader = torch.utils.data.DataLoader(
+        ImageDataset(images, eval_transform(cfg)), batch_size=batch, num_workers=workers
+    )
+    net.eval()
+    return torch.cat([net.embed(x.to(device)).half().cpu() for x, _ in loader])
+
+
 def depth_blocks(text: str) -> list[int]:
     """Block indices: "0-5" -> 0..5; "0-3+8-11": both ranges; "7": one block."""
     out: list[int] = []

@@ -50,7 +50,8 @@ from drlcli.stage.train import initial_class_means, train_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
-from first_stage import Adapted, plan  # noqa: E402
+from carry import Carry, line, replay_carried  # noqa: E402
+from first_stage import Adapted, depth_blocks, embed_images, plan  # noqa: E402
 from gpu_adapt import persistent  # noqa: E402
 
 # name -> (kind, order, loss, epochs, lr)
@@ -70,9 +71,19 @@ STAGED = {
     "cont-ce5-1993": (1993, "ce", 5, 0.01, 0.0, None),
     # each stage's classifier also holds the earlier classes, as their stored class means (frozen)
     "seen-ce5-1993": (1993, "ce", 5, 0.01, 0.0, None, "seen"),
-    "seen-ce5-map-1993": (1993, "ce", 5, 0.01, 0.0, None, "seen", "map"),
+    # seventh round: only blocks 0-5 learn (where the oracle's gain lives), with a larger step
+    "b05-ce10-lr05-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5"),
+    "b05-das10-lr05-1993": (1993, "das", 10, 0.05, 0.0, None, "blocks=0-5"),
+    "b05-seen-ce10-lr05-1993": (1993, "ce", 10, 0.05, 0.0, None, "seen", "blocks=0-5"),
+    "b05-ce10-lr1-1993": (1993, "ce", 10, 0.1, 0.0, None, "blocks=0-5"),
+    "ce10-lr05-1993": (1993, "ce", 10, 0.05, 0.0, None),
+    "b05-ce10-lr05-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5"),
+    # the later stages learn only where the earlier images' adapter inputs have little energy
+    "b05-ce10-lr05-null97-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "null=0.97"),
+    "b05-ce10-lr05-null90-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "null=0.9"),
+    "b05-ce5-lr05-null97-1993": (1993, "ce", 5, 0.05, 0.0, None, "blocks=0-5", "null=0.97"),
+    "b05-ce5-lr05-null95-1993": (1993, "ce", 5, 0.05, 0.0, None, "blocks=0-5", "null=0.95"),
 }
-MAP_LAMBDA = 100.0  # drift.py's best on the frozen-to-oracle jump
 OLD_MEANS: list[torch.Tensor] = []  # ``seen``: the earlier classes' mean features, each from its own stage
 
 
@@ -90,6 +101,52 @@ def with_earlier_classes(make_classifier):
         return classifier
 
     return make
+
+
+@torch.no_grad()
+def adapter_moments(net, rels: list[str], sketches: Path, cfg, workers: int, device):
+    """Σ xᵀx of every token entering each block's adapter (12, d, d) and Σ hᵀh of its hidden units
+    (12, r, r), over these images (evaluation view): class-free statistics a run can keep."""
+    stage, ptm = net.stages[-1], net.ptm
+    d, r = stage.down.shape[1:]
+    c_in = torch.zeros(len(ptm.blocks), d, d, dtype=torch.float64, device=device)
+    c_h = torch.zeros(len(ptm.blocks), r, r, dtype=torch.float64, device=device)
+    images = ImageSet(sketches, ("x",), tuple(sketches / "101_ObjectCategories" / q for q in rels), (0,) * len(rels))
+    loader = torch.utils.data.DataLoader(ImageDataset(images, eval_transform(cfg)), batch_size=128, num_workers=workers)
+    net.eval()
+    for batch, _ in loader:
+        x = backbone.embed_tokens(ptm, batch.to(device))
+        for l, block in enumerate(ptm.blocks):
+            x = x + block.ls1(block.attn(block.norm1(x)))
+            hidden = torch.relu(x @ stage.down[l] + stage.down_bias[l])
+            flat, flat_h = x.flatten(0, 1).double(), hidden.flatten(0, 1).double()
+            c_in[l] += flat.T @ flat
+            c_h[l] += flat_h.T @ flat_h
+            x = x + block.ls2(block.mlp(block.norm2(x))) + net.cfg.scale * (hidden @ stage.up[l] + stage.up_bias[l])
+    return c_in, c_h
+
+
+def energy_projector(sums: torch.Tensor, energy: float) -> tuple[torch.Tensor, float]:
+    """(B, n, n) projectors onto each matrix's leading eigenvectors that hold ``energy`` of its trace,
+    and their mean rank."""
+    values, vectors = torch.linalg.eigh(sums)
+    values, vectors = values.flip(-1).clamp_min(0), vectors.flip(-1)
+    share = values.cumsum(-1) / values.sum(-1, keepdim=True)
+    keep = (share < energy).sum(-1) + 1  # the fewest leading directions that reach ``energy``
+    mask = (torch.arange(sums.shape[-1], device=sums.device) < keep[:, None]).to(sums.dtype)
+    return (vectors * mask[:, None, :]) @ vectors.transpose(1, 2), keep.float().mean().item()
+
+
+def null_space(stage, projectors: dict) -> None:
+    """Gradient hooks: once ``projectors`` holds "in" and "h" (an earlier stage's inputs to each
+    adapter and its hidden units), Down learns only orthogonally to the inputs, Up only orthogonally
+    to the hidden units, and the biases not at all, so the earlier images' adapter outputs stay
+    (GPM / Adam-NSCL / InfLoRA's idea, here on AdaptFormer)."""
+    gate = lambda g: g if "in" not in projectors else g * 0  # noqa: E731
+    stage.down.register_hook(lambda g: g if "in" not in projectors else g - projectors["in"].to(g.dtype) @ g)
+    stage.up.register_hook(lambda g: g if "h" not in projectors else g - projectors["h"].to(g.dtype) @ g)
+    stage.down_bias.register_hook(gate)
+    stage.up_bias.register_hook(gate)
 
 
 def pack(args) -> None:
@@ -165,13 +222,8 @@ def images_of(sketches: Path, names: list[str], fit: dict) -> ImageSet:
     return ImageSet(sketches, tuple(names), tuple(paths), tuple(labels))
 
 
-@torch.no_grad()
 def embed(net, rels: list[str], sketches: Path, cfg, workers: int, device) -> torch.Tensor:
-    root = sketches / "101_ObjectCategories"
-    images = ImageSet(sketches, ("x",), tuple(root / r for r in rels), (0,) * len(rels))
-    loader = torch.utils.data.DataLoader(ImageDataset(images, eval_transform(cfg)), batch_size=256, num_workers=workers)
-    net.eval()
-    return torch.cat([net.embed(batch.to(device)).half().cpu() for batch, _ in loader])
+    return embed_images(net, [sketches / "101_ObjectCategories" / r for r in rels], cfg, workers, device)
 
 
 def setup(args):
@@ -215,6 +267,7 @@ def train(args) -> None:
                 num_workers=args.workers,
             )
             result = train_stage(net, images_of(args.sketches, names, fit), config, cfg)
+            net.stages[-1].requires_grad_(True)  # train_stage freezes the stage it trained: carry it on
             losses.append(result.epoch_losses[-1])
         seconds = time.time() - tick
         adapters[name] = {k: v.detach().cpu() for k, v in net.stages[-1].state_dict().items()}
@@ -232,10 +285,10 @@ def train(args) -> None:
 
 
 def staged(args) -> None:  # noqa: C901
-    """Adapters carried from stage to stage; each stage's statistics from the features of its own
-    stage (never recomputed: what a run can do), and, as a bound, every stage from the final ones.
-    The head is replayed here, on this machine's CPUs, by ``../cov_rank/replay.py``."""
-    from drift import move_tokens  # noqa: PLC0415
+    """Adapters carried from stage to stage (``blocks=``: only those blocks' adapters learn). The head is
+    replayed here, on this machine's CPUs: with every statistic from the final network (the bound,
+    ``../cov_rank/replay.py``), then as a run would, each stage's statistics from its own network and
+    carried to the later ones by ``carry.py``'s ``--carries`` (stale: not moved)."""
     from replay import replay  # noqa: PLC0415
 
     from drlcli.benchmark.protocol import BenchmarkData  # noqa: PLC0415
@@ -252,9 +305,12 @@ def staged(args) -> None:  # noqa: C901
             print(f"budget spent: {name} and later not run", flush=True)
             break
         seed, loss, epochs, lr, kd, first, *flags = STAGED[name]
-        seen_classes, mapping = "seen" in flags, "map" in flags
+        seen_classes = "seen" in flags
+        blocks = next((f.partition("=")[2] for f in flags if f.startswith("blocks=")), "")
+        energy = float(next((f.partition("=")[2] for f in flags if f.startswith("null=")), 0))
+        projectors: dict = {}
+        moments = None
         OLD_MEANS.clear()
-        moved: dict[str, torch.Tensor] = {}  # ``map``: earlier fit images' features, moved stage by stage
         order = manifest["orders"][str(seed)]
         cap = args.max_per_class or None
         fit = {c: ps[:cap] for c, ps in order["fit"].items()}
@@ -268,9 +324,20 @@ def staged(args) -> None:  # noqa: C901
         net = Adapted(ptm, EaseConfig(adapter_dim=64))
         net.new_stage(seed=seed)
         net.to(device)
-        tick, lookups, seen, train_s = time.time(), [], [], 0.0
+        if blocks:  # only these blocks' adapters learn, as ``first_stage.py embed --blocks``
+            keep = torch.zeros(len(ptm.blocks), device=device)
+            keep[depth_blocks(blocks)] = 1.0
+            net.stages[-1].up.register_hook(lambda g, keep=keep: g * keep[:, None, None])
+            net.stages[-1].up_bias.register_hook(lambda g, keep=keep: g * keep[:, None])
+        if energy:
+            null_space(net.stages[-1], projectors)
+        tick, seen, train_s, snapshots, norms, ranks = time.time(), [], 0.0, [], [], []
+        tables: dict = {"after": {}, "before": {}, "val": []}  # what a run sees, as ``carry.py embed`` writes it
         for k, names in enumerate(stages):
             stage_epochs, stage_lr = first if (k == 0 and first) else (epochs, lr)
+            own = [p for c in sorted(names) for p in fit[c]]
+            before = embed(net, own, args.sketches, cfg, args.workers, device).float()  # what the map is fitted from
+            tables["before"].update(zip([str(root / r) for r in own], before))
             if stage_epochs:
                 config = TrainConfig(
                     epochs=args.epochs or stage_epochs,
@@ -280,6 +347,7 @@ def staged(args) -> None:  # noqa: C901
                     kd_weight=kd,
                     seed=seed,
                     num_workers=args.workers,
+                    weight_decay=0.0 if (energy and projectors) else TrainConfig().weight_decay,
                 )
                 images = images_of(args.sketches, sorted(names), fit)
                 if seen_classes:
@@ -290,46 +358,60 @@ def staged(args) -> None:  # noqa: C901
                         images.paths,
                         tuple(label + len(seen) for label in images.labels),
                     )
-                if mapping and k > 0:
-                    own = [p for c in names for p in fit[c]]
-                    before = embed(net, own, args.sketches, cfg, args.workers, device).double()
                 t0 = time.time()
                 train_stage(net, images, config, cfg)
+                net.stages[-1].requires_grad_(True)  # train_stage freezes the stage it trained: carry it on
                 train_s += time.time() - t0
+                if energy:  # the stage's images through its trained adapters join the protected inputs
+                    c_in, c_h = adapter_moments(net, own, args.sketches, cfg, args.workers, device)
+                    moments = (c_in, c_h) if moments is None else (moments[0] + c_in, moments[1] + c_h)
+                    (projectors["in"], rank_in), (projectors["h"], rank_h) = (
+                        energy_projector(m, energy) for m in moments
+                    )
+                    ranks.append((round(rank_in, 1), round(rank_h, 1)))
                 if seen_classes:
                     new = images_of(args.sketches, sorted(names), fit)
                     OLD_MEANS.append(initial_class_means(net, new, cfg, batch_size=64, num_workers=args.workers))
                     net.stages[-1].train()
+            snapshots.append({k: v.detach().cpu().half() for k, v in net.stages[-1].state_dict().items()})
+            norms.append(round(net.stages[-1].up.detach().norm().item(), 4))
             seen += sorted(names)
-            rels = [p for c in names for p in fit[c]] + [p for c in seen for p in val[c]]
+            rels = own + [p for c in seen for p in val[c]]
             feats = embed(net, rels, args.sketches, cfg, args.workers, device).float()
-            lookups.append(dict(zip([str(root / r) for r in rels], feats)))
-            if mapping:
-                n = sum(len(fit[c]) for c in names)
-                if k > 0 and moved:  # each token's map from this stage's images, before and after its training
-                    old = move_tokens(torch.stack(list(moved.values())).double(), before, feats[:n].double(), MAP_LAMBDA)
-                    moved = dict(zip(moved, old.float()))
-                moved.update(zip([str(root / r) for r in rels[:n]], feats[:n]))
+            keys = [str(root / r) for r in rels]
+            tables["after"].update(zip(keys[: len(own)], feats[: len(own)]))
+            tables["val"].append(dict(zip(keys[len(own) :], feats[len(own) :])))
         rels = sorted({p for part in (fit, val) for c in seen for p in part[c]})
         final = dict(
             zip([str(root / r) for r in rels], embed(net, rels, args.sketches, cfg, args.workers, device).float())
         )
         adapters[name] = {k: v.detach().cpu() for k, v in net.stages[-1].state_dict().items()}
         torch.save(adapters, args.out / "staged-adapters.pt")
+        torch.save(snapshots, args.out / f"{name}-stages.pt")  # every stage's adapters (float16), for carry.py
         config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=seed)
-        modes = [("own-stage", lookups), ("final", final)]
-        if mapping:  # only A_T is a run's: every stage is scored with the final features
-            modes.append(("mapped", {**final, **moved}))
-        for stats, lookup in modes:
-            result = replay(data, stages, lookup, config, [16])[16]
-            record = {"experiment": name, "statistics": stats, "train_s": train_s, "s": time.time() - tick, **result}
+        if args.save_tables:
+            torch.save(tables, args.out / f"{name}-tables.pt")
+        carries = [Carry(kind, lam=args.carry_lam) for kind in args.carries.split(",") if kind]
+        for stats in ["final"] + carries:  # the bound (every statistic from the final network), then a run's
+            if stats == "final":
+                result = replay(data, stages, final, config, [16])[16]
+            else:
+                result, stats = replay_carried(tables, data, stages, config, stats), stats.label
+            record = {
+                "experiment": name,
+                "statistics": stats,
+                "train_s": train_s,
+                "s": time.time() - tick,
+                "up_norms": norms,
+                "protected_ranks": ranks,
+                **result,
+            }
             with open(args.out / "staged.jsonl", "a") as log:
                 log.write(json.dumps(record) + "\n")
-            line = " | ".join(
-                f"{kind} Ā {result[kind]['average']:.2f} A_T {result[kind]['last']:.2f} F {result[kind]['forgetting']:.2f}"
-                for kind in ("capped", "full")
+            print(
+                f"{name} [{stats}]: {line(result)} (train {train_s:.0f}s, {time.time() - tick:.0f}s, |Up| {norms[-1]})",
+                flush=True,
             )
-            print(f"{name} [{stats} statistics]: {line} (train {train_s:.0f}s, {time.time() - tick:.0f}s)", flush=True)
     print(f"done in {time.time() - start:.0f}s", flush=True)
 
 
@@ -352,6 +434,11 @@ def main() -> None:
     g.add_argument("--experiments", default=",".join(STAGED))
     g.add_argument("--max-per-class", type=int, default=0, help="a smoke test: N fit and val images a class")
     g.add_argument("--stages", type=int, default=0, help="a smoke test: the first N stages")
+    g.add_argument("--carries", default="stale,rows", help="carry.py's carries replayed (stale: what a run does now)")
+    g.add_argument("--carry-lam", type=float, default=1000.0, help="their per-token ridge map's λ")
+    g.add_argument(
+        "--save-tables", action="store_true", help="write each run's tables for carry.py replay (fp16, 29 MB)"
+    )
     for q in (t, g):
         q.add_argument("--manifest", type=Path, required=True)
         q.add_argument("--weights", type=Path, required=True)

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from first_stage import WEIGHTS, Adapted, plan
 
 from drlcli.data import ImageDataset, ImageSet, eval_transform
