@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
 from drift import move_tokens  # noqa: E402
 from first_stage import WEIGHTS, Adapted, embed_images  # noqa: E402
 from gram_map import gaussian_sums  # noqa: E402
-from replay import plan, replay, stage_scores, summary  # noqa: E402
+from replay import plan, replay, stage_scores, summary, summary_line  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
 from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_SCATTER, PROJECTION  # noqa: E402
@@ -188,13 +188,6 @@ def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry) -
     return {kind: summary(h) for kind, h in history.items()}
 
 
-def line(result: dict) -> str:
-    return " | ".join(
-        f"{kind} Ā {result[kind]['average']:.2f} A_T {result[kind]['last']:.2f} F {result[kind]['forgetting']:.2f}"
-        for kind in ("capped", "full")
-    )
-
-
 def replay_carries(args) -> None:
     saved = torch.load(args.embeds)
     data, stages = plan([args.data], args.seed, "val")
@@ -207,7 +200,7 @@ def replay_carries(args) -> None:
         else:
             result = replay_carried(saved, data, stages, config, carry)
         print(
-            f"{args.embeds.name} seed {args.seed} {carry.label}: {line(result)} ({time.perf_counter() - tick:.0f} s)",
+            f"{args.embeds.name} seed {args.seed} {carry.label}: {summary_line(result)} ({time.perf_counter() - tick:.0f} s)",
             flush=True,
         )
         if args.log:

@@ -107,6 +107,15 @@ def depth_blocks(text: str) -> list[int]:
     return out
 
 
+def learn_only(stage, blocks: str) -> None:
+    """Only these blocks' adapters (``depth_blocks`` syntax) learn: the others' Up gets no gradient, so
+    it stays zero and Down's gradient there is zero too."""
+    keep = torch.zeros(stage.up.shape[0], device=stage.up.device)
+    keep[depth_blocks(blocks)] = 1.0
+    stage.up.register_hook(lambda g: g * keep[:, None, None])
+    stage.up_bias.register_hook(lambda g: g * keep[:, None])
+
+
 def plan(data_dir: Path, seed: int, split: str):
     data = load_data(data_dir, skip_classes={"BACKGROUND_Google"})
     if split == "val":
@@ -128,12 +137,8 @@ def embed(args) -> None:
         labels = [i for i, c in enumerate(first) for _ in data.train[c]]
         images = ImageSet(args.data, tuple(first), tuple(paths), tuple(labels))
         net.new_stage(seed=args.seed)
-        if args.blocks:  # only these blocks' adapters learn: the others' Up stays zero (so does Down's gradient)
-            keep = torch.zeros(len(ptm.blocks))
-            keep[depth_blocks(args.blocks)] = 1.0
-            stage = net.stages[-1]
-            stage.up.register_hook(lambda g: g * keep[:, None, None])
-            stage.up_bias.register_hook(lambda g: g * keep[:, None])
+        if args.blocks:
+            learn_only(net.stages[-1], args.blocks)
             info["blocks"] = args.blocks
         train = TrainConfig(
             epochs=args.epochs,

@@ -50,8 +50,8 @@ from drlcli.stage.train import initial_class_means, train_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
-from carry import Carry, line, replay_carried  # noqa: E402
-from first_stage import Adapted, depth_blocks, embed_images, plan  # noqa: E402
+from carry import Carry, replay_carried  # noqa: E402
+from first_stage import Adapted, embed_images, learn_only, plan  # noqa: E402
 from gpu_adapt import persistent  # noqa: E402
 
 # name -> (kind, order, loss, epochs, lr)
@@ -289,7 +289,7 @@ def staged(args) -> None:  # noqa: C901
     replayed here, on this machine's CPUs: with every statistic from the final network (the bound,
     ``../cov_rank/replay.py``), then as a run would, each stage's statistics from its own network and
     carried to the later ones by ``carry.py``'s ``--carries`` (stale: not moved)."""
-    from replay import replay  # noqa: PLC0415
+    from replay import replay, summary_line  # noqa: PLC0415
 
     from drlcli.benchmark.protocol import BenchmarkData  # noqa: PLC0415
     from drlcli.config import RunConfig  # noqa: PLC0415
@@ -324,11 +324,8 @@ def staged(args) -> None:  # noqa: C901
         net = Adapted(ptm, EaseConfig(adapter_dim=64))
         net.new_stage(seed=seed)
         net.to(device)
-        if blocks:  # only these blocks' adapters learn, as ``first_stage.py embed --blocks``
-            keep = torch.zeros(len(ptm.blocks), device=device)
-            keep[depth_blocks(blocks)] = 1.0
-            net.stages[-1].up.register_hook(lambda g, keep=keep: g * keep[:, None, None])
-            net.stages[-1].up_bias.register_hook(lambda g, keep=keep: g * keep[:, None])
+        if blocks:
+            learn_only(net.stages[-1], blocks)
         if energy:
             null_space(net.stages[-1], projectors)
         tick, seen, train_s, snapshots, norms, ranks = time.time(), [], 0.0, [], [], []
@@ -409,7 +406,7 @@ def staged(args) -> None:  # noqa: C901
             with open(args.out / "staged.jsonl", "a") as log:
                 log.write(json.dumps(record) + "\n")
             print(
-                f"{name} [{stats}]: {line(result)} (train {train_s:.0f}s, {time.time() - tick:.0f}s, |Up| {norms[-1]})",
+                f"{name} [{stats}]: {summary_line(result)} (train {train_s:.0f}s, {time.time() - tick:.0f}s, |Up| {norms[-1]})",
                 flush=True,
             )
     print(f"done in {time.time() - start:.0f}s", flush=True)

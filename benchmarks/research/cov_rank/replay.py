@@ -149,6 +149,14 @@ def summary(history) -> dict:
     return {"average": h.average, "last": h.last, "forgetting": h.mean_forgetting, "accuracy": h.accuracy}
 
 
+def summary_line(result: dict) -> str:
+    """``summary``'s Ā, A_T and F, capped and full, on one line."""
+    return " | ".join(
+        f"{kind} Ā {result[kind]['average']:.2f} A_T {result[kind]['last']:.2f} F {result[kind]['forgetting']:.2f}"
+        for kind in ("capped", "full")
+    )
+
+
 def replay(data, stages, lookup, config: RunConfig, ranks: list[int], lambdas: list[float] | None = None) -> dict:
     """A_t on the seen test images (capped and full) after each stage, for each rank."""
     reports = {(rank, kind): [] for rank in ranks for kind in ("capped", "full")}
@@ -188,12 +196,7 @@ def main() -> None:
         results = replay(data, stages, lookup, config, ranks, lambdas)
         print(f"seed {seed}: λ per stage {' '.join(f'{x:g}' for x in lambdas)}", flush=True)
         for rank, result in results.items():
-            line = " | ".join(
-                f"{kind} Ā {result[kind]['average']:.2f} A_T {result[kind]['last']:.2f} "
-                f"F {result[kind]['forgetting']:.2f}"
-                for kind in ("capped", "full")
-            )
-            print(f"{label} {args.split} seed {seed} rank {rank}: {line}", flush=True)
+            print(f"{label} {args.split} seed {seed} rank {rank}: {summary_line(result)}", flush=True)
             if args.out:
                 record = {"feats": label, "split": args.split, "seed": seed, "rank": rank,
                           "lambda_classes": config.ranpac.lambda_classes, "lambdas": lambdas, **result}  # fmt: skip
