@@ -28,6 +28,7 @@ redrawn there by the data set's own generator, checked against the sha256 of the
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import importlib.util
 import json
@@ -39,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from drlcli.data import ImageDataset, ImageSet, eval_transform
 from drlcli.methods.ease.options import EaseConfig
@@ -51,7 +53,7 @@ from drlcli.stage.train import initial_class_means, train_stage
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
 from carry import Carry, replay_carried  # noqa: E402
-from first_stage import Adapted, embed_images, learn_only, plan  # noqa: E402
+from first_stage import Adapted, embed_images, learn_only, plan, readout  # noqa: E402
 from gpu_adapt import persistent  # noqa: E402
 
 # name -> (kind, order, loss, epochs, lr)
@@ -83,8 +85,47 @@ STAGED = {
     "b05-ce10-lr05-null90-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "null=0.9"),
     "b05-ce5-lr05-null97-1993": (1993, "ce", 5, 0.05, 0.0, None, "blocks=0-5", "null=0.97"),
     "b05-ce5-lr05-null95-1993": (1993, "ce", 5, 0.05, 0.0, None, "blocks=0-5", "null=0.95"),
+    # eighth round: from stage 2 on, the read tokens of the stage's images are held near where the
+    # stage's starting adapters put them (a relative squared distance, times w)
+    "b05-ce10-lr05-dist10-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=10"),
+    "b05-ce10-lr05-dist100-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=100"),
+    "b05-ce10-lr05-dist3-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
 }
 OLD_MEANS: list[torch.Tensor] = []  # ``seen``: the earlier classes' mean features, each from its own stage
+
+
+class Distilled(Adapted):
+    """``dist=w``: with a ``teacher`` (the stage's adapters as they were when it began), forward_train
+    also gives the teacher's read tokens (class token and 2 x 2 layout) and the student's, for
+    ``distilled_loss``; without one, it is ``Adapted``'s."""
+
+    teacher = None  # (weight, a frozen copy of the adapters)
+
+    def forward_train(self, images):
+        if self.teacher is None:
+            return super().forward_train(images)
+        weight, teacher = self.teacher
+        target = self.embed(images, [teacher])
+        stage, ptm = self.stages[-1], self.ptm
+        drop = self.cfg.dropout if stage.training else 0.0
+        x = backbone.embed_tokens(ptm, images)
+        for l, block in enumerate(ptm.blocks):  # EaseNetwork._run, read out as embed does
+            x = x + block.ls1(block.attn(block.norm1(x)))
+            hidden = F.dropout(F.relu(x @ stage.down[l] + stage.down_bias[l]), p=drop, training=drop > 0)
+            x = x + block.ls2(block.mlp(block.norm2(x))) + self.cfg.scale * (hidden @ stage.up[l] + stage.up_bias[l])
+        tokens = readout(ptm, x)
+        return (weight, target, tokens), tokens[:, 0]
+
+
+def distilled_loss(base):
+    def loss(logits, targets, feats, ptm_feats, cfg):
+        if not isinstance(ptm_feats, tuple):
+            return base(logits, targets, feats, ptm_feats, cfg)
+        weight, target, tokens = ptm_feats
+        drift = (tokens - target).pow(2).sum(-1) / target.pow(2).sum(-1)
+        return base(logits, targets, feats, None, cfg) + weight * drift.mean()
+
+    return loss
 
 
 def with_earlier_classes(make_classifier):
@@ -285,7 +326,9 @@ def train(args) -> None:
 
 
 def staged(args) -> None:  # noqa: C901
-    """Adapters carried from stage to stage (``blocks=``: only those blocks' adapters learn). The head is
+    """Adapters carried from stage to stage (``blocks=``: only those blocks' adapters learn; ``null=ε``:
+    after stage 1, only orthogonally to the earlier images' adapter inputs; ``dist=w``: after stage 1,
+    w times the stage's images' relative squared move of the read tokens is added to the loss). The head is
     replayed here, on this machine's CPUs: with every statistic from the final network (the bound,
     ``../cov_rank/replay.py``), then as a run would, each stage's statistics from its own network and
     carried to the later ones by ``carry.py``'s ``--carries`` (stale: not moved)."""
@@ -297,6 +340,7 @@ def staged(args) -> None:  # noqa: C901
     start = time.time()
     device, manifest, ptm, cfg = setup(args)
     stage_train._classifier = with_earlier_classes(stage_train._classifier)
+    stage_train.stage_loss = distilled_loss(stage_train.stage_loss)
     root = args.sketches / "101_ObjectCategories"
     args.out.mkdir(parents=True, exist_ok=True)
     adapters = {}
@@ -308,6 +352,7 @@ def staged(args) -> None:  # noqa: C901
         seen_classes = "seen" in flags
         blocks = next((f.partition("=")[2] for f in flags if f.startswith("blocks=")), "")
         energy = float(next((f.partition("=")[2] for f in flags if f.startswith("null=")), 0))
+        distill = float(next((f.partition("=")[2] for f in flags if f.startswith("dist=")), 0))
         projectors: dict = {}
         moments = None
         OLD_MEANS.clear()
@@ -321,14 +366,14 @@ def staged(args) -> None:  # noqa: C901
             {c: [root / p for p in ps] for c, ps in val.items()},
             "sketch, validation split 0.2 of train",
         )
-        net = Adapted(ptm, EaseConfig(adapter_dim=64))
+        net = Distilled(ptm, EaseConfig(adapter_dim=64))
         net.new_stage(seed=seed)
         net.to(device)
         if blocks:
             learn_only(net.stages[-1], blocks)
         if energy:
             null_space(net.stages[-1], projectors)
-        tick, seen, train_s, snapshots, norms, ranks = time.time(), [], 0.0, [], [], []
+        tick, seen, train_s, snapshots, norms, ranks, drifts = time.time(), [], 0.0, [], [], [], []
         tables: dict = {"after": {}, "before": {}, "val": []}  # what a run sees, as ``carry.py embed`` writes it
         for k, names in enumerate(stages):
             stage_epochs, stage_lr = first if (k == 0 and first) else (epochs, lr)
@@ -355,8 +400,12 @@ def staged(args) -> None:  # noqa: C901
                         images.paths,
                         tuple(label + len(seen) for label in images.labels),
                     )
+                if distill and k:
+                    teacher = copy.deepcopy(net.stages[-1]).requires_grad_(False).eval()
+                    net.teacher = (distill, teacher)
                 t0 = time.time()
                 train_stage(net, images, config, cfg)
+                net.teacher = None
                 net.stages[-1].requires_grad_(True)  # train_stage freezes the stage it trained: carry it on
                 train_s += time.time() - t0
                 if energy:  # the stage's images through its trained adapters join the protected inputs
@@ -377,6 +426,8 @@ def staged(args) -> None:  # noqa: C901
             feats = embed(net, rels, args.sketches, cfg, args.workers, device).float()
             keys = [str(root / r) for r in rels]
             tables["after"].update(zip(keys[: len(own)], feats[: len(own)]))
+            moved = (feats[: len(own)] - before).pow(2).sum((1, 2)) / before.pow(2).sum((1, 2))
+            drifts.append(float(f"{moved.mean().item():.3g}"))  # the stage's own images, relative squared move
             tables["val"].append(dict(zip(keys[len(own) :], feats[len(own) :])))
         rels = sorted({p for part in (fit, val) for c in seen for p in part[c]})
         final = dict(
@@ -401,6 +452,7 @@ def staged(args) -> None:  # noqa: C901
                 "s": time.time() - tick,
                 "up_norms": norms,
                 "protected_ranks": ranks,
+                "drifts": drifts,
                 **result,
             }
             with open(args.out / "staged.jsonl", "a") as log:
