@@ -116,6 +116,7 @@ class Carry:
     rank: int = RANK
     draws: str = "100"
     mid_draws: str = "20"
+    draw_seed: int = 0  # gauss: another sample of the draws (0: the seventh round's)
 
     @property
     def label(self) -> str:
@@ -125,6 +126,7 @@ class Carry:
             "both": f"λ {self.lam:g} + sdc σ² {self.sigma:g}",
         }
         gauss = f" rank {self.rank} draws {self.mid_draws}/{self.draws}" if self.kind == "gauss" else ""
+        gauss += f" draw seed {self.draw_seed}" if self.kind == "gauss" and self.draw_seed else ""
         return self.kind + ("" if self.kind in ("stale", "final") else f" {how[self.move]}") + gauss
 
 
@@ -173,7 +175,16 @@ def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry) -
         draws = "rows" if carry.kind == "rows" else (carry.draws if k == len(stages) else carry.mid_draws)
         projection = weights[0][PROJECTION].double()
         qs, grams, moments, scatter = gaussian_sums(
-            data, stages, config, k, moved, projection, head.layout_grid, draws, config.train.seed + k, carry.rank
+            data,
+            stages,
+            config,
+            k,
+            moved,
+            projection,
+            head.layout_grid,
+            draws,
+            config.train.seed + k + 7919 * carry.draw_seed,
+            carry.rank,
         )
         for stats, tensors, (means, covariances), q in zip(statistics, weights, moments, qs):
             tensors[COV_MEAN], tensors[COV_COVARIANCE] = means.float(), covariances.float()
@@ -194,7 +205,9 @@ def replay_carries(args) -> None:
     config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
     for kind in args.carries.split(","):
         tick = time.perf_counter()
-        carry = Carry(kind, args.move, args.lam, args.sigma, args.gauss_rank, args.draws, args.mid_draws)
+        carry = Carry(
+            kind, args.move, args.lam, args.sigma, args.gauss_rank, args.draws, args.mid_draws, args.draw_seed
+        )
         if kind == "final":  # the bound: every statistic from the last network (``embed --freeze-after``)
             result = replay(data, stages, saved["final"], config, [RANK])[RANK]
         else:
@@ -228,6 +241,7 @@ def main() -> None:
     r.add_argument("--gauss-rank", type=int, default=RANK)
     r.add_argument("--draws", default="100", help="gauss: draws a row at the last stage")
     r.add_argument("--mid-draws", default="20", help="gauss: draws a row at the others")
+    r.add_argument("--draw-seed", type=int, default=0, help="gauss: another sample of the draws")
     r.add_argument("--log", type=Path, help="JSON lines appended here")
     for q in (e, r):
         q.add_argument("--data", type=Path, required=True)
