@@ -56,9 +56,13 @@ class Adapted(EaseNetwork):
 
     @torch.no_grad()
     def embed(self, images, stages=None, weight: float = 1.0):
+        """``read`` without gradients."""
+        return self.read(images, stages, weight)
+
+    def read(self, images, stages=None, weight: float = 1.0, dropout: float = 0.0):
         """(B, 1 + 4, d): the class token and the 2 x 2 layout of the final patch tokens, through the
         newest stage's adapters, or through several ``stages`` merged into one stream (every block
-        adds ``weight`` times the sum of their outputs)."""
+        adds ``weight`` times the sum of their outputs); ``dropout`` on the adapters' hidden units."""
         ptm = self.ptm
         if stages is None:
             stages = list(self.stages)[-1:]
@@ -68,7 +72,11 @@ class Adapted(EaseNetwork):
                 x = block(x)
                 continue
             x = x + block.ls1(block.attn(block.norm1(x)))
-            added = sum(F.relu(x @ s.down[l] + s.down_bias[l]) @ s.up[l] + s.up_bias[l] for s in stages)
+            added = sum(
+                F.dropout(F.relu(x @ s.down[l] + s.down_bias[l]), p=dropout, training=dropout > 0) @ s.up[l]
+                + s.up_bias[l]
+                for s in stages
+            )
             x = x + block.ls2(block.mlp(block.norm2(x))) + self.cfg.scale * weight * added
         return readout(ptm, x)
 

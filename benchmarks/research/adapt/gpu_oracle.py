@@ -40,7 +40,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from drlcli.data import ImageDataset, ImageSet, eval_transform
 from drlcli.methods.ease.options import EaseConfig
@@ -53,7 +52,7 @@ from drlcli.stage.train import initial_class_means, train_stage
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
 from carry import Carry, replay_carried  # noqa: E402
-from first_stage import Adapted, embed_images, learn_only, plan, readout  # noqa: E402
+from first_stage import Adapted, embed_images, learn_only, plan  # noqa: E402
 from gpu_adapt import persistent  # noqa: E402
 
 # name -> (kind, order, loss, epochs, lr)
@@ -109,16 +108,9 @@ class Distilled(Adapted):
         if self.teacher is None:
             return super().forward_train(images)
         weight, teacher = self.teacher
-        target = self.embed(images, [teacher])
-        stage, ptm = self.stages[-1], self.ptm
-        drop = self.cfg.dropout if stage.training else 0.0
-        x = backbone.embed_tokens(ptm, images)
-        for l, block in enumerate(ptm.blocks):  # EaseNetwork._run, read out as embed does
-            x = x + block.ls1(block.attn(block.norm1(x)))
-            hidden = F.dropout(F.relu(x @ stage.down[l] + stage.down_bias[l]), p=drop, training=drop > 0)
-            x = x + block.ls2(block.mlp(block.norm2(x))) + self.cfg.scale * (hidden @ stage.up[l] + stage.up_bias[l])
-        tokens = readout(ptm, x)
-        return (weight, target, tokens), tokens[:, 0]
+        stage = self.stages[-1]
+        tokens = self.read(images, dropout=self.cfg.dropout if stage.training else 0.0)  # as EaseNetwork._run
+        return (weight, self.embed(images, [teacher]), tokens), tokens[:, 0]
 
 
 def distilled_loss(base):
