@@ -93,6 +93,13 @@ STAGED = {
     "b05-ce10-lr05-dist3-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
     "b05-ce10-lr05-dist10-1995": (1995, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=10"),
     "b05-ce10-lr05-dist3-1995": (1995, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
+    # ninth round: the same on the Caltech-101 photos (``photo``: the bundles' photos, not their sketches)
+    "frozen-photo-1993": (1993, "ce", 0, 0.0, 0.0, None, "photo"),
+    "frozen-photo-1994": (1994, "ce", 0, 0.0, 0.0, None, "photo"),
+    "frozen-photo-1995": (1995, "ce", 0, 0.0, 0.0, None, "photo"),
+    "b05-ce10-lr05-dist3-photo-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo"),
+    "b05-ce10-lr05-dist3-photo-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo"),
+    "b05-ce10-lr05-dist3-photo-1995": (1995, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo"),
 }
 OLD_MEANS: list[torch.Tensor] = []  # ``seen``: the earlier classes' mean features, each from its own stage
 
@@ -194,9 +201,10 @@ def pack(args) -> None:
     rels = sorted(
         line for line in (args.sketch / "train.txt").read_text().split() if not line.startswith("BACKGROUND_Google")
     )
-    manifest: dict = {"sha256": {}, "orders": {}}
+    manifest: dict = {"sha256": {}, "photo_sha256": {}, "orders": {}}
     for rel in rels:
         manifest["sha256"][rel] = hashlib.sha256((root / rel).read_bytes()).hexdigest()
+        manifest["photo_sha256"][rel] = hashlib.sha256((caltech / photo(rel)).read_bytes()).hexdigest()
     for seed in (1993, 1994, 1995):
         data, stages = plan(args.sketch, seed, "val")
         manifest["orders"][seed] = {
@@ -204,7 +212,7 @@ def pack(args) -> None:
             "fit": {c: [str(Path(p).relative_to(root)) for p in data.train[c]] for c in data.train},
             "val": {c: [str(Path(p).relative_to(root)) for p in data.test[c]] for c in data.test},
         }
-    sizes = [(caltech / (r[:-4] + ".jpg")).stat().st_size for r in rels]
+    sizes = [(caltech / photo(r)).stat().st_size for r in rels]
     half, total = sum(sizes) * args.first_share, 0
     for out in outs:
         shutil.rmtree(out, ignore_errors=True)
@@ -216,17 +224,23 @@ def pack(args) -> None:
     for rel, size in zip(rels, sizes):
         out = outs[0] if total < half else outs[1]
         total += size
-        dst = out / "photos" / (rel[:-4] + ".jpg")
+        dst = out / "photos" / photo(rel)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(caltech / (rel[:-4] + ".jpg"), dst)
+        shutil.copy(caltech / photo(rel), dst)
     (outs[1] / "manifest.json").write_text(json.dumps(manifest))
     for out in outs:
         mib = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
         print(f"{out}: {mib:.1f} MiB")
 
 
+def photo(rel: str) -> str:
+    """The Caltech-101 photo a sketch is drawn from (``a/b.png`` -> ``a/b.jpg``)."""
+    return rel[:-4] + ".jpg"
+
+
 def draw(args) -> None:
-    """The sketches of one bundle's photos, by make.py's own ``sketch``, in parallel."""
+    """The sketches of one bundle's photos, by make.py's own ``sketch``, in parallel; the photos
+    themselves beside them (``<dst>/../photo``), for the ``photo`` experiments."""
     spec = importlib.util.spec_from_file_location("make", args.src / "make.py")
     make = importlib.util.module_from_spec(spec)
     sys.modules["make"] = make  # the worker processes unpickle make.sketch by its module's name
@@ -238,18 +252,20 @@ def draw(args) -> None:
     tick = time.time()
     with ProcessPoolExecutor() as ex:
         list(ex.map(make.sketch, jobs, chunksize=16))
+    shutil.copytree(args.src / "photos", args.dst.parent / "photo" / "101_ObjectCategories", dirs_exist_ok=True)
     if (args.src / "weights.safetensors").is_file():
         shutil.copy(args.src / "weights.safetensors", args.dst.parent / "weights.safetensors")
     print(f"drew {len(jobs)} sketches from {args.src} in {time.time() - tick:.0f}s", flush=True)
 
 
-def check(manifest: dict, sketches: Path) -> None:
+def check(manifest: dict, sketches: Path, kind: str = "sketches") -> None:
     root = sketches / "101_ObjectCategories"
-    missing = [r for r in manifest["sha256"] if not (root / r).is_file()]
+    sums = manifest["sha256"] if kind == "sketches" else {photo(r): d for r, d in manifest["photo_sha256"].items()}
+    missing = [r for r in sums if not (root / r).is_file()]
     if missing:
-        sys.exit(f"{len(missing)} sketches missing (first {missing[0]}): was the first bundle drawn on this machine?")
-    same = sum(hashlib.sha256((root / r).read_bytes()).hexdigest() == d for r, d in manifest["sha256"].items())
-    print(f"{same} of {len(manifest['sha256'])} sketches byte-identical to make.py's here", flush=True)
+        sys.exit(f"{len(missing)} {kind} missing (first {missing[0]}): was the first bundle drawn on this machine?")
+    same = sum(hashlib.sha256((root / r).read_bytes()).hexdigest() == d for r, d in sums.items())
+    print(f"{same} of {len(sums)} {kind} byte-identical to the manifest's", flush=True)
 
 
 def images_of(sketches: Path, names: list[str], fit: dict) -> ImageSet:
@@ -324,7 +340,8 @@ def train(args) -> None:
 def staged(args) -> None:  # noqa: C901
     """Adapters carried from stage to stage (``blocks=``: only those blocks' adapters learn; ``null=ε``:
     after stage 1, only orthogonally to the earlier images' adapter inputs; ``dist=w``: after stage 1,
-    w times the stage's images' relative squared move of the read tokens is added to the loss). The head is
+    w times the stage's images' relative squared move of the read tokens is added to the loss; ``photo``: on the
+    Caltech-101 photos the sketches are drawn from, ``--photos``). The head is
     replayed here, on this machine's CPUs: with every statistic from the final network (the bound,
     ``../cov_rank/replay.py``), then as a run would, each stage's statistics from its own network and
     carried to the later ones by ``carry.py``'s ``--carries`` (stale: not moved)."""
@@ -337,9 +354,8 @@ def staged(args) -> None:  # noqa: C901
     device, manifest, ptm, cfg = setup(args)
     stage_train._classifier = with_earlier_classes(stage_train._classifier)
     stage_train.stage_loss = distilled_loss(stage_train.stage_loss)
-    root = args.sketches / "101_ObjectCategories"
     args.out.mkdir(parents=True, exist_ok=True)
-    adapters = {}
+    adapters, checked = {}, set()
     for name in args.experiments.split(","):
         if time.time() - start > args.budget:
             print(f"budget spent: {name} and later not run", flush=True)
@@ -354,13 +370,19 @@ def staged(args) -> None:  # noqa: C901
         OLD_MEANS.clear()
         order = manifest["orders"][str(seed)]
         cap = args.max_per_class or None
-        fit = {c: ps[:cap] for c, ps in order["fit"].items()}
-        val = {c: ps[:cap] for c, ps in order["val"].items()}
+        named = photo if "photo" in flags else str  # the photos a sketch is drawn from, or the sketch
+        fit = {c: [named(p) for p in ps[:cap]] for c, ps in order["fit"].items()}
+        val = {c: [named(p) for p in ps[:cap]] for c, ps in order["val"].items()}
+        base = args.photos if "photo" in flags else args.sketches
+        if "photo" in flags and base not in checked:
+            check(manifest, base, "photos")
+            checked.add(base)
+        root = base / "101_ObjectCategories"
         stages = order["stages"][: args.stages or None]
         data = BenchmarkData(
             {c: [root / p for p in ps] for c, ps in fit.items()},
             {c: [root / p for p in ps] for c, ps in val.items()},
-            "sketch, validation split 0.2 of train",
+            f"{'photo' if 'photo' in flags else 'sketch'}, validation split 0.2 of train",
         )
         net = Distilled(ptm, EaseConfig(adapter_dim=64))
         net.new_stage(seed=seed)
@@ -374,7 +396,7 @@ def staged(args) -> None:  # noqa: C901
         for k, names in enumerate(stages):
             stage_epochs, stage_lr = first if (k == 0 and first) else (epochs, lr)
             own = [p for c in sorted(names) for p in fit[c]]
-            before = embed(net, own, args.sketches, cfg, args.workers, device).float()  # what the map is fitted from
+            before = embed(net, own, base, cfg, args.workers, device).float()  # what the map is fitted from
             tables["before"].update(zip([str(root / r) for r in own], before))
             if stage_epochs:
                 config = TrainConfig(
@@ -387,7 +409,7 @@ def staged(args) -> None:  # noqa: C901
                     num_workers=args.workers,
                     weight_decay=0.0 if (energy and projectors) else TrainConfig().weight_decay,
                 )
-                images = images_of(args.sketches, sorted(names), fit)
+                images = images_of(base, sorted(names), fit)
                 if seen_classes:
                     config = replace(config, head_init="prototypes")
                     images = ImageSet(
@@ -405,30 +427,28 @@ def staged(args) -> None:  # noqa: C901
                 net.stages[-1].requires_grad_(True)  # train_stage freezes the stage it trained: carry it on
                 train_s += time.time() - t0
                 if energy:  # the stage's images through its trained adapters join the protected inputs
-                    c_in, c_h = adapter_moments(net, own, args.sketches, cfg, args.workers, device)
+                    c_in, c_h = adapter_moments(net, own, base, cfg, args.workers, device)
                     moments = (c_in, c_h) if moments is None else (moments[0] + c_in, moments[1] + c_h)
                     (projectors["in"], rank_in), (projectors["h"], rank_h) = (
                         energy_projector(m, energy) for m in moments
                     )
                     ranks.append((round(rank_in, 1), round(rank_h, 1)))
                 if seen_classes:
-                    new = images_of(args.sketches, sorted(names), fit)
+                    new = images_of(base, sorted(names), fit)
                     OLD_MEANS.append(initial_class_means(net, new, cfg, batch_size=64, num_workers=args.workers))
                     net.stages[-1].train()
             snapshots.append({k: v.detach().cpu().half() for k, v in net.stages[-1].state_dict().items()})
             norms.append(round(net.stages[-1].up.detach().norm().item(), 4))
             seen += sorted(names)
             rels = own + [p for c in seen for p in val[c]]
-            feats = embed(net, rels, args.sketches, cfg, args.workers, device).float()
+            feats = embed(net, rels, base, cfg, args.workers, device).float()
             keys = [str(root / r) for r in rels]
             tables["after"].update(zip(keys[: len(own)], feats[: len(own)]))
             moved = (feats[: len(own)] - before).pow(2).sum((1, 2)) / before.pow(2).sum((1, 2))
             drifts.append(float(f"{moved.mean().item():.3g}"))  # the stage's own images, relative squared move
             tables["val"].append(dict(zip(keys[len(own) :], feats[len(own) :])))
         rels = sorted({p for part in (fit, val) for c in seen for p in part[c]})
-        final = dict(
-            zip([str(root / r) for r in rels], embed(net, rels, args.sketches, cfg, args.workers, device).float())
-        )
+        final = dict(zip([str(root / r) for r in rels], embed(net, rels, base, cfg, args.workers, device).float()))
         adapters[name] = {k: v.detach().cpu() for k, v in net.stages[-1].state_dict().items()}
         torch.save(adapters, args.out / "staged-adapters.pt")
         torch.save(snapshots, args.out / f"{name}-stages.pt")  # every stage's adapters (float16), for carry.py
@@ -488,6 +508,7 @@ def main() -> None:
         q.add_argument("--manifest", type=Path, required=True)
         q.add_argument("--weights", type=Path, required=True)
         q.add_argument("--sketches", type=Path, default=Path("/tmp/sketch"))
+        q.add_argument("--photos", type=Path, default=Path("/tmp/photo"), help="for the photo experiments")
         q.add_argument("--out", type=Path, required=True)
         q.add_argument("--budget", type=float, default=330.0, help="seconds; no new experiment starts after")
         q.add_argument("--workers", type=int, default=14)
