@@ -93,6 +93,11 @@ STAGED = {
     "b05-ce10-lr05-dist3-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
     "b05-ce10-lr05-dist10-1995": (1995, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=10"),
     "b05-ce10-lr05-dist3-1995": (1995, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
+    # ninth round: a weaker pull (its bound fell from +5.05 to +3.94 capped at w 3 on order 1993), longer stages
+    "b05-ce10-lr05-dist1-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=1"),
+    "b05-ce10-lr05-dist1-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=1"),
+    "b05-ce10-lr05-dist2-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=2"),
+    "b05-ce20-lr05-dist3-1994": (1994, "ce", 20, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
     # ninth round: the same on the Caltech-101 photos (``photo``: the bundles' photos, not their sketches)
     "frozen-photo-1993": (1993, "ce", 0, 0.0, 0.0, None, "photo"),
     "frozen-photo-1994": (1994, "ce", 0, 0.0, 0.0, None, "photo"),
