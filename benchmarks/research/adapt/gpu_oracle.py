@@ -209,7 +209,7 @@ def pack(args) -> None:
     manifest: dict = {"sha256": {}, "photo_sha256": {}, "orders": {}}
     for rel in rels:
         manifest["sha256"][rel] = hashlib.sha256((root / rel).read_bytes()).hexdigest()
-        manifest["photo_sha256"][rel] = hashlib.sha256((caltech / photo(rel)).read_bytes()).hexdigest()
+        manifest["photo_sha256"][photo(rel)] = hashlib.sha256((caltech / photo(rel)).read_bytes()).hexdigest()
     for seed in (1993, 1994, 1995):
         data, stages = plan(args.sketch, seed, "val")
         manifest["orders"][seed] = {
@@ -263,9 +263,9 @@ def draw(args) -> None:
     print(f"drew {len(jobs)} sketches from {args.src} in {time.time() - tick:.0f}s", flush=True)
 
 
-def check(manifest: dict, sketches: Path, kind: str = "sketches") -> None:
-    root = sketches / "101_ObjectCategories"
-    sums = manifest["sha256"] if kind == "sketches" else {photo(r): d for r, d in manifest["photo_sha256"].items()}
+def check(manifest: dict, images: Path, kind: str = "sketches") -> None:
+    root = images / "101_ObjectCategories"
+    sums = manifest["sha256"] if kind == "sketches" else manifest["photo_sha256"]
     missing = [r for r in sums if not (root / r).is_file()]
     if missing:
         sys.exit(f"{len(missing)} {kind} missing (first {missing[0]}): was the first bundle drawn on this machine?")
@@ -273,15 +273,15 @@ def check(manifest: dict, sketches: Path, kind: str = "sketches") -> None:
     print(f"{same} of {len(sums)} {kind} byte-identical to the manifest's", flush=True)
 
 
-def images_of(sketches: Path, names: list[str], fit: dict) -> ImageSet:
-    root = sketches / "101_ObjectCategories"
+def images_of(images: Path, names: list[str], fit: dict) -> ImageSet:
+    root = images / "101_ObjectCategories"
     paths = [root / p for c in names for p in fit[c]]
     labels = [i for i, c in enumerate(names) for _ in fit[c]]
-    return ImageSet(sketches, tuple(names), tuple(paths), tuple(labels))
+    return ImageSet(images, tuple(names), tuple(paths), tuple(labels))
 
 
-def embed(net, rels: list[str], sketches: Path, cfg, workers: int, device) -> torch.Tensor:
-    return embed_images(net, [sketches / "101_ObjectCategories" / r for r in rels], cfg, workers, device)
+def embed(net, rels: list[str], images: Path, cfg, workers: int, device) -> torch.Tensor:
+    return embed_images(net, [images / "101_ObjectCategories" / r for r in rels], cfg, workers, device)
 
 
 def setup(args):
@@ -360,7 +360,7 @@ def staged(args) -> None:  # noqa: C901
     stage_train._classifier = with_earlier_classes(stage_train._classifier)
     stage_train.stage_loss = distilled_loss(stage_train.stage_loss)
     args.out.mkdir(parents=True, exist_ok=True)
-    adapters, checked = {}, set()
+    adapters, checked = {}, False  # checked: the photos, once
     for name in args.experiments.split(","):
         if time.time() - start > args.budget:
             print(f"budget spent: {name} and later not run", flush=True)
@@ -375,19 +375,20 @@ def staged(args) -> None:  # noqa: C901
         OLD_MEANS.clear()
         order = manifest["orders"][str(seed)]
         cap = args.max_per_class or None
-        named = photo if "photo" in flags else str  # the photos a sketch is drawn from, or the sketch
+        on_photos = "photo" in flags
+        named = photo if on_photos else str  # the photos a sketch is drawn from, or the sketch
         fit = {c: [named(p) for p in ps[:cap]] for c, ps in order["fit"].items()}
         val = {c: [named(p) for p in ps[:cap]] for c, ps in order["val"].items()}
-        base = args.photos if "photo" in flags else args.sketches
-        if "photo" in flags and base not in checked:
+        base = args.photos if on_photos else args.sketches
+        if on_photos and not checked:
             check(manifest, base, "photos")
-            checked.add(base)
+            checked = True
         root = base / "101_ObjectCategories"
         stages = order["stages"][: args.stages or None]
         data = BenchmarkData(
             {c: [root / p for p in ps] for c, ps in fit.items()},
             {c: [root / p for p in ps] for c, ps in val.items()},
-            f"{'photo' if 'photo' in flags else 'sketch'}, validation split 0.2 of train",
+            f"{'photo' if on_photos else 'sketch'}, validation split 0.2 of train",
         )
         net = Distilled(ptm, EaseConfig(adapter_dim=64))
         net.new_stage(seed=seed)
