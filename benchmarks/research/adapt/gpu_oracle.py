@@ -62,6 +62,7 @@ EXPERIMENTS = {
     "joint-das20-1993": ("joint", 1993, "das", 20, 0.01),
     "joint-ce20-1994": ("joint", 1994, "ce", 20, 0.01),
 }
+B2 = ("inc=2", "stages=5")  # a first stage of 2 classes: B2 Inc2 over the same class order, its first 5 stages
 # ``staged``: the realistic protocol. name -> (order, loss, epochs, lr, kd, (stage-1 epochs, lr) or None)
 STAGED = {
     "frozen-1993": (1993, "ce", 0, 0.0, 0.0, None),
@@ -105,6 +106,15 @@ STAGED = {
     "b05-ce10-lr05-dist3-photo-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo"),
     "b05-ce10-lr05-dist3-photo-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo"),
     "b05-ce10-lr05-dist3-photo-1995": (1995, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo"),
+    # tenth round: a first stage of 2 classes (``B2``)
+    "frozen-photo-b2-1993": (1993, "ce", 0, 0.0, 0.0, None, "photo", *B2),
+    "b05-ce10-lr05-dist3-photo-b2-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo", *B2),
+    "frozen-photo-b2-1994": (1994, "ce", 0, 0.0, 0.0, None, "photo", *B2),
+    "b05-ce10-lr05-dist3-photo-b2-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo", *B2),
+    "frozen-photo-b2-1995": (1995, "ce", 0, 0.0, 0.0, None, "photo", *B2),
+    "b05-ce10-lr05-dist3-photo-b2-1995": (1995, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", "photo", *B2),
+    "frozen-b2-1993": (1993, "ce", 0, 0.0, 0.0, None, *B2),
+    "b05-ce10-lr05-dist3-b2-1993": (1993, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=3", *B2),
 }
 OLD_MEANS: list[torch.Tensor] = []  # ``seen``: the earlier classes' mean features, each from its own stage
 
@@ -352,7 +362,7 @@ def staged(args) -> None:  # noqa: C901
     carried to the later ones by ``carry.py``'s ``--carries`` (stale: not moved)."""
     from replay import replay, summary_line  # noqa: PLC0415
 
-    from drlcli.benchmark.protocol import BenchmarkData  # noqa: PLC0415
+    from drlcli.benchmark.protocol import BenchmarkData, stage_classes  # noqa: PLC0415
     from drlcli.config import RunConfig  # noqa: PLC0415
 
     start = time.time()
@@ -384,7 +394,13 @@ def staged(args) -> None:  # noqa: C901
             check(manifest, base, "photos")
             checked = True
         root = base / "101_ObjectCategories"
-        stages = order["stages"][: args.stages or None]
+        stages = order["stages"]
+        inc = int(next((f.partition("=")[2] for f in flags if f.startswith("inc=")), 0))
+        if inc:  # B{inc} Inc{inc} over the same class order, its first ``stages=`` stages
+            sequence = [c for names in stages for c in names]
+            stages = stage_classes(sequence, inc, inc)
+            stages = stages[: int(next((f.partition("=")[2] for f in flags if f.startswith("stages=")), len(stages)))]
+        stages = stages[: args.stages or None]
         data = BenchmarkData(
             {c: [root / p for p in ps] for c, ps in fit.items()},
             {c: [root / p for p in ps] for c, ps in val.items()},

@@ -104,8 +104,10 @@ def gaussian_sums(
         means = torch.zeros(len(names), width_x, dtype=STAT_DTYPE)
         covariances = torch.zeros(len(names), width_x, width_x, dtype=STAT_DTYPE)
         for i, c in enumerate(names):
-            rows = moved[c]
-            if draws == "rows":
+            rows = moved[c]  # (n, S, d), or a class Gaussian (``carry.StoredGaussian``)
+            if hasattr(rows, "draw"):
+                samples = rows.draw(int(draws) * len(rows), generator)
+            elif draws == "rows":
                 samples = rows
             else:
                 flat = rows.flatten(1)
