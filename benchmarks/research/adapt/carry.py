@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
 from drift import move_tokens, ridge_map  # noqa: E402
 from first_stage import WEIGHTS, Adapted, embed_images  # noqa: E402
-from gram_map import gaussian_sums  # noqa: E402
+from gram_map import StoredGaussian, gaussian_sums  # noqa: E402
 from replay import plan, replay, stage_scores, summary, summary_line  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
@@ -134,57 +134,6 @@ class Carry:
         return self.kind + ("" if self.kind in ("stale", "final") else f" {how[self.move]}") + gauss
 
 
-class StoredGaussian:
-    """One class as a run could keep it (tenth round): the mean of its rows (S·d), their ``rank``
-    leading directions (r, S·d) and the spread σ of the rest, taken once at the class's own stage, then
-    moved by every later stage's per-token ridge maps. ``exact``: the isotropic rest is moved too (each
-    token's linear parts multiplied into ``linear``, (S, d, d)); otherwise it stays isotropic."""
-
-    def __init__(self, mean, factor, spread, linear, n, shape):
-        self.mean, self.factor, self.spread, self.linear, self.n, self.tokens = mean, factor, spread, linear, n, shape
-
-    def __len__(self) -> int:
-        return self.n
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.n, *self.tokens)
-
-    @classmethod
-    def of(cls, rows: torch.Tensor, rank: int) -> StoredGaussian:
-        flat = rows.flatten(1)
-        mean = flat.mean(0)
-        factor = (flat - mean) / max(len(rows) - 1, 1) ** 0.5
-        spread = 0.0
-        if rank and rank < len(rows):
-            _, sv, vh = torch.linalg.svd(factor, full_matrices=False)
-            spread = (float((sv[rank:] ** 2).sum()) / flat.shape[1]) ** 0.5
-            factor = sv[:rank, None] * vh[:rank]
-        return cls(mean, factor, spread, None, len(rows), tuple(rows.shape[1:]))
-
-    def moved(self, maps: list, exact: bool) -> StoredGaussian:
-        """Each token t by y = x + x B_t + b_t (``maps``: (B_t, b_t) per token)."""
-        mean, factor = self.mean.view(self.tokens).clone(), self.factor.view(len(self.factor), *self.tokens).clone()
-        linear = self.linear
-        if exact and linear is None:
-            linear = torch.eye(self.tokens[1], dtype=mean.dtype).expand(self.tokens[0], -1, -1)
-        steps = []
-        for t, (b_mat, b) in enumerate(maps):
-            mean[t] = mean[t] + mean[t] @ b_mat + b
-            factor[:, t] = factor[:, t] + factor[:, t] @ b_mat
-            if exact:
-                steps.append(linear[t] + linear[t] @ b_mat)
-        linear = torch.stack(steps) if exact else None
-        return StoredGaussian(mean.flatten(), factor.flatten(1), self.spread, linear, self.n, self.tokens)
-
-    def draw(self, number: int, generator: torch.Generator) -> torch.Tensor:
-        z = torch.randn(number, len(self.factor), generator=generator, dtype=self.mean.dtype)
-        noise = torch.randn(number, *self.tokens, generator=generator, dtype=self.mean.dtype) * self.spread
-        if self.linear is not None:
-            noise = torch.einsum("nsd,sde->nse", noise, self.linear)
-        return (self.mean + z @ self.factor).view(number, *self.tokens) + noise
-
-
 def shift(rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor, carry: Carry) -> torch.Tensor:
     """(n, S, d) ``rows`` moved by the drift from ``x`` to ``y`` (m, S, d), this stage's images before and
     after: ``ridge``, one linear map per token (``drift.move_tokens``, λ); ``sdc``, each row by the mean
@@ -223,24 +172,17 @@ def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry) -
             moved[c] = torch.stack([saved["after"][str(p)] for p in data.train[c]]).double()
         if carry.kind == "stale":
             return
+        own = [str(p) for c in names[k - 1] for p in data.train[c]]
+        x, y = (torch.stack([saved[when][p] for p in own]).double() for when in ("before", "after"))
         if carry.kind in ("stored", "stored-iso"):  # the class Gaussians a run could keep, moved stage by stage
             for c in names[k - 2]:
                 moved[c] = StoredGaussian.of(moved[c], carry.rank)
-            own = [str(p) for c in names[k - 1] for p in data.train[c]]
-            x, y = (torch.stack([saved[when][p] for p in own]).double() for when in ("before", "after"))
             maps = [ridge_map(x[:, t], y[:, t], carry.lam) for t in range(x.shape[1])]
             moved.update({c: g.moved(maps, exact=carry.kind == "stored") for c, g in moved.items()})
-            draws = carry.draws if k == len(stages) else carry.mid_draws
-            set_sums(weights, statistics, head, k, draws)
-            return
-        own = [str(p) for c in names[k - 1] for p in data.train[c]]
-        x, y = (torch.stack([saved[when][p] for p in own]).double() for when in ("before", "after"))
-        shifted = shift(torch.cat(list(moved.values())), x, y, carry).split([len(r) for r in moved.values()])
-        moved.update(zip(list(moved), shifted))
+        else:
+            shifted = shift(torch.cat(list(moved.values())), x, y, carry).split([len(r) for r in moved.values()])
+            moved.update(zip(list(moved), shifted))
         draws = "rows" if carry.kind == "rows" else (carry.draws if k == len(stages) else carry.mid_draws)
-        set_sums(weights, statistics, head, k, draws)
-
-    def set_sums(weights: list[dict], statistics: list[dict], head, k: int, draws: str) -> None:
         projection = weights[0][PROJECTION].double()
         qs, grams, moments, scatter = gaussian_sums(
             data,

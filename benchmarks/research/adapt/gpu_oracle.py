@@ -352,6 +352,11 @@ def train(args) -> None:
     print(f"done in {time.time() - start:.0f}s", flush=True)
 
 
+def flag(flags: list[str], name: str, default):
+    """The value of an experiment's ``name=value`` flag, or ``default``."""
+    return next((f.partition("=")[2] for f in flags if f.startswith(name + "=")), default)
+
+
 def staged(args) -> None:  # noqa: C901
     """Adapters carried from stage to stage (``blocks=``: only those blocks' adapters learn; ``null=ε``:
     after stage 1, only orthogonally to the earlier images' adapter inputs; ``dist=w``: after stage 1,
@@ -377,9 +382,9 @@ def staged(args) -> None:  # noqa: C901
             break
         seed, loss, epochs, lr, kd, first, *flags = STAGED[name]
         seen_classes = "seen" in flags
-        blocks = next((f.partition("=")[2] for f in flags if f.startswith("blocks=")), "")
-        energy = float(next((f.partition("=")[2] for f in flags if f.startswith("null=")), 0))
-        distill = float(next((f.partition("=")[2] for f in flags if f.startswith("dist=")), 0))
+        blocks = flag(flags, "blocks", "")
+        energy = float(flag(flags, "null", 0))
+        distill = float(flag(flags, "dist", 0))
         projectors: dict = {}
         moments = None
         OLD_MEANS.clear()
@@ -395,11 +400,11 @@ def staged(args) -> None:  # noqa: C901
             checked = True
         root = base / "101_ObjectCategories"
         stages = order["stages"]
-        inc = int(next((f.partition("=")[2] for f in flags if f.startswith("inc=")), 0))
+        inc = int(flag(flags, "inc", 0))
         if inc:  # B{inc} Inc{inc} over the same class order, its first ``stages=`` stages
             sequence = [c for names in stages for c in names]
             stages = stage_classes(sequence, inc, inc)
-            stages = stages[: int(next((f.partition("=")[2] for f in flags if f.startswith("stages=")), len(stages)))]
+            stages = stages[: int(flag(flags, "stages", len(stages)))]
         stages = stages[: args.stages or None]
         data = BenchmarkData(
             {c: [root / p for p in ps] for c, ps in fit.items()},

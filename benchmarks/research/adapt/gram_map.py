@@ -72,6 +72,57 @@ def move(weights: list[dict], statistics: list[dict], t_phi: torch.Tensor | None
         tensors[COV_SHARED] = (t_x.T @ tensors[COV_SHARED].double() @ t_x).float()
 
 
+class StoredGaussian:
+    """One class's Gaussian (``gaussian_sums``; as a run could keep it, carry.py's ``stored``): the mean of its rows (S·d), their ``rank``
+    leading directions (r, S·d) and the spread σ of the rest, taken once at the class's own stage, then
+    moved by every later stage's per-token ridge maps. ``exact``: the isotropic rest is moved too (each
+    token's linear parts multiplied into ``linear``, (S, d, d)); otherwise it stays isotropic."""
+
+    def __init__(self, mean, factor, spread, linear, n, shape):
+        self.mean, self.factor, self.spread, self.linear, self.n, self.tokens = mean, factor, spread, linear, n, shape
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.n, *self.tokens)
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, rank: int) -> StoredGaussian:
+        flat = rows.flatten(1)
+        mean = flat.mean(0)
+        factor = (flat - mean) / max(len(rows) - 1, 1) ** 0.5
+        spread = 0.0
+        if rank and rank < len(rows):
+            _, sv, vh = torch.linalg.svd(factor, full_matrices=False)
+            spread = (float((sv[rank:] ** 2).sum()) / flat.shape[1]) ** 0.5
+            factor = sv[:rank, None] * vh[:rank]
+        return cls(mean, factor, spread, None, len(rows), tuple(rows.shape[1:]))
+
+    def moved(self, maps: list, exact: bool) -> StoredGaussian:
+        """Each token t by y = x + x B_t + b_t (``maps``: (B_t, b_t) per token)."""
+        mean, factor = self.mean.view(self.tokens).clone(), self.factor.view(len(self.factor), *self.tokens).clone()
+        linear = self.linear
+        if exact and linear is None:
+            linear = torch.eye(self.tokens[1], dtype=mean.dtype).expand(self.tokens[0], -1, -1)
+        steps = []
+        for t, (b_mat, b) in enumerate(maps):
+            mean[t] = mean[t] + mean[t] @ b_mat + b
+            factor[:, t] = factor[:, t] + factor[:, t] @ b_mat
+            if exact:
+                steps.append(linear[t] + linear[t] @ b_mat)
+        linear = torch.stack(steps) if exact else None
+        return StoredGaussian(mean.flatten(), factor.flatten(1), self.spread, linear, self.n, self.tokens)
+
+    def draw(self, number: int, generator: torch.Generator) -> torch.Tensor:
+        z = torch.randn(number, len(self.factor), generator=generator, dtype=self.mean.dtype)
+        noise = torch.randn(number, *self.tokens, generator=generator, dtype=self.mean.dtype) * self.spread
+        if self.linear is not None:
+            noise = torch.einsum("nsd,sde->nse", noise, self.linear)
+        return (self.mean + z @ self.factor).view(number, *self.tokens) + noise
+
+
 def gaussian_sums(
     data,
     stages,
@@ -104,24 +155,12 @@ def gaussian_sums(
         means = torch.zeros(len(names), width_x, dtype=STAT_DTYPE)
         covariances = torch.zeros(len(names), width_x, width_x, dtype=STAT_DTYPE)
         for i, c in enumerate(names):
-            rows = moved[c]  # (n, S, d), or a class Gaussian (``carry.StoredGaussian``)
-            if hasattr(rows, "draw"):
-                samples = rows.draw(int(draws) * len(rows), generator)
-            elif draws == "rows":
+            rows = moved[c]  # (n, S, d), or a class Gaussian already (``StoredGaussian``)
+            if draws == "rows":
                 samples = rows
             else:
-                flat = rows.flatten(1)
-                mean = flat.mean(0)
-                factor = (flat - mean) / max(len(rows) - 1, 1) ** 0.5  # F: FᵀF is the class covariance
-                spread = 0.0
-                if rank and rank < len(rows):  # its r leading directions and the rest as isotropic noise
-                    _, sv, vh = torch.linalg.svd(factor, full_matrices=False)
-                    spread = (float((sv[rank:] ** 2).sum()) / flat.shape[1]) ** 0.5
-                    factor = sv[:rank, None] * vh[:rank]
-                number = int(draws) * len(rows)
-                z = torch.randn(number, len(factor), generator=generator, dtype=flat.dtype)
-                noise = torch.randn(number, flat.shape[1], generator=generator, dtype=flat.dtype) * spread
-                samples = (mean + z @ factor + noise).view(-1, *rows.shape[1:])
+                gaussian = rows if isinstance(rows, StoredGaussian) else StoredGaussian.of(rows, rank)
+                samples = gaussian.draw(int(draws) * len(rows), generator)
             x = covariance_input(samples)
             means[i], covariances[i] = x.mean(0), torch.cov(x.T)
             scatter += (len(rows) - 1) * covariances[i]
