@@ -99,6 +99,8 @@ STAGED = {
     "b05-ce10-lr05-dist1-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=1"),
     "b05-ce10-lr05-dist2-1994": (1994, "ce", 10, 0.05, 0.0, None, "blocks=0-5", "dist=2"),
     "b05-ce20-lr05-dist3-1994": (1994, "ce", 20, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
+    "b05-ce20-lr05-dist3-1993": (1993, "ce", 20, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
+    "b05-ce20-lr05-dist3-1995": (1995, "ce", 20, 0.05, 0.0, None, "blocks=0-5", "dist=3"),
     # ninth round: the same on the Caltech-101 photos (``photo``: the bundles' photos, not their sketches)
     "frozen-photo-1993": (1993, "ce", 0, 0.0, 0.0, None, "photo"),
     "frozen-photo-1994": (1994, "ce", 0, 0.0, 0.0, None, "photo"),
