@@ -40,13 +40,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cov_rank"))
-from drift import move_tokens, ridge_map  # noqa: E402
+from drift import move_tokens  # noqa: E402
 from first_stage import WEIGHTS, Adapted, embed_images  # noqa: E402
 from gram_map import StoredGaussian, gaussian_sums  # noqa: E402
 from replay import plan, replay, stage_scores, summary, summary_line  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
 from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_SCATTER, PROJECTION  # noqa: E402
+from drlcli.heads.ridge.carry import TokenMaps  # noqa: E402
 from drlcli.heads.ridge.statistics import pack  # noqa: E402
 from drlcli.methods.ease.options import EaseConfig  # noqa: E402
 from drlcli.metrics import accuracy_report  # noqa: E402
@@ -177,7 +178,7 @@ def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry) -
         if carry.kind in ("stored", "stored-iso"):  # the class Gaussians a run could keep, moved stage by stage
             for c in names[k - 2]:
                 moved[c] = StoredGaussian.of(moved[c], carry.rank)
-            maps = [ridge_map(x[:, t], y[:, t], carry.lam) for t in range(x.shape[1])]
+            maps = TokenMaps.fit(x, y, carry.lam)
             moved.update({c: g.moved(maps, exact=carry.kind == "stored") for c, g in moved.items()})
         else:
             shifted = shift(torch.cat(list(moved.values())), x, y, carry).split([len(r) for r in moved.values()])

@@ -24,14 +24,7 @@ from replay import plan, replay  # noqa: E402
 
 from drlcli.benchmark.protocol import BenchmarkData  # noqa: E402
 from drlcli.config import RunConfig  # noqa: E402
-
-
-def ridge_map(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, b) with y ≈ x + x B + b, by ridge on the residual (B shrinks to 0: no drift)."""
-    mx, my = x.mean(0), y.mean(0)
-    xc, rc = x - mx, (y - x) - (my - mx)
-    b_mat = torch.linalg.solve(xc.T @ xc + lam * torch.eye(x.shape[1], dtype=x.dtype), xc.T @ rc)
-    return b_mat, (my - mx) - mx @ b_mat
+from drlcli.heads.ridge.carry import ridge_map  # noqa: E402
 
 
 def move_tokens(rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:

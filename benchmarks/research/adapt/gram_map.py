@@ -38,6 +38,7 @@ from replay import plan, stage_scores  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
 from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_SCATTER, COV_SHARED, PROJECTION  # noqa: E402
+from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps  # noqa: E402
 from drlcli.heads.ridge.covariance import covariance_input  # noqa: E402
 from drlcli.heads.ridge.head import expand, head_input  # noqa: E402
 from drlcli.heads.ridge.statistics import STAT_DTYPE, pack, unpack, validation_mask  # noqa: E402
@@ -73,54 +74,30 @@ def move(weights: list[dict], statistics: list[dict], t_phi: torch.Tensor | None
 
 
 class StoredGaussian:
-    """One class's Gaussian (``gaussian_sums``; as a run could keep it, carry.py's ``stored``): the mean of its rows (S·d), their ``rank``
-    leading directions (r, S·d) and the spread σ of the rest, taken once at the class's own stage, then
-    moved by every later stage's per-token ridge maps. ``exact``: the isotropic rest is moved too (each
-    token's linear parts multiplied into ``linear``, (S, d, d)); otherwise it stays isotropic."""
+    """One class's Gaussian for ``gaussian_sums`` (carry.py's ``gauss`` and ``stored``): the package's
+    ``ClassGaussians`` (drlcli/heads/ridge/carry.py: mean, ``rank`` leading directions, the spread σ
+    of the rest) holding that class alone. ``moved``: by a stage's ``TokenMaps``; ``exact`` moves
+    the isotropic rest too (by the product of the maps' linear parts), else it stays isotropic."""
 
-    def __init__(self, mean, factor, spread, linear, n, shape):
-        self.mean, self.factor, self.spread, self.linear, self.n, self.tokens = mean, factor, spread, linear, n, shape
+    def __init__(self, group: ClassGaussians):
+        self.group = group
 
     def __len__(self) -> int:
-        return self.n
+        return int(self.group.counts[0])
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return (self.n, *self.tokens)
+        return (len(self), *self.group.tokens)
 
     @classmethod
     def of(cls, rows: torch.Tensor, rank: int) -> StoredGaussian:
-        flat = rows.flatten(1)
-        mean = flat.mean(0)
-        factor = (flat - mean) / max(len(rows) - 1, 1) ** 0.5
-        spread = 0.0
-        if rank and rank < len(rows):
-            _, sv, vh = torch.linalg.svd(factor, full_matrices=False)
-            spread = (float((sv[rank:] ** 2).sum()) / flat.shape[1]) ** 0.5
-            factor = sv[:rank, None] * vh[:rank]
-        return cls(mean, factor, spread, None, len(rows), tuple(rows.shape[1:]))
+        return cls(ClassGaussians.of([rows], rank))
 
-    def moved(self, maps: list, exact: bool) -> StoredGaussian:
-        """Each token t by y = x + x B_t + b_t (``maps``: (B_t, b_t) per token)."""
-        mean, factor = self.mean.view(self.tokens).clone(), self.factor.view(len(self.factor), *self.tokens).clone()
-        linear = self.linear
-        if exact and linear is None:
-            linear = torch.eye(self.tokens[1], dtype=mean.dtype).expand(self.tokens[0], -1, -1)
-        steps = []
-        for t, (b_mat, b) in enumerate(maps):
-            mean[t] = mean[t] + mean[t] @ b_mat + b
-            factor[:, t] = factor[:, t] + factor[:, t] @ b_mat
-            if exact:
-                steps.append(linear[t] + linear[t] @ b_mat)
-        linear = torch.stack(steps) if exact else None
-        return StoredGaussian(mean.flatten(), factor.flatten(1), self.spread, linear, self.n, self.tokens)
+    def moved(self, maps: TokenMaps, exact: bool) -> StoredGaussian:
+        return StoredGaussian(self.group.moved(maps, exact))
 
     def draw(self, number: int, generator: torch.Generator) -> torch.Tensor:
-        z = torch.randn(number, len(self.factor), generator=generator, dtype=self.mean.dtype)
-        noise = torch.randn(number, *self.tokens, generator=generator, dtype=self.mean.dtype) * self.spread
-        if self.linear is not None:
-            noise = torch.einsum("nsd,sde->nse", noise, self.linear)
-        return (self.mean + z @ self.factor).view(number, *self.tokens) + noise
+        return self.group.draw(0, number, generator)
 
 
 def gaussian_sums(

@@ -1,0 +1,224 @@
+"""Old classes carried across a stage that moves the network (issue 32; research in
+``docs/research/adaptation-bounds.md``, eighth to eleventh rounds).
+
+When a stage retrains the network the ridge head reads, the earlier classes' sums (G, Q) describe
+features that no longer exist, and a run keeps no image to recompute them. What it can keep is
+each class as a Gaussian of the head's input tokens (the class token and the layout cells: S
+tokens of width d), taken once at the class's own stage, and move it with the network:
+
+- ``TokenMaps``: one ridge map per token, fitted on the new stage's own images embedded before
+  and after its training, y ≈ x + x B_t + b_t (B_t shrinks to 0 with λ: no move);
+- ``ClassGaussians``: the classes of one stage, each as its mean, its ``rank`` leading
+  covariance directions (scaled: draws are mean + zᵀF) and the spread σ of the rest (isotropic
+  when taken). A move maps the mean and the directions by each token's map, and the isotropic
+  rest by the product of the maps' linear parts, shared by the group (``linear``). Draws from
+  them stand in for the old classes' images when the head's sums are rebuilt.
+
+Pure tensor maths: nothing here reads a run or a network. Float64 throughout is the caller's
+choice; every operation keeps the dtype it is given. Not yet read by any method: the
+``ranpac`` preset that will read it is planned in ``docs/research/carried-preset-plan.md``; the
+research harness (``benchmarks/research/adapt/carry.py``) replays its runs through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def ridge_map(x: Tensor, y: Tensor, lam: float) -> tuple[Tensor, Tensor]:
+    """(B, b) with y ≈ x + x B + b, by ridge on the centred residual (x, y: (n, d))."""
+    mx, my = x.mean(0), y.mean(0)
+    xc, rc = x - mx, (y - x) - (my - mx)
+    b_mat = torch.linalg.solve(xc.T @ xc + lam * torch.eye(x.shape[1], dtype=x.dtype), xc.T @ rc)
+    return b_mat, (my - mx) - mx @ b_mat
+
+
+@dataclass(frozen=True)
+class TokenMaps:
+    """One affine map per token: y_t = x_t + x_t B_t + b_t."""
+
+    linear: Tensor  # (S, d, d): B_t
+    shift: Tensor  # (S, d): b_t
+    move: float  # the fitted images' mean relative squared move, Σ‖y − x‖² / Σ‖x‖² per image
+
+    @classmethod
+    def fit(cls, before: Tensor, after: Tensor, lam: float) -> TokenMaps:
+        """From the same images' tokens (n, S, d) before and after a stage's training; λ absolute."""
+        if before.shape != after.shape or before.dim() != 3:
+            raise ValueError(
+                f"before and after must be the same (n, S, d) tokens, not {before.shape} and {after.shape}"
+            )
+        if lam <= 0:
+            raise ValueError(f"the maps' λ must be positive, not {lam}")
+        parts = [ridge_map(before[:, t], after[:, t], lam) for t in range(before.shape[1])]
+        moved = (after - before).pow(2).sum((1, 2)) / before.pow(2).sum((1, 2)).clamp_min(1e-30)
+        return cls(
+            torch.stack([b_mat for b_mat, _ in parts]),
+            torch.stack([b for _, b in parts]),
+            float(moved.mean()),
+        )
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        """(n, S, d) tokens moved."""
+        return rows + torch.einsum("nsd,sde->nse", rows, self.linear) + self.shift
+
+
+@dataclass(frozen=True)
+class ClassGaussians:
+    """The classes of one stage, each a Gaussian of its (S, d) tokens.
+
+    A class's draw is mean + zᵀ F + ε Lᵀ-moved: z ~ N(0, I_r) over its ``ranks[c]`` directions
+    (``factors[c, :ranks[c]]``), ε ~ N(0, σ_c² I) the isotropic rest, then ε by ``linear``
+    (per token, the product of every later map's I + B_t; None while no map moved the group).
+    """
+
+    means: Tensor  # (C, S, d)
+    factors: Tensor  # (C, r, S, d); rows past ranks[c] are zero
+    ranks: Tensor  # (C,) int64
+    spreads: Tensor  # (C,) σ of the isotropic rest (float64 whatever the rows' dtype)
+    counts: Tensor  # (C,) int64: the images each class was taken from
+    linear: Tensor | None = None  # (S, d, d)
+
+    @classmethod
+    def of(cls, rows: list[Tensor], rank: int) -> ClassGaussians:
+        """One Gaussian per class from its rows (n_c, S, d): the mean, and when ``rank`` < n_c the
+        ``rank`` leading directions of the centred rows / √(n_c − 1) with σ² the rest's mean
+        energy per coordinate; else every centred row (σ 0: exact to the second moment)."""
+        if not rows:
+            raise ValueError("no class to take a Gaussian of")
+        shape = tuple(rows[0].shape[1:])
+        means, factors, spreads = [], [], []
+        for class_rows in rows:
+            if tuple(class_rows.shape[1:]) != shape or len(class_rows) == 0:
+                raise ValueError(f"every class needs rows of shape (n > 0, {shape}), not {tuple(class_rows.shape)}")
+            flat = class_rows.flatten(1)
+            mean = flat.mean(0)
+            factor = (flat - mean) / max(len(class_rows) - 1, 1) ** 0.5
+            spread = 0.0
+            if rank and rank < len(class_rows):
+                _, sv, vh = torch.linalg.svd(factor, full_matrices=False)
+                spread = (float((sv[rank:] ** 2).sum()) / flat.shape[1]) ** 0.5
+                factor = sv[:rank, None] * vh[:rank]
+            means.append(mean.view(shape))
+            factors.append(factor.view(len(factor), *shape))
+            spreads.append(spread)
+        width = max(len(f) for f in factors)
+        padded = torch.zeros(len(rows), width, *shape, dtype=rows[0].dtype)
+        for c, factor in enumerate(factors):
+            padded[c, : len(factor)] = factor
+        return cls(
+            torch.stack(means),
+            padded,
+            torch.tensor([len(f) for f in factors]),
+            torch.tensor(spreads, dtype=torch.float64),
+            torch.tensor([len(r) for r in rows]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.means)
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        return tuple(self.means.shape[1:])
+
+    def moved(self, maps: TokenMaps, exact: bool = True) -> ClassGaussians:
+        """Every class by ``maps``; ``exact`` False leaves the isotropic rest isotropic."""
+        if tuple(maps.shift.shape) != self.tokens:
+            raise ValueError(f"maps of tokens {tuple(maps.shift.shape)} cannot move Gaussians of {self.tokens}")
+        means, factors = self.means.clone(), self.factors.clone()
+        for c in range(len(self)):  # class by class, token by token: the research harness's own order of operations
+            for t in range(self.tokens[0]):
+                means[c, t] = means[c, t] + means[c, t] @ maps.linear[t] + maps.shift[t]
+                factors[c, :, t] = factors[c, :, t] + factors[c, :, t] @ maps.linear[t]
+        linear = None
+        if exact:
+            start = self.linear
+            if start is None:
+                start = torch.eye(self.tokens[1], dtype=self.means.dtype).expand(self.tokens[0], -1, -1)
+            linear = torch.stack([start[t] + start[t] @ maps.linear[t] for t in range(self.tokens[0])])
+        return ClassGaussians(means, factors, self.ranks, self.spreads, self.counts, linear)
+
+    def draw(self, c: int, number: int, generator: torch.Generator) -> Tensor:
+        """``number`` draws (number, S, d) of class ``c``, from ``generator``."""
+        dtype = self.means.dtype
+        factor = self.factors[c, : int(self.ranks[c])].flatten(1)
+        z = torch.randn(number, len(factor), generator=generator, dtype=dtype)
+        noise = torch.randn(number, *self.tokens, generator=generator, dtype=dtype) * float(self.spreads[c])
+        if self.linear is not None:
+            noise = torch.einsum("nsd,sde->nse", noise, self.linear)
+        return (self.means[c].flatten() + z @ factor).view(number, *self.tokens) + noise
+
+    def joined(self, other: ClassGaussians) -> ClassGaussians:
+        """This group's classes, then ``other``'s: only when neither was moved (or both by the
+        same maps, which the caller vouches for by passing equal ``linear``)."""
+        if self.tokens != other.tokens:
+            raise ValueError(f"cannot join Gaussians of tokens {self.tokens} and {other.tokens}")
+        same = (self.linear is None and other.linear is None) or (
+            self.linear is not None and other.linear is not None and torch.equal(self.linear, other.linear)
+        )
+        if not same:
+            raise ValueError("classes moved by different maps keep separate groups")
+        width = max(self.factors.shape[1], other.factors.shape[1])
+        return ClassGaussians(
+            torch.cat([self.means, other.means]),
+            torch.cat([_pad(self.factors, width), _pad(other.factors, width)]),
+            torch.cat([self.ranks, other.ranks]),
+            torch.cat([self.spreads, other.spreads]),
+            torch.cat([self.counts, other.counts]),
+            self.linear,
+        )
+
+    def to_tensors(self, prefix: str) -> dict[str, Tensor]:
+        out = {
+            f"{prefix}mean": self.means,
+            f"{prefix}factor": self.factors,
+            f"{prefix}rank": self.ranks,
+            f"{prefix}spread": self.spreads,
+            f"{prefix}count": self.counts,
+        }
+        if self.linear is not None:
+            out[f"{prefix}linear"] = self.linear
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], prefix: str) -> ClassGaussians:
+        """``to_tensors``' inverse; every shape checked (ValueError names the first that is off)."""
+        try:
+            means = tensors[f"{prefix}mean"]
+            factors, ranks = tensors[f"{prefix}factor"], tensors[f"{prefix}rank"]
+            spreads, counts = tensors[f"{prefix}spread"], tensors[f"{prefix}count"]
+        except KeyError as missing:
+            raise ValueError(f"class Gaussians lack {missing.args[0]}") from None
+        linear = tensors.get(f"{prefix}linear")
+        if means.dim() != 3:
+            raise ValueError(f"{prefix}mean must be (C, S, d), not {tuple(means.shape)}")
+        classes, shape = len(means), tuple(means.shape[1:])
+        expected = {
+            "factor": (factors, (classes, factors.shape[1] if factors.dim() == 4 else -1, *shape)),
+            "rank": (ranks, (classes,)),
+            "spread": (spreads, (classes,)),
+            "count": (counts, (classes,)),
+        }
+        if linear is not None:
+            expected["linear"] = (linear, (shape[0], shape[1], shape[1]))
+        for name, (tensor, want) in expected.items():
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"{prefix}{name} must be {want}, not {tuple(tensor.shape)}")
+        if ranks.dtype.is_floating_point or bool(((ranks < 0) | (ranks > factors.shape[1])).any()):
+            raise ValueError(f"{prefix}rank must be integers within 0..{factors.shape[1]}")
+        if counts.dtype.is_floating_point or bool((counts < 1).any()):
+            raise ValueError(f"{prefix}count must be positive integers")
+        if not bool(torch.isfinite(spreads).all()) or bool((spreads < 0).any()):
+            raise ValueError(f"{prefix}spread must be finite and not negative")
+        return cls(means, factors, ranks, spreads, counts, linear)
+
+
+def _pad(factors: Tensor, width: int) -> Tensor:
+    if factors.shape[1] == width:
+        return factors
+    out = factors.new_zeros(len(factors), width, *factors.shape[2:])
+    out[:, : factors.shape[1]] = factors
+    return out

@@ -1,0 +1,159 @@
+"""heads/ridge/carry.py: per-token ridge maps and class Gaussians moved by them."""
+
+import pytest
+import torch
+
+from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps
+
+S, D = 3, 6
+
+
+def _planted(n=400, seed=0):
+    """Tokens x and y = x + x B + b per token, with known (B, b)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, S, D, generator=g, dtype=torch.float64)
+    linear = 0.1 * torch.randn(S, D, D, generator=g, dtype=torch.float64)
+    shift = torch.randn(S, D, generator=g, dtype=torch.float64)
+    y = x + torch.einsum("nsd,sde->nse", x, linear) + shift
+    return x, y, linear, shift
+
+
+def test_token_maps_recover_a_planted_affine_map():
+    x, y, linear, shift = _planted()
+    maps = TokenMaps.fit(x, y, lam=1e-9)
+    assert torch.allclose(maps.linear, linear, atol=1e-6)
+    assert torch.allclose(maps.shift, shift, atol=1e-6)
+    assert torch.allclose(maps(x), y, atol=1e-6)
+    expected = ((y - x).pow(2).sum((1, 2)) / x.pow(2).sum((1, 2))).mean()
+    assert maps.move == pytest.approx(float(expected))
+
+
+def test_token_maps_of_unmoved_images_are_the_identity():
+    x, _, _, _ = _planted()
+    maps = TokenMaps.fit(x, x.clone(), lam=1000.0)
+    assert maps.move == 0.0
+    assert torch.equal(maps(x), x)
+
+
+def test_a_large_lambda_keeps_only_the_shift():
+    x, y, _, _ = _planted()
+    maps = TokenMaps.fit(x, y, lam=1e12)
+    assert maps.linear.abs().max() < 1e-6
+    assert torch.allclose(maps.shift, (y - x).mean(0), atol=1e-4)  # every image moved by the mean move
+
+
+@pytest.mark.parametrize(
+    "before, after, lam", [((5, S, D), (4, S, D), 1.0), ((5, S * D), (5, S * D), 1.0), ((5, S, D), (5, S, D), 0.0)]
+)
+def test_token_maps_refuse_mismatched_tokens_and_a_zero_lambda(before, after, lam):
+    with pytest.raises(ValueError):
+        TokenMaps.fit(torch.zeros(before), torch.zeros(after), lam)
+
+
+def _classes(sizes=(30, 8, 25), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, S, D, generator=g, dtype=torch.float64) * (c + 1) + c for c, n in enumerate(sizes)]
+
+
+def test_full_rank_gaussians_hold_the_exact_class_moments():
+    rows = _classes()
+    gaussians = ClassGaussians.of(rows, rank=64)  # above every class's size: every centred row kept
+    assert gaussians.ranks.tolist() == [30, 8, 25]
+    assert torch.equal(gaussians.spreads, torch.zeros(3, dtype=torch.float64))
+    assert gaussians.counts.tolist() == [30, 8, 25]
+    for c, class_rows in enumerate(rows):
+        flat = class_rows.flatten(1)
+        factor = gaussians.factors[c, : gaussians.ranks[c]].flatten(1)
+        assert torch.allclose(gaussians.means[c].flatten(), flat.mean(0))
+        assert torch.allclose(factor.T @ factor, torch.cov(flat.T))
+        assert gaussians.factors[c, gaussians.ranks[c] :].abs().sum() == 0  # padding
+
+
+def test_low_rank_gaussians_keep_the_total_variance():
+    rows = _classes()
+    gaussians = ClassGaussians.of(rows, rank=4)
+    assert gaussians.ranks.tolist() == [4, 4, 4]
+    for c, class_rows in enumerate(rows):
+        total = torch.cov(class_rows.flatten(1).T).trace()
+        kept = gaussians.factors[c].pow(2).sum() + gaussians.spreads[c] ** 2 * S * D
+        assert float(kept) == pytest.approx(float(total))
+
+
+def test_moving_full_rank_gaussians_equals_taking_them_of_the_moved_rows():
+    rows = _classes()
+    x, y, _, _ = _planted(seed=3)
+    maps = TokenMaps.fit(x, y, lam=1.0)
+    moved = ClassGaussians.of(rows, rank=64).moved(maps)
+    direct = ClassGaussians.of([maps(r) for r in rows], rank=64)
+    assert torch.allclose(moved.means, direct.means)
+    for c in range(len(rows)):
+        a = moved.factors[c, : moved.ranks[c]].flatten(1)
+        b = direct.factors[c, : direct.ranks[c]].flatten(1)
+        assert torch.allclose(a.T @ a, b.T @ b)
+    linear = torch.eye(D, dtype=torch.float64) + maps.linear
+    assert torch.allclose(moved.linear, linear)
+    again = moved.moved(maps)
+    assert torch.allclose(again.linear, linear @ linear)  # the isotropic rest: every map's linear part, in order
+
+
+def test_an_unmoving_map_changes_nothing_and_the_inexact_move_keeps_the_rest_isotropic():
+    rows = _classes()
+    gaussians = ClassGaussians.of(rows, rank=4)
+    x = torch.randn(50, S, D, dtype=torch.float64)
+    same = gaussians.moved(TokenMaps.fit(x, x.clone(), lam=10.0))
+    assert torch.equal(same.means, gaussians.means) and torch.equal(same.factors, gaussians.factors)
+    assert torch.equal(same.linear, torch.eye(D, dtype=torch.float64).expand(S, -1, -1))
+    assert gaussians.moved(TokenMaps.fit(x, x + 1.0, lam=10.0), exact=False).linear is None
+
+
+def test_draws_are_seeded_and_follow_the_gaussian():
+    rows = _classes(sizes=(40, 40))
+    x, y, _, _ = _planted(seed=4)
+    gaussians = ClassGaussians.of(rows, rank=6).moved(TokenMaps.fit(x, y, lam=1.0))
+    first = gaussians.draw(1, 20, torch.Generator().manual_seed(9))
+    assert first.shape == (20, S, D)
+    assert torch.equal(first, gaussians.draw(1, 20, torch.Generator().manual_seed(9)))
+    many = gaussians.draw(1, 60000, torch.Generator().manual_seed(10)).flatten(1)
+    factor = gaussians.factors[1, :6].flatten(1)
+    rest = torch.block_diag(*(gaussians.linear[t].T @ gaussians.linear[t] for t in range(S)))
+    expected = factor.T @ factor + float(gaussians.spreads[1]) ** 2 * rest
+    assert torch.allclose(many.mean(0), gaussians.means[1].flatten(), atol=0.05)
+    assert torch.allclose(torch.cov(many.T), expected, atol=0.1 * float(expected.diagonal().max()))
+
+
+def test_join_and_tensors_round_trip():
+    a = ClassGaussians.of(_classes(sizes=(10, 3)), rank=4)
+    b = ClassGaussians.of(_classes(sizes=(12,), seed=2), rank=8)
+    joined = a.joined(b)
+    assert len(joined) == 3 and joined.factors.shape[1] == 8 and joined.ranks.tolist() == [4, 3, 8]
+    back = ClassGaussians.from_tensors(joined.to_tensors("carry_"), "carry_")
+    assert all(
+        torch.equal(getattr(back, f), getattr(joined, f)) for f in ("means", "factors", "ranks", "spreads", "counts")
+    )
+    x = torch.randn(30, S, D, dtype=torch.float64)
+    moved = a.moved(TokenMaps.fit(x, x * 1.01, lam=1.0))
+    assert torch.equal(ClassGaussians.from_tensors(moved.to_tensors("g."), "g.").linear, moved.linear)
+    with pytest.raises(ValueError, match="different maps"):
+        moved.joined(b)
+
+
+@pytest.mark.parametrize(
+    "name, bad, message",
+    [
+        ("factor", torch.zeros(2, 4, S, D + 1), "factor must be"),
+        ("rank", torch.tensor([1.0, 2.0]), "rank must be integers"),
+        ("rank", torch.tensor([1, 9]), "rank must be integers"),
+        ("count", torch.tensor([0, 3]), "count must be positive"),
+        ("spread", torch.tensor([float("nan"), 0.0], dtype=torch.float64), "spread must be finite"),
+        ("linear", torch.zeros(S, D, D - 1), "linear must be"),
+    ],
+)
+def test_from_tensors_names_the_tensor_that_is_off(name, bad, message):
+    tensors = ClassGaussians.of(_classes(sizes=(10, 3)), rank=4).to_tensors("c.")
+    tensors[f"c.{name}"] = bad
+    with pytest.raises(ValueError, match=message):
+        ClassGaussians.from_tensors(tensors, "c.")
+    del tensors[f"c.{name}"]
+    if name != "linear":
+        with pytest.raises(ValueError, match="lack"):
+            ClassGaussians.from_tensors(tensors, "c.")
