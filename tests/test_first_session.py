@@ -111,6 +111,8 @@ def test_plain_ranpac_trains_and_stores_no_network(tmp_path, stage_folders):
     [
         ({"first_session": {"peft": "adaptformer"}, "train": {"kd_weight": 0.5}}, "train.kd_weight must be 0"),
         ({"first_session": {"peft": "ssf"}}, "first_session.peft must be one of"),
+        ({"first_session": {"peft": "adaptformer", "blocks": 0.0}}, "first_session.blocks must be"),
+        ({"first_session": {"peft": "adaptformer", "blocks": 1.5}}, "first_session.blocks must be"),
     ],
 )
 def test_first_session_options_are_checked(sections, problem):
@@ -118,6 +120,38 @@ def test_first_session_options_are_checked(sections, problem):
 
     with pytest.raises(UsageError, match=problem):
         validate(RunConfig.for_method("ranpac", sections))
+
+
+def test_leading_blocks_only_are_adapted_as_a_full_set_with_zero_adapters_after_them(images):
+    ptm = _tiny_ptm().eval()  # 4 blocks
+    half = FirstSessionNetwork(ptm, FirstSessionConfig(blocks=0.5, dropout=0.0))
+    full = FirstSessionNetwork(ptm, FirstSessionConfig(dropout=0.0))
+    assert half.adapted_blocks == 2 and FirstSessionNetwork(ptm, FirstSessionConfig(blocks=0.01)).adapted_blocks == 1
+    lead, every = half.new_stage(seed=3), full.new_stage(seed=3)
+    assert lead.down.shape[0] == 2 and every.down.shape[0] == 4
+    with torch.no_grad():
+        for p in lead.parameters():
+            p.normal_(0.0, 0.5)
+        for name, p in every.named_parameters():
+            p.zero_()
+            p[:2] = getattr(lead, name)
+        torch.testing.assert_close(half(images), full(images))
+        assert not torch.allclose(half(images), FirstSessionNetwork(ptm, FirstSessionConfig())(images), atol=1e-4)
+
+
+def test_a_run_with_half_the_blocks_adapted_stores_and_reloads_them(tmp_path, stage_folders, images):
+    run = tmp_path / "run"
+    sections = {**SMALL, "first_session": {"blocks": 0.5}}
+    config = RunConfig.for_method("ranpac", sections, preset="published")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    result = learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    assert (
+        result.num_params
+        == FirstSessionNetwork(_tiny_ptm(), FirstSessionConfig(blocks=0.5)).new_stage(seed=0).num_params()
+    )
+    model = load_run(run, device="cpu").model
+    assert model.network.stages[0].up.shape[0] == 2 and model.network.stages[0].up.abs().sum() > 0
+    assert "blocks: 0.5" in (run / "run.yaml").read_text()
 
 
 def test_cli_init_preset_published(tmp_path):

@@ -2,7 +2,8 @@
 AdaptFormer adapter set, trained on stage 1's classes and frozen afterwards.
 
 In every block an adapter runs parallel to the MLP and reads the post-attention stream, as in
-the public RanPAC code (``ffn_option parallel``, no adapter layer norm, r 64, s 0.1):
+the public RanPAC code (``ffn_option parallel``, no adapter layer norm, r 64, s 0.1); with
+``first_session.blocks`` below 1, only the leading blocks have one:
 
     x = x + Attn(LN1(x));   x = x + MLP(LN2(x)) + s·Up(ReLU(Down(x)))
 
@@ -48,11 +49,16 @@ class FirstSessionNetwork(nn.Module):
         """Width of ``forward``'s subspace axis: the adapted PTM's, and stage 1's (the same feature)."""
         return 1 + len(self.stages)
 
+    @property
+    def adapted_blocks(self) -> int:
+        """How many leading blocks get adapters (``first_session.blocks``; the rest run as the PTM's)."""
+        return max(1, round(self.cfg.blocks * self.depth))
+
     def new_stage(self, *, seed: int) -> EaseAdapters:
         if self.stages:
             raise ValueError("only stage 1 adapts the PTM (RanPAC's first session); later stages add no network")
         with seeded(seed):  # on the CPU, then moved
-            stage = EaseAdapters(width=self.width, depth=self.depth, adapter_dim=self.cfg.adapter_dim)
+            stage = EaseAdapters(width=self.width, depth=self.adapted_blocks, adapter_dim=self.cfg.adapter_dim)
         stage.to(next(self.ptm.parameters()).device)
         self.stages.append(stage)
         return stage
@@ -96,13 +102,14 @@ class FirstSessionNetwork(nn.Module):
         return None, self.ptm.fc_norm(tokens[:, 0])
 
     def _pass(self, images: Tensor, probes: tuple[int, ...]) -> tuple[Tensor, dict[int, Tensor]]:
-        """Every block with stage 1's adapters (the bare PTM before it has them), then the final norm."""
+        """Every block with stage 1's adapters (the bare PTM before it has them; the blocks past
+        ``adapted_blocks`` as the PTM's), then the final norm."""
         stage = self.stages[0] if self.stages else None
         drop = self.cfg.dropout if stage is not None and stage.training else 0.0
         x = backbone.embed_tokens(self.ptm, images)
         probed: dict[int, Tensor] = {}
         for l, block in enumerate(self.ptm.blocks):
-            if stage is None:
+            if stage is None or l >= len(stage.down):
                 x = block(x)
             else:
                 x = x + block.ls1(block.attn(block.norm1(x)))

@@ -16,6 +16,9 @@ class FirstSessionConfig:
     peft: str = option("none", choices=("none", "adaptformer"))
     adapter_dim: int = option(64, within=Range(1, MAX_DIM))  # r (RanPAC's ffn_num)
     scale: float = option(0.1, within=Range(0, 100))  # s
+    # the leading share of the PTM's blocks that get adapters (at least one block): 1.0 is RanPAC's
+    # every block; issue 32's research found the adaptation's gain in blocks 0-5 of 12 (0.5)
+    blocks: float = option(1.0, within=Range(0, 1, low_open=True))
     # on the bottleneck, training only (as in the public RanPAC code)
     dropout: float = option(0.1, within=Range(0, 1, high_open=True))
     # drl's extension, not RanPAC's: train the adapters on the fit part of stage 1's images only, fit
