@@ -157,3 +157,73 @@ def test_from_tensors_names_the_tensor_that_is_off(name, bad, message):
     if name != "linear":
         with pytest.raises(ValueError, match="lack"):
             ClassGaussians.from_tensors(tensors, "c.")
+
+
+def _head_parts(classes=2, m=40, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(S * D, m, generator=g, dtype=torch.float64)  # R over the S tokens (f_0 and 2 x ... cells)
+
+
+def test_expected_sums_of_point_classes_are_the_images_own_statistics():
+    """A class whose images are all one point draws that point: its sums are exact."""
+    from drlcli.heads.ridge.carry import expected_sums
+    from drlcli.heads.ridge.head import expand, head_input
+    from drlcli.heads.ridge.statistics import Statistics
+
+    g = torch.Generator().manual_seed(6)
+    points = torch.randn(3, S, D, generator=g, dtype=torch.float64)
+    sizes = [5, 7, 4]
+    rows = [points[c].expand(n, -1, -1).clone() for c, n in enumerate(sizes)]
+    held_out = torch.tensor([[4, 1], [5, 2], [3, 1]])
+    projection = _head_parts()
+    sums = expected_sums(
+        ClassGaussians.of(rows, rank=2),
+        held_out,
+        projection=projection,
+        layout_cells=S - 1,
+        draws=3,
+        generator=torch.Generator().manual_seed(0),
+    )
+    images = torch.cat(rows)
+    labels = torch.tensor([c for c, n in enumerate(sizes) for _ in range(n)])
+    val = torch.zeros(len(images), dtype=torch.bool)
+    start = 0
+    for c, n in enumerate(sizes):
+        val[start + n - int(held_out[c, 1]) : start + n] = True
+        start += n
+    exact = Statistics.of(expand(head_input(images, S * D, S - 1), projection), labels, 3, val)
+    for name in ("gram_fit", "gram_val", "q_fit", "q_val", "num_fit", "num_val"):
+        a, b = getattr(sums.statistics, name), getattr(exact, name)
+        assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b)), name
+    assert torch.allclose(sums.x_means, torch.nn.functional.normalize(points[:, 0], dim=-1))
+    assert sums.x_covariances.abs().max() < 1e-12 and sums.scatter.abs().max() < 1e-12
+
+
+def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypatch):
+    import drlcli.heads.ridge.carry as carry
+    from drlcli.heads.ridge.covariance import covariance_input
+
+    gaussians = ClassGaussians.of(_classes(sizes=(12, 9)), rank=3)
+    parts = torch.tensor([[10, 2], [7, 2]])
+    kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=4)
+    one = carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    for c, n in enumerate((12, 9)):
+        x = covariance_input(gaussians.draw(c, 4 * n, generator))
+        assert torch.allclose(one.x_means[c], x.mean(0))
+        assert torch.allclose(one.x_covariances[c], torch.cov(x.T))
+    assert torch.allclose(one.scatter, 11 * one.x_covariances[0] + 8 * one.x_covariances[1])
+    assert torch.equal(
+        one.statistics.q_fit,
+        carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs).statistics.q_fit,
+    )
+    many = dict(kwargs, draws=400)  # 8,400 draws: the expectation within a few per cent
+    whole = carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(2), **many)
+    monkeypatch.setattr(carry, "CHUNK", 1000)  # another stream, the same expectation
+    chunked = carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(3), **many)
+    assert (chunked.statistics.num_fit, chunked.statistics.num_val) == (17.0, 4.0)
+    for name in ("q_fit", "gram_val"):
+        a, b = getattr(chunked.statistics, name), getattr(whole.statistics, name)
+        assert (a - b).norm() < 0.05 * b.norm(), name
+    with pytest.raises(ValueError, match="parts must be"):
+        carry.expected_sums(gaussians, parts[:1], generator=torch.Generator(), **kwargs)

@@ -38,7 +38,7 @@ from replay import plan, stage_scores  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
 from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_SCATTER, COV_SHARED, PROJECTION  # noqa: E402
-from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps  # noqa: E402
+from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps, expected_sums  # noqa: E402
 from drlcli.heads.ridge.covariance import covariance_input  # noqa: E402
 from drlcli.heads.ridge.head import expand, head_input  # noqa: E402
 from drlcli.heads.ridge.statistics import STAT_DTYPE, pack, unpack, validation_mask  # noqa: E402
@@ -133,6 +133,24 @@ def gaussian_sums(
         covariances = torch.zeros(len(names), width_x, width_x, dtype=STAT_DTYPE)
         for i, c in enumerate(names):
             rows = moved[c]  # (n, S, d), or a class Gaussian already (``StoredGaussian``)
+            counts = [float((~val[labels == i]).sum()), float(val[labels == i].sum())]
+            if draws != "rows" and phi_too:  # the package's own sums (drlcli/heads/ridge/carry.py)
+                gaussian = rows if isinstance(rows, StoredGaussian) else StoredGaussian.of(rows, rank)
+                sums = expected_sums(
+                    gaussian.group,
+                    torch.tensor([counts]),
+                    projection=projection,
+                    layout_cells=cells,
+                    draws=int(draws),
+                    generator=generator,
+                )
+                means[i], covariances[i] = sums.x_means[0], sums.x_covariances[0]
+                scatter += sums.scatter
+                stats = sums.statistics
+                q[0][:, i], q[1][:, i] = stats.q_fit[:, 0], stats.q_val[:, 0]
+                grams[0] += stats.gram_fit
+                grams[1] += stats.gram_val
+                continue
             if draws == "rows":
                 samples = rows
             else:
@@ -141,7 +159,6 @@ def gaussian_sums(
             x = covariance_input(samples)
             means[i], covariances[i] = x.mean(0), torch.cov(x.T)
             scatter += (len(rows) - 1) * covariances[i]
-            counts = [float((~val[labels == i]).sum()), float(val[labels == i].sum())]
             if not phi_too:
                 continue
             if draws == "rows":  # each image in its own part, as fit_stage sums them

@@ -12,7 +12,10 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
   covariance directions (scaled: draws are mean + zᵀF) and the spread σ of the rest (isotropic
   when taken). A move maps the mean and the directions by each token's map, and the isotropic
   rest by the product of the maps' linear parts, shared by the group (``linear``). Draws from
-  them stand in for the old classes' images when the head's sums are rebuilt.
+  them stand in for the old classes' images when the head's sums are rebuilt;
+- ``expected_sums``: the ridge's statistics (Q and G, fit and held-out parts) and the class
+  covariances' moments of x = f_0/‖f_0‖ that the classes' images would give, estimated from
+  ``draws`` times as many draws as each class had images.
 
 Pure tensor maths: nothing here reads a run or a network. Float64 throughout is the caller's
 choice; every operation keeps the dtype it is given. Not yet read by any method: the
@@ -26,6 +29,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .covariance import covariance_input
+from .head import expand, head_input
+from .statistics import STAT_DTYPE, Statistics
+
+CHUNK = 8192  # draws a class at a time; above it the draws come in chunks (another random stream)
 
 
 def ridge_map(x: Tensor, y: Tensor, lam: float) -> tuple[Tensor, Tensor]:
@@ -222,3 +231,65 @@ def _pad(factors: Tensor, width: int) -> Tensor:
     out = factors.new_zeros(len(factors), width, *factors.shape[2:])
     out[:, : factors.shape[1]] = factors
     return out
+
+
+@dataclass(frozen=True)
+class DrawnSums:
+    """What ``fit_stage`` sums over a stage's images, for carried classes: their ``Statistics`` (Q's
+    columns in the Gaussians' class order), the mean and covariance of each class's x, and the
+    within-class scatter Σ (n_c − 1)·S_c over them (n_c the images each class had)."""
+
+    statistics: Statistics
+    x_means: Tensor  # (C, d)
+    x_covariances: Tensor  # (C, d, d)
+    scatter: Tensor  # (d, d)
+
+
+def expected_sums(
+    gaussians: ClassGaussians,
+    parts: Tensor,
+    *,
+    projection: Tensor,
+    layout_cells: int,
+    draws: int,
+    generator: torch.Generator,
+) -> DrawnSums:
+    """Each class's expected contribution to the ridge's sums from ``draws`` · n_c draws of it:
+    Q_part = n_part · E[φ], G_part = Σ n_part · E[φ φᵀ], with φ = ReLU(h R) of the drawn tokens
+    (``head_input``, ``projection`` R (S·d or the head's input width, M)); ``parts`` (C, 2) the
+    class's fit and held-out image counts. In STAT_DTYPE; classes in order, from one ``generator``."""
+    if parts.shape != (len(gaussians), 2):
+        raise ValueError(f"parts must be (classes, 2) = ({len(gaussians)}, 2), not {tuple(parts.shape)}")
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, not {draws}")
+    width, size = projection.shape
+    d = gaussians.tokens[1]
+    q = torch.zeros(2, size, len(gaussians), dtype=STAT_DTYPE)
+    grams = torch.zeros(2, size, size, dtype=STAT_DTYPE)
+    means = torch.zeros(len(gaussians), d, dtype=STAT_DTYPE)
+    covariances = torch.zeros(len(gaussians), d, d, dtype=STAT_DTYPE)
+    scatter = torch.zeros(d, d, dtype=STAT_DTYPE)
+    for c in range(len(gaussians)):
+        images = int(gaussians.counts[c])
+        number = draws * images
+        first = torch.zeros(size, dtype=STAT_DTYPE)
+        second = torch.zeros(size, size, dtype=STAT_DTYPE)
+        x_sum = torch.zeros(d, dtype=STAT_DTYPE)
+        x_outer = torch.zeros(d, d, dtype=STAT_DTYPE)
+        for start in range(0, number, CHUNK):
+            samples = gaussians.draw(c, min(CHUNK, number - start), generator).to(STAT_DTYPE)
+            x = covariance_input(samples)
+            x_sum += x.sum(0)
+            x_outer += x.T @ x
+            phi = expand(head_input(samples, width, layout_cells), projection.to(STAT_DTYPE))
+            first += phi.sum(0)
+            second += phi.T @ phi
+        means[c] = x_sum / number
+        covariances[c] = (x_outer - number * torch.outer(means[c], means[c])) / max(number - 1, 1)
+        scatter += (images - 1) * covariances[c]
+        for part in range(2):
+            q[part][:, c] = parts[c, part] * first / number
+            grams[part] += parts[c, part] * second / number
+    counts = parts.to(STAT_DTYPE).sum(0)
+    statistics = Statistics(grams[0], grams[1], q[0], q[1], float(counts[0]), float(counts[1]))
+    return DrawnSums(statistics, means, covariances, scatter)
