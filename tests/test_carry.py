@@ -227,3 +227,74 @@ def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypat
         assert (a - b).norm() < 0.05 * b.norm(), name
     with pytest.raises(ValueError, match="parts must be"):
         carry.expected_sums(gaussians, parts[:1], generator=torch.Generator(), **kwargs)
+
+
+def _fit(earlier, feats, labels, config, stage_index):
+    from drlcli.heads.ridge.fit import fit_stage
+
+    return fit_stage(
+        earlier,
+        feats,
+        labels,
+        image_labels=labels.tolist(),
+        indices=None,
+        num_classes=int(labels.max()) + 1,
+        config=config,
+        stage_index=stage_index,
+    )
+
+
+def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
+    """Earlier classes whose images are one point each are carried exactly by their Gaussians: the
+    carried stage solves the same W and scores as the fit from the stored statistics."""
+    from drlcli.config import RunConfig
+    from drlcli.heads.base import EarlierStages
+    from drlcli.heads.ridge import CARRY_COV, COV_FACTOR, COV_MEAN, LAMBDA, PROJECTION, WEIGHT
+    from drlcli.heads.ridge.carry import Carried, expected_sums
+    from drlcli.heads.ridge.statistics import validation_mask
+
+    d, cells = 8, 4
+    config = RunConfig.for_method(
+        "ranpac", {"ranpac": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
+    )
+    g = torch.Generator().manual_seed(11)
+    sizes = [6, 5, 7]
+    points = torch.randn(3, 2 + cells, d, generator=g)
+    points[:, 1] = points[:, 0]  # the network's rows: f_0, stage 1's subspace (the same), the 4 cells
+    feats1 = torch.cat([points[c].expand(n, -1, -1) for c, n in enumerate(sizes)])
+    labels1 = torch.tensor([c for c, n in enumerate(sizes) for _ in range(n)])
+    fit1 = _fit(EarlierStages(None, [], list), feats1, labels1, config, 1)
+    feats2 = torch.randn(24, 2 + cells, d, generator=g)
+    labels2 = torch.arange(4).repeat(6)
+
+    weights1 = {**fit1.tensors, **fit1.statistics}  # a stage's weights and the run's totals, as loaded
+    exact = _fit(EarlierStages(fit1.head, [weights1], lambda: [fit1.statistics]), feats2, labels2, config, 2)
+
+    tokens = torch.cat([feats1[:, :1], feats1[:, 2:]], 1).double()  # what the head reads: f_0 and the cells
+    val = validation_mask(labels1, fraction=config.ranpac.val_fraction, seed=config.train.seed + 1)
+    parts = torch.tensor([[int((~val[labels1 == c]).sum()), int(val[labels1 == c].sum())] for c in range(3)])
+    sums = expected_sums(
+        ClassGaussians.of([tokens[labels1 == c] for c in range(3)], rank=3),
+        parts,
+        projection=fit1.tensors[PROJECTION].double(),
+        layout_cells=cells,
+        draws=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    carried = Carried(sums, float(fit1.statistics[LAMBDA]))
+    fit2 = _fit(EarlierStages(fit1.head, [weights1], list, carried=carried), feats2, labels2, config, 2)
+
+    assert fit2.meta["lambda"] == exact.meta["lambda"] and fit2.meta["earlier_columns"] == "carried"
+    assert torch.allclose(fit2.tensors[WEIGHT], exact.tensors[WEIGHT], atol=1e-5)
+    both = torch.cat([feats1, feats2])
+    with torch.no_grad():
+        assert torch.allclose(fit2.head(both), exact.head(both), atol=1e-3)
+    assert fit2.statistics[CARRY_COV[COV_MEAN]].shape == (7, d)  # every class's rows, into the totals
+    assert fit2.statistics[CARRY_COV[COV_FACTOR]].shape == (7, d, 3)
+    assert torch.allclose(fit2.statistics[CARRY_COV[COV_MEAN]][3:], fit2.tensors[COV_MEAN])
+
+    from drlcli.heads.ridge.head import RanpacHead
+
+    loaded = RanpacHead.from_stages([weights1, {**fit2.tensors, **fit2.statistics}])
+    with torch.no_grad():
+        assert torch.allclose(loaded(both), fit2.head(both), atol=1e-5)  # the head rebuilt from the totals alone

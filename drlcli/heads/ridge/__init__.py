@@ -56,9 +56,14 @@ faces, framed wide or tight). ``ranpac.layout_scale`` s weighs the cells against
 into R (the cells' rows times s), so scoring costs nothing for it. g is stored in stage 1's weights
 beside R. The class covariances stay on f_0.
 
+A carried run (``carry.py``; issue 32, no method is one yet) retrains the network the head reads at
+every stage, so the earlier classes' stored sums no longer describe their features: its fit reads
+them from class Gaussians moved with the network (``EarlierStages.carried``), solves every column
+of W again, and keeps every class's covariance rows, as drawn, in the newest stage's totals.
+
 The folder: ``options.py`` its run-config section (``ranpac`` in run.yaml), ``statistics.py`` the
 sums and the ridge solve, ``covariance.py`` the class covariances, ``head.py`` the scoring module,
-``fit.py`` one stage's fit and the re-solve of a restored class. This module holds the head's
+``fit.py`` one stage's fit and the re-solve of a restored class, ``carry.py`` the carried classes. This module holds the head's
 facts for the registry (no torch): its tensor names, its per-class tensors, what it reads.
 """
 
@@ -86,8 +91,12 @@ COV_SHARED = f"{PREFIX}cov_shared"  # (d, d) pooled within-class covariance, new
 COV_PARAMS = f"{PREFIX}cov_params"  # (3,) w, a, b, newest stage
 COV_SCATTER, COV_COUNTS = "cov_scatter", "cov_counts"  # statistics: (d, d) summed scatter, (2,) images, classes
 LAMBDA = "lambda"  # statistics: (1,) the λ the newest stage chose, where the next stage's search starts
+# a carried run (``carry.py``): every class's covariance tensors as the newest stage drew them, in its totals
+CARRY_COV = {name: f"{name}_carried" for name in (COV_MEAN, COV_COVARIANCE, COV_FACTOR, COV_TRACE)}
 # the newest stage's totals: W and what the covariances share, the Grams and scatters summed so far
-RUNNING = (WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", LAMBDA, COV_SCATTER, COV_COUNTS)
+RUNNING = (
+    WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", LAMBDA, COV_SCATTER, COV_COUNTS, *CARRY_COV.values()
+)  # fmt: skip
 PER_CLASS = (
     PerClass("weights", COV_MEAN, 0),
     PerClass("weights", COV_COVARIANCE, 0),
@@ -97,6 +106,7 @@ PER_CLASS = (
     PerClass("totals", WEIGHT, 1, seen=True),  # W (M, C), solved again by each stage, in the newest's totals
     PerClass("statistics", "q_fit", 1),  # Q (M, n) of the stage's own classes (statistics.Statistics)
     PerClass("statistics", "q_val", 1),
+    *(PerClass("totals", name, 0, seen=True) for name in CARRY_COV.values()),
 )
 
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .covariance import covariance_input
+from . import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_TRACE
+from .covariance import class_factors, covariance_input
 from .head import expand, head_input
 from .statistics import STAT_DTYPE, Statistics
 
@@ -243,6 +244,26 @@ class DrawnSums:
     x_means: Tensor  # (C, d)
     x_covariances: Tensor  # (C, d, d)
     scatter: Tensor  # (d, d)
+    counts: Tensor  # (C,) the images each class had
+
+    def covariance_rows(self, rank: int) -> dict[str, Tensor]:
+        """The classes' covariance rows as a stage's weights hold its own (float32): μ_c, and S_c
+        (``rank`` 0) or its rank-r factor and trace (``covariance.class_factors``)."""
+        if not rank:
+            return {COV_MEAN: self.x_means.float(), COV_COVARIANCE: self.x_covariances.float()}
+        images = self.counts.to(STAT_DTYPE)
+        factors, traces = class_factors(self.x_covariances * (images - 1).clamp_min(1)[:, None, None], images, rank)
+        return {COV_MEAN: self.x_means.float(), COV_FACTOR: factors.float(), COV_TRACE: traces.float()}
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A carried run's earlier classes as its next stage's fit reads them (``EarlierStages.carried``):
+    their drawn sums, in the run's class order, and the λ the newest stage chose (None: search
+    every λ)."""
+
+    sums: DrawnSums
+    lam: float | None
 
 
 def expected_sums(
@@ -274,22 +295,24 @@ def expected_sums(
         number = draws * images
         first = torch.zeros(size, dtype=STAT_DTYPE)
         second = torch.zeros(size, size, dtype=STAT_DTYPE)
-        x_sum = torch.zeros(d, dtype=STAT_DTYPE)
-        x_outer = torch.zeros(d, d, dtype=STAT_DTYPE)
+        x_scatter = torch.zeros(d, d, dtype=STAT_DTYPE)
         for start in range(0, number, CHUNK):
             samples = gaussians.draw(c, min(CHUNK, number - start), generator).to(STAT_DTYPE)
             x = covariance_input(samples)
-            x_sum += x.sum(0)
-            x_outer += x.T @ x
+            mean = x.mean(0)
+            centred = x - mean
+            # the chunks' centred scatters joined (Chan et al.): positive semi-definite by construction
+            step = mean - means[c]
+            x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
+            means[c] += step * len(x) / (start + len(x))
             phi = expand(head_input(samples, width, layout_cells), projection.to(STAT_DTYPE))
             first += phi.sum(0)
             second += phi.T @ phi
-        means[c] = x_sum / number
-        covariances[c] = (x_outer - number * torch.outer(means[c], means[c])) / max(number - 1, 1)
+        covariances[c] = x_scatter / max(number - 1, 1)
         scatter += (images - 1) * covariances[c]
         for part in range(2):
             q[part][:, c] = parts[c, part] * first / number
             grams[part] += parts[c, part] * second / number
     counts = parts.to(STAT_DTYPE).sum(0)
     statistics = Statistics(grams[0], grams[1], q[0], q[1], float(counts[0]), float(counts[1]))
-    return DrawnSums(statistics, means, covariances, scatter)
+    return DrawnSums(statistics, means, covariances, scatter, gaussians.counts.clone())

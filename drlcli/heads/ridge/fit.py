@@ -16,6 +16,7 @@ from ... import distributed
 from ...errors import IntegrityError
 from ..base import TOTALS_MARK, EarlierStages
 from . import (
+    CARRY_COV,
     COV_COUNTS,
     COV_COVARIANCE,
     COV_FACTOR,
@@ -85,7 +86,14 @@ def fit_stage(
     phi = expand(head_input(features, projection.shape[0], layout**2).cpu(), projection)
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
     scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
-    total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
+    carried = earlier.carried
+    if carried is None:
+        total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
+    else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians (carry.py)
+        old = carried.sums
+        total = Statistics.accumulate([replace(old.statistics, totals=True, lam=carried.lam), stage])
+        counts = torch.tensor([float(old.counts.sum()), float(len(old.counts))], dtype=STAT_DTYPE)
+        scatters.append({COV_SCATTER: old.scatter, COV_COUNTS: counts})
     lambdas = lambda_grid(cfg)
     seed = config.train.seed + stage_index
     lam, errors, validated = _choose_lambda(
@@ -94,7 +102,8 @@ def fit_stage(
     # every process goes on with the first's λ: the same statistics everywhere, but an eigensolver or
     # factorisation may round differently on another CPU, and the moved solve below sums over processes
     lam = distributed.broadcast_object(lam)
-    moved = _moved(earlier, total, lam, phi, images=len(image_labels), new=num_classes)
+    # a carried run solves every column again: the earlier W was solved on other features
+    moved = {} if carried is not None else _moved(earlier, total, lam, phi, images=len(image_labels), new=num_classes)
     weight = solve(total, lam, **moved)
     tensors = {WEIGHT: weight.float()}
     if earlier.head is None:
@@ -106,14 +115,18 @@ def fit_stage(
     statistics[LAMBDA] = torch.tensor([lam], dtype=STAT_DTYPE)
     if cfg.covariance_weight > 0:
         _covariances(earlier, features, labels, num_classes, cfg, scatters, tensors, statistics)
-    # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits them there)
+    # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits
+    # them there), or in a carried run as drawn now, every class's then kept in the run's totals
     stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
+    if carried is not None and COV_PARAMS in tensors:
+        stages = [carried.sums.covariance_rows(cfg.covariance_rank), tensors]
+        statistics.update({CARRY_COV[name]: _joined_rows(stages, name) for name in stages[0]})
     meta = {
         "lambda": lam,
         "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
         # the classes those errors are over (``ranpac.lambda_classes``), and W of the earlier classes (``_moved``)
         "validation_classes": validated,
-        "earlier_columns": "moved" if moved else "solved",
+        "earlier_columns": "carried" if carried is not None else "moved" if moved else "solved",
         "num_fit": total.num_fit,
         "num_val": total.num_val,
         "proj_dim": projection.shape[1],
@@ -127,6 +140,10 @@ def fit_stage(
         ) from exc
     meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
     return StageFit(head, tensors, statistics, meta, weight.numel())
+
+
+def _joined_rows(stages: list[dict[str, Tensor]], name: str) -> Tensor:
+    return torch.cat([t[name] for t in stages])
 
 
 def _choose_lambda(

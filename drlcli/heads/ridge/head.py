@@ -8,7 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_PARAMS, COV_SHARED, COV_TRACE, LAYOUT, PROJECTION, WEIGHT
+from . import (
+    CARRY_COV,
+    COV_COVARIANCE,
+    COV_FACTOR,
+    COV_MEAN,
+    COV_PARAMS,
+    COV_SHARED,
+    COV_TRACE,
+    LAYOUT,
+    PROJECTION,
+    WEIGHT,
+)
 from .covariance import LowRankPrecisions, covariance_input, lowrank_distance, precisions, standardise
 from .options import MAX_LAYOUT_GRID
 
@@ -176,6 +187,8 @@ class RanpacHead(nn.Module):
         if COV_SHARED not in newest:
             raise ValueError("the newest stage lacks the pooled covariance")
         shared = newest[COV_SHARED]
+        if CARRY_COV[COV_MEAN] in newest:  # a carried run: every class's rows, as its newest stage drew them
+            stages = [{name: newest[carried] for name, carried in CARRY_COV.items() if carried in newest}]
         if COV_FACTOR in newest:  # the low-rank form (ranpac.covariance_rank > 0)
             parts = (_joined(stages, name) for name in (COV_MEAN, COV_FACTOR, COV_TRACE))
             lowrank = LowRankPrecisions.of(*parts, shared, shrink=shrink, blend=blend)
