@@ -113,6 +113,7 @@ def test_plain_ranpac_trains_and_stores_no_network(tmp_path, stage_folders):
         ({"first_session": {"peft": "ssf"}}, "first_session.peft must be one of"),
         ({"first_session": {"peft": "adaptformer", "blocks": 0.0}}, "first_session.blocks must be"),
         ({"first_session": {"peft": "adaptformer", "blocks": 1.5}}, "first_session.blocks must be"),
+        ({"first_session": {"peft": "adaptformer", "stages": "all"}}, "first_session.stages all is not available yet"),
     ],
 )
 def test_first_session_options_are_checked(sections, problem):
@@ -255,3 +256,44 @@ def test_a_crafted_first_session_record_is_read_as_none(crafted):
     assert first_session_record({"first_session": crafted}) is None
     good = {"kept": "adapted", "adapted_top1": 91, "frozen_top1": 90.5, "held_out": 12}
     assert first_session_record({"first_session": good})["adapted_top1"] == 91.0
+
+
+def test_a_reopened_set_learns_again_held_near_where_it_began(images):
+    """first_session.stages all (a carried run's network): new_stage reopens the one set and keeps a
+    frozen copy of it as it began; forward_train adds hold_weight times the read tokens' move from it."""
+    from drlcli.methods.ranpac.network import hold_loss
+
+    ptm = _tiny_ptm().eval()
+    network = FirstSessionNetwork(ptm, FirstSessionConfig(stages="all", hold_weight=2.0, dropout=0.0), read_grid=2)
+    stage = network.new_stage(seed=0)
+    assert network.start is None and len(network.forward_train(images)) == 2  # stage 1: no hold term
+    with torch.no_grad():
+        stage.up.normal_(0.0, 0.3)
+    stage.requires_grad_(False)  # as train_stage leaves it
+    again = network.new_stage(seed=1)
+    assert again is stage and network.num_stages == 1 and all(p.requires_grad for p in stage.parameters())
+    assert network.start is not stage and not any(p.requires_grad for p in network.start.parameters())
+    assert not any(k.startswith("start") for k in network.state_dict())  # never stored or exported
+    _, feature, term = network.forward_train(images)
+    assert term.item() == 0.0  # nothing moved yet
+    with torch.no_grad():
+        stage.up.add_(0.1)
+        began = network(images, layout=2)
+        with network.starting():
+            before = network(images, layout=2)
+        assert not torch.allclose(began, before)
+    _, _, term = network.forward_train(images)
+    after_tokens, start_tokens = began[:, [0, 2, 3, 4, 5]], before[:, [0, 2, 3, 4, 5]]
+    torch.testing.assert_close(term, 2.0 * hold_loss(after_tokens, start_tokens), rtol=1e-4, atol=1e-6)
+    term.backward()
+    assert stage.up.grad is not None and network.start.up.grad is None
+    network.drop_start()
+    assert network.start is None and len(network.forward_train(images)) == 2
+
+
+def test_hold_loss_by_hand():
+    from drlcli.methods.ranpac.network import hold_loss
+
+    target = torch.tensor([[[3.0, 4.0]], [[1.0, 0.0]]])  # ‖t₀‖² 25 and 1
+    tokens = torch.tensor([[[3.0, 5.0]], [[1.0, 0.0]]])  # moved by 1 and 0
+    assert hold_loss(tokens, target).item() == pytest.approx((1 / 25 + 0) / 2)

@@ -47,7 +47,8 @@ class StageNetwork(Protocol):
         ...
 
     def new_stage(self, *, seed: int) -> nn.Module:
-        """Append a freshly initialised stage (seeded, on the PTM's device) and return it."""
+        """Append a freshly initialised stage (seeded, on the PTM's device) and return it (a network that
+        carries one stage, ranpac's with ``first_session.stages all``, reopens that one instead)."""
         ...
 
     def forward(
@@ -60,8 +61,9 @@ class StageNetwork(Protocol):
         layout and probes: methods with a PTM subspace only)."""
         ...
 
-    def forward_train(self, images: Tensor) -> tuple[Tensor | None, Tensor]:
-        """(PTM feature (B, d) or None, newest stage's feature (B, d)), gradients for the newest stage only."""
+    def forward_train(self, images: Tensor) -> tuple[Tensor, ...]:
+        """(PTM feature (B, d) or None, newest stage's feature (B, d), *loss terms of the network's own),
+        gradients for the newest stage only."""
         ...
 
 

@@ -103,7 +103,8 @@ def train_stage(
     """Train the network's newest stage on ``images`` (labels local to the stage).
 
     ``network`` is any method's network (``IPANetwork``, ``EaseNetwork``): ``forward_train`` gives
-    (PTM feature or None, newest stage's feature) with gradients only for the newest stage.
+    (PTM feature or None, newest stage's feature, *loss terms of the network's own, added) with
+    gradients only for the newest stage.
     ``on_epoch`` receives the state after each epoch; ``resume`` continues from such a state and
     gives the same parameters as an uninterrupted run. ``precision``: fp32, bf16 or fp16 (see
     ``precision.py``; the caller checks that the device supports it).
@@ -374,8 +375,8 @@ class _StageStep(nn.Module):
         self.network, self.classifier, self.cfg = network, classifier, cfg
 
     def forward(self, images: Tensor, targets: Tensor) -> Tensor:
-        ptm_feats, feats = self.network.forward_train(images)
-        return stage_loss(self.classifier(feats), targets, feats, ptm_feats, self.cfg)
+        ptm_feats, feats, *terms = self.network.forward_train(images)  # terms: the network's own loss terms
+        return stage_loss(self.classifier(feats), targets, feats, ptm_feats, self.cfg) + sum(terms)
 
 
 def _seed_worker(worker_id: int) -> None:

@@ -31,12 +31,17 @@ def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
         return build_ipa(ptm, config)  # the bare PTM pass: an IPA network that never gets a stage
     from .network import FirstSessionNetwork
 
-    return FirstSessionNetwork(ptm, config.first_session)
+    return FirstSessionNetwork(ptm, config.first_session, read_grid=config.ranpac.layout_grid)
 
 
 def rules(config: RunConfig) -> None:
     if config.ranpac.subspaces != 1:
         raise UsageError("ranpac.subspaces must be 1 for method ranpac (its head reads the PTM's subspace)")
+    if config.first_session.stages == "all":  # the network and its hold term are here; learn-stage's carry is not yet
+        raise UsageError(
+            "first_session.stages all is not available yet (a carried run needs learn-stage's carry, "
+            "docs/research/carried-preset-plan.md): use first"
+        )
     if adapts(config) and config.train.kd_weight:
         raise UsageError(
             "train.kd_weight must be 0 for method ranpac (the first session has no frozen PTM to distil to)"

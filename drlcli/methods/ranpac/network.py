@@ -16,6 +16,7 @@ is the adapted PTM's feature and stage 1's subspace is the same feature, compute
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,16 +30,26 @@ from ..ease.network import EaseAdapters
 from .options import FirstSessionConfig
 
 
+def hold_loss(tokens: Tensor, target: Tensor) -> Tensor:
+    """Mean over images and tokens of ‖t − t₀‖² / ‖t₀‖², (B, S, d) each, in float32: how far training
+    moved the read tokens of a stage's images from ``target``, where the set put them when the stage
+    began (``first_session.hold_weight``; issue 32's research: distillation on the new images only)."""
+    tokens, target = tokens.float(), target.float()
+    return ((tokens - target).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-12)).mean()
+
+
 class FirstSessionNetwork(nn.Module):
     """Frozen PTM + stage 1's ``EaseAdapters`` (AdaptFormer) inside it, once stage 1 is learned."""
 
-    def __init__(self, ptm: nn.Module, cfg: FirstSessionConfig):
+    def __init__(self, ptm: nn.Module, cfg: FirstSessionConfig, read_grid: int = 0):
         super().__init__()
         self.ptm = ptm
         self.cfg = cfg
+        self.read_grid = read_grid  # the head's layout grid: the hold term's tokens are f_0 and its cells
         self.width = backbone.width(ptm)
         self.depth = len(ptm.blocks)
         self.stages = nn.ModuleList()
+        self.__dict__["start"] = None  # first_session.stages all: the set as the stage began (not a submodule)
 
     @property
     def num_stages(self) -> int:
@@ -55,6 +66,10 @@ class FirstSessionNetwork(nn.Module):
         return max(1, round(self.cfg.blocks * self.depth))
 
     def new_stage(self, *, seed: int) -> EaseAdapters:
+        if self.stages and self.cfg.stages == "all":  # a carried run: the one set learns again
+            stage = self.stages[0].requires_grad_(True).train()
+            self.__dict__["start"] = copy.deepcopy(stage).requires_grad_(False).eval()
+            return stage
         if self.stages:
             raise ValueError("only stage 1 adapts the PTM (RanPAC's first session); later stages add no network")
         with seeded(seed):  # on the CPU, then moved
@@ -72,6 +87,21 @@ class FirstSessionNetwork(nn.Module):
             yield
         finally:
             self.stages = stages
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """The set as the stage began in place of the trained one (a carried run's "before" pass)."""
+        if self.start is None:
+            raise ValueError("no stage has reopened the adapter set")
+        stages = self.stages
+        self.stages = nn.ModuleList([self.start])
+        try:
+            yield
+        finally:
+            self.stages = stages
+
+    def drop_start(self) -> None:
+        self.__dict__["start"] = None
 
     def drop_adapters(self) -> None:
         """Forget stage 1's adapters: the run keeps the frozen PTM (``first_session.decide``)."""
@@ -96,15 +126,32 @@ class FirstSessionNetwork(nn.Module):
             rows.append(torch.stack([probed[b] for b in probes], dim=1))
         return torch.cat(rows, dim=1)
 
-    def forward_train(self, images: Tensor) -> tuple[None, Tensor]:
-        """(None, the adapted feature) with gradients for the adapters (no PTM feature to distil to)."""
+    def forward_train(self, images: Tensor) -> tuple[Tensor | None, ...]:
+        """(None, the adapted feature) with gradients for the adapters (no PTM feature to distil to);
+        in a reopened set (``new_stage``) with ``hold_weight`` w > 0, also w · ``hold_loss`` of the
+        read tokens (f_0 and the layout cells) against the set's as the stage began (no dropout)."""
         tokens, _ = self._pass(images, ())
-        return None, self.ptm.fc_norm(tokens[:, 0])
+        feature = self.ptm.fc_norm(tokens[:, 0])
+        if self.start is None or not self.cfg.hold_weight:
+            return None, feature
+        with torch.no_grad():
+            target = self._read(self._pass(images, (), stage=self.start)[0])
+        return None, feature, self.cfg.hold_weight * hold_loss(self._read(tokens, feature), target)
 
-    def _pass(self, images: Tensor, probes: tuple[int, ...]) -> tuple[Tensor, dict[int, Tensor]]:
-        """Every block with stage 1's adapters (the bare PTM before it has them; the blocks past
-        ``adapted_blocks`` as the PTM's), then the final norm."""
-        stage = self.stages[0] if self.stages else None
+    def _read(self, tokens: Tensor, feature: Tensor | None = None) -> Tensor:
+        """(B, 1 + g², d): f_0 and the layout cells the head reads."""
+        feature = self.ptm.fc_norm(tokens[:, 0]) if feature is None else feature
+        if not self.read_grid:
+            return feature[:, None]
+        return torch.cat([feature[:, None], backbone.layout_cells(self.ptm, tokens, self.read_grid)], 1)
+
+    def _pass(
+        self, images: Tensor, probes: tuple[int, ...], stage: EaseAdapters | None = None
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Every block with stage 1's adapters, or ``stage``'s (the bare PTM before it has them; the
+        blocks past ``adapted_blocks`` as the PTM's), then the final norm."""
+        if stage is None:
+            stage = self.stages[0] if self.stages else None
         drop = self.cfg.dropout if stage is not None and stage.training else 0.0
         x = backbone.embed_tokens(self.ptm, images)
         probed: dict[int, Tensor] = {}

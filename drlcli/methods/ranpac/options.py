@@ -21,6 +21,12 @@ class FirstSessionConfig:
     blocks: float = option(1.0, within=Range(0, 1, low_open=True))
     # on the bottleneck, training only (as in the public RanPAC code)
     dropout: float = option(0.1, within=Range(0, 1, high_open=True))
+    # drl's extension (issue 32), not RanPAC's: "all" trains the one adapter set again at every stage
+    # (a carried run); "first" is RanPAC's, frozen after stage 1
+    stages: str = option("first", choices=("first", "all"))
+    # "all", from stage 2 on: the loss adds this times the mean relative squared move of the stage's
+    # own images' read tokens (f_0 and the layout cells) from where the set put them when the stage began
+    hold_weight: float = option(3.0, within=Range(0, 1e4))
     # drl's extension, not RanPAC's: train the adapters on the fit part of stage 1's images only, fit
     # the head on the fit part's frozen and adapted features, and keep the adapters only when the
     # held-out part (the ridge head's statistics split) scores higher with them
