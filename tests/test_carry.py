@@ -91,9 +91,9 @@ def test_moving_full_rank_gaussians_equals_taking_them_of_the_moved_rows():
         b = direct.factors[c, : direct.ranks[c]].flatten(1)
         assert torch.allclose(a.T @ a, b.T @ b)
     linear = torch.eye(D, dtype=torch.float64) + maps.linear
-    assert torch.allclose(moved.linear, linear)
+    assert moved.groups.tolist() == [0, 0, 0] and torch.allclose(moved.linears[0], linear)
     again = moved.moved(maps)
-    assert torch.allclose(again.linear, linear @ linear)  # the isotropic rest: every map's linear part, in order
+    assert torch.allclose(again.linears[0], linear @ linear)  # the isotropic rest: every map's linear part, in order
 
 
 def test_an_unmoving_map_changes_nothing_and_the_inexact_move_keeps_the_rest_isotropic():
@@ -102,8 +102,9 @@ def test_an_unmoving_map_changes_nothing_and_the_inexact_move_keeps_the_rest_iso
     x = torch.randn(50, S, D, dtype=torch.float64)
     same = gaussians.moved(TokenMaps.fit(x, x.clone(), lam=10.0))
     assert torch.equal(same.means, gaussians.means) and torch.equal(same.factors, gaussians.factors)
-    assert torch.equal(same.linear, torch.eye(D, dtype=torch.float64).expand(S, -1, -1))
-    assert gaussians.moved(TokenMaps.fit(x, x + 1.0, lam=10.0), exact=False).linear is None
+    assert torch.equal(same.linears, torch.eye(D, dtype=torch.float64).expand(1, S, -1, -1))
+    inexact = gaussians.moved(TokenMaps.fit(x, x + 1.0, lam=10.0), exact=False)
+    assert inexact.groups.tolist() == [-1, -1, -1] and len(inexact.linears) == 0
 
 
 def test_draws_are_seeded_and_follow_the_gaussian():
@@ -115,7 +116,8 @@ def test_draws_are_seeded_and_follow_the_gaussian():
     assert torch.equal(first, gaussians.draw(1, 20, torch.Generator().manual_seed(9)))
     many = gaussians.draw(1, 60000, torch.Generator().manual_seed(10)).flatten(1)
     factor = gaussians.factors[1, :6].flatten(1)
-    rest = torch.block_diag(*(gaussians.linear[t].T @ gaussians.linear[t] for t in range(S)))
+    lin = gaussians.linears[gaussians.groups[1]]
+    rest = torch.block_diag(*(lin[t].T @ lin[t] for t in range(S)))
     expected = factor.T @ factor + float(gaussians.spreads[1]) ** 2 * rest
     assert torch.allclose(many.mean(0), gaussians.means[1].flatten(), atol=0.05)
     assert torch.allclose(torch.cov(many.T), expected, atol=0.1 * float(expected.diagonal().max()))
@@ -126,15 +128,20 @@ def test_join_and_tensors_round_trip():
     b = ClassGaussians.of(_classes(sizes=(12,), seed=2), rank=8)
     joined = a.joined(b)
     assert len(joined) == 3 and joined.factors.shape[1] == 8 and joined.ranks.tolist() == [4, 3, 8]
+    fields = ("means", "factors", "ranks", "spreads", "counts", "groups", "linears")
     back = ClassGaussians.from_tensors(joined.to_tensors("carry_"), "carry_")
-    assert all(
-        torch.equal(getattr(back, f), getattr(joined, f)) for f in ("means", "factors", "ranks", "spreads", "counts")
-    )
+    assert all(torch.equal(getattr(back, f), getattr(joined, f)) for f in fields)
     x = torch.randn(30, S, D, dtype=torch.float64)
-    moved = a.moved(TokenMaps.fit(x, x * 1.01, lam=1.0))
-    assert torch.equal(ClassGaussians.from_tensors(moved.to_tensors("g."), "g.").linear, moved.linear)
-    with pytest.raises(ValueError, match="different maps"):
-        moved.joined(b)
+    first = TokenMaps.fit(x, x * 1.01, lam=1.0)
+    second = TokenMaps.fit(x, x * 0.98 + 0.1, lam=1.0)
+    moved = a.moved(first).joined(b).moved(second)  # a's classes moved twice, b's once: two groups
+    assert moved.groups.tolist() == [0, 0, 1] and len(moved.linears) == 2
+    eye = torch.eye(D, dtype=torch.float64)
+    assert torch.allclose(moved.linears[0], (eye + first.linear) @ (eye + second.linear))
+    assert torch.allclose(moved.linears[1], eye + second.linear)
+    back = ClassGaussians.from_tensors(moved.to_tensors("g."), "g.")
+    assert all(torch.equal(getattr(back, f), getattr(moved, f)) for f in fields)
+    assert moved.joined(a).groups.tolist() == [0, 0, 1, -1, -1]
 
 
 @pytest.mark.parametrize(
@@ -145,7 +152,9 @@ def test_join_and_tensors_round_trip():
         ("rank", torch.tensor([1, 9]), "rank must be integers"),
         ("count", torch.tensor([0, 3]), "count must be positive"),
         ("spread", torch.tensor([float("nan"), 0.0], dtype=torch.float64), "spread must be finite"),
-        ("linear", torch.zeros(S, D, D - 1), "linear must be"),
+        ("linear", torch.zeros(1, S, D, D - 1), "linear must be"),
+        ("group", torch.tensor([0, -1]), "group must be integers"),
+        ("group", torch.tensor([-1.0, -1.0]), "group must be integers"),
     ],
 )
 def test_from_tensors_names_the_tensor_that_is_off(name, bad, message):
@@ -154,9 +163,8 @@ def test_from_tensors_names_the_tensor_that_is_off(name, bad, message):
     with pytest.raises(ValueError, match=message):
         ClassGaussians.from_tensors(tensors, "c.")
     del tensors[f"c.{name}"]
-    if name != "linear":
-        with pytest.raises(ValueError, match="lack"):
-            ClassGaussians.from_tensors(tensors, "c.")
+    with pytest.raises(ValueError, match="lack"):
+        ClassGaussians.from_tensors(tensors, "c.")
 
 
 def _head_parts(classes=2, m=40, seed=5):

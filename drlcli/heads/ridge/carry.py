@@ -11,7 +11,7 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
 - ``ClassGaussians``: the classes of one stage, each as its mean, its ``rank`` leading
   covariance directions (scaled: draws are mean + zᵀF) and the spread σ of the rest (isotropic
   when taken). A move maps the mean and the directions by each token's map, and the isotropic
-  rest by the product of the maps' linear parts, shared by the group (``linear``). Draws from
+  rest by the product of the maps' linear parts, one per group of classes moved together. Draws from
   them stand in for the old classes' images when the head's sums are rebuilt;
 - ``expected_sums``: the ridge's statistics (Q and G, fit and held-out parts) and the class
   covariances' moments of x = f_0/‖f_0‖ that the classes' images would give, estimated from
@@ -25,7 +25,7 @@ research harness (``benchmarks/research/adapt/carry.py``) replays its runs throu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -78,11 +78,12 @@ class TokenMaps:
 
 @dataclass(frozen=True)
 class ClassGaussians:
-    """The classes of one stage, each a Gaussian of its (S, d) tokens.
+    """Classes, each a Gaussian of its (S, d) tokens.
 
-    A class's draw is mean + zᵀ F + ε Lᵀ-moved: z ~ N(0, I_r) over its ``ranks[c]`` directions
-    (``factors[c, :ranks[c]]``), ε ~ N(0, σ_c² I) the isotropic rest, then ε by ``linear``
-    (per token, the product of every later map's I + B_t; None while no map moved the group).
+    A class's draw is mean + zᵀ F + ε L: z ~ N(0, I_r) over its ``ranks[c]`` directions
+    (``factors[c, :ranks[c]]``), ε ~ N(0, σ_c² I) the isotropic rest, and L per token the product of
+    every later map's I + B_t, shared by the classes that moved together: ``linears[groups[c]]``
+    (``groups[c]`` −1 while no map has moved the class: L = I).
     """
 
     means: Tensor  # (C, S, d)
@@ -90,7 +91,8 @@ class ClassGaussians:
     ranks: Tensor  # (C,) int64
     spreads: Tensor  # (C,) σ of the isotropic rest (float64 whatever the rows' dtype)
     counts: Tensor  # (C,) int64: the images each class was taken from
-    linear: Tensor | None = None  # (S, d, d)
+    groups: Tensor  # (C,) int64: the class's row of ``linears``, or −1
+    linears: Tensor  # (G, S, d, d)
 
     @classmethod
     def of(cls, rows: list[Tensor], rank: int) -> ClassGaussians:
@@ -125,6 +127,8 @@ class ClassGaussians:
             torch.tensor([len(f) for f in factors]),
             torch.tensor(spreads, dtype=torch.float64),
             torch.tensor([len(r) for r in rows]),
+            torch.full((len(rows),), -1),
+            torch.zeros(0, *shape[:1], shape[1], shape[1], dtype=rows[0].dtype),
         )
 
     def __len__(self) -> int:
@@ -135,7 +139,9 @@ class ClassGaussians:
         return tuple(self.means.shape[1:])
 
     def moved(self, maps: TokenMaps, exact: bool = True) -> ClassGaussians:
-        """Every class by ``maps``; ``exact`` False leaves the isotropic rest isotropic."""
+        """Every class by ``maps``: its mean and directions, and (``exact``) its isotropic rest, whose
+        L gains I + B_t (classes not moved before form one new group); ``exact`` False leaves the
+        rest isotropic (L = I, no group)."""
         if tuple(maps.shift.shape) != self.tokens:
             raise ValueError(f"maps of tokens {tuple(maps.shift.shape)} cannot move Gaussians of {self.tokens}")
         means, factors = self.means.clone(), self.factors.clone()
@@ -143,13 +149,14 @@ class ClassGaussians:
             for t in range(self.tokens[0]):
                 means[c, t] = means[c, t] + means[c, t] @ maps.linear[t] + maps.shift[t]
                 factors[c, :, t] = factors[c, :, t] + factors[c, :, t] @ maps.linear[t]
-        linear = None
-        if exact:
-            start = self.linear
-            if start is None:
-                start = torch.eye(self.tokens[1], dtype=self.means.dtype).expand(self.tokens[0], -1, -1)
-            linear = torch.stack([start[t] + start[t] @ maps.linear[t] for t in range(self.tokens[0])])
-        return ClassGaussians(means, factors, self.ranks, self.spreads, self.counts, linear)
+        if not exact:
+            return replace(self, means=means, factors=factors)
+        groups, linears = self.groups.clone(), list(self.linears)
+        if bool((groups < 0).any()):  # the classes not moved before: one new group, from I
+            groups[groups < 0] = len(linears)
+            linears.append(torch.eye(self.tokens[1], dtype=self.means.dtype).expand(self.tokens[0], -1, -1))
+        steps = [torch.stack([lin[t] + lin[t] @ maps.linear[t] for t in range(self.tokens[0])]) for lin in linears]
+        return replace(self, means=means, factors=factors, groups=groups, linears=torch.stack(steps))
 
     def draw(self, c: int, number: int, generator: torch.Generator) -> Tensor:
         """``number`` draws (number, S, d) of class ``c``, from ``generator``."""
@@ -157,20 +164,14 @@ class ClassGaussians:
         factor = self.factors[c, : int(self.ranks[c])].flatten(1)
         z = torch.randn(number, len(factor), generator=generator, dtype=dtype)
         noise = torch.randn(number, *self.tokens, generator=generator, dtype=dtype) * float(self.spreads[c])
-        if self.linear is not None:
-            noise = torch.einsum("nsd,sde->nse", noise, self.linear)
+        if int(self.groups[c]) >= 0:
+            noise = torch.einsum("nsd,sde->nse", noise, self.linears[int(self.groups[c])])
         return (self.means[c].flatten() + z @ factor).view(number, *self.tokens) + noise
 
     def joined(self, other: ClassGaussians) -> ClassGaussians:
-        """This group's classes, then ``other``'s: only when neither was moved (or both by the
-        same maps, which the caller vouches for by passing equal ``linear``)."""
+        """This object's classes, then ``other``'s (its groups after this one's)."""
         if self.tokens != other.tokens:
             raise ValueError(f"cannot join Gaussians of tokens {self.tokens} and {other.tokens}")
-        same = (self.linear is None and other.linear is None) or (
-            self.linear is not None and other.linear is not None and torch.equal(self.linear, other.linear)
-        )
-        if not same:
-            raise ValueError("classes moved by different maps keep separate groups")
         width = max(self.factors.shape[1], other.factors.shape[1])
         return ClassGaussians(
             torch.cat([self.means, other.means]),
@@ -178,52 +179,58 @@ class ClassGaussians:
             torch.cat([self.ranks, other.ranks]),
             torch.cat([self.spreads, other.spreads]),
             torch.cat([self.counts, other.counts]),
-            self.linear,
+            torch.cat([self.groups, torch.where(other.groups < 0, -1, other.groups + len(self.linears))]),
+            torch.cat([self.linears, other.linears.to(self.linears)]),
         )
 
     def to_tensors(self, prefix: str) -> dict[str, Tensor]:
-        out = {
-            f"{prefix}mean": self.means,
-            f"{prefix}factor": self.factors,
-            f"{prefix}rank": self.ranks,
-            f"{prefix}spread": self.spreads,
-            f"{prefix}count": self.counts,
-        }
-        if self.linear is not None:
-            out[f"{prefix}linear"] = self.linear
-        return out
+        return {f"{prefix}{name}": getattr(self, field) for name, field in _FIELDS.items()}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], prefix: str) -> ClassGaussians:
         """``to_tensors``' inverse; every shape checked (ValueError names the first that is off)."""
         try:
-            means = tensors[f"{prefix}mean"]
-            factors, ranks = tensors[f"{prefix}factor"], tensors[f"{prefix}rank"]
-            spreads, counts = tensors[f"{prefix}spread"], tensors[f"{prefix}count"]
+            parts = {field: tensors[f"{prefix}{name}"] for name, field in _FIELDS.items()}
         except KeyError as missing:
             raise ValueError(f"class Gaussians lack {missing.args[0]}") from None
-        linear = tensors.get(f"{prefix}linear")
+        means, factors, ranks = parts["means"], parts["factors"], parts["ranks"]
         if means.dim() != 3:
             raise ValueError(f"{prefix}mean must be (C, S, d), not {tuple(means.shape)}")
         classes, shape = len(means), tuple(means.shape[1:])
+        linears = parts["linears"]
         expected = {
             "factor": (factors, (classes, factors.shape[1] if factors.dim() == 4 else -1, *shape)),
             "rank": (ranks, (classes,)),
-            "spread": (spreads, (classes,)),
-            "count": (counts, (classes,)),
+            "spread": (parts["spreads"], (classes,)),
+            "count": (parts["counts"], (classes,)),
+            "group": (parts["groups"], (classes,)),
+            "linear": (linears, (linears.shape[0] if linears.dim() == 4 else -1, shape[0], shape[1], shape[1])),
         }
-        if linear is not None:
-            expected["linear"] = (linear, (shape[0], shape[1], shape[1]))
         for name, (tensor, want) in expected.items():
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{prefix}{name} must be {want}, not {tuple(tensor.shape)}")
         if ranks.dtype.is_floating_point or bool(((ranks < 0) | (ranks > factors.shape[1])).any()):
             raise ValueError(f"{prefix}rank must be integers within 0..{factors.shape[1]}")
-        if counts.dtype.is_floating_point or bool((counts < 1).any()):
+        if parts["counts"].dtype.is_floating_point or bool((parts["counts"] < 1).any()):
             raise ValueError(f"{prefix}count must be positive integers")
+        groups = parts["groups"]
+        if groups.dtype.is_floating_point or bool(((groups < -1) | (groups >= len(linears))).any()):
+            raise ValueError(f"{prefix}group must be integers within -1..{len(linears) - 1}")
+        spreads = parts["spreads"]
         if not bool(torch.isfinite(spreads).all()) or bool((spreads < 0).any()):
             raise ValueError(f"{prefix}spread must be finite and not negative")
-        return cls(means, factors, ranks, spreads, counts, linear)
+        return cls(**parts)
+
+
+_FIELDS = {  # stored name -> field
+    "mean": "means",
+    "factor": "factors",
+    "rank": "ranks",
+    "spread": "spreads",
+    "count": "counts",
+    "group": "groups",
+    "linear": "linears",
+}
 
 
 def _pad(factors: Tensor, width: int) -> Tensor:
