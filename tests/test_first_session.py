@@ -113,7 +113,7 @@ def test_plain_ranpac_trains_and_stores_no_network(tmp_path, stage_folders):
         ({"first_session": {"peft": "ssf"}}, "first_session.peft must be one of"),
         ({"first_session": {"peft": "adaptformer", "blocks": 0.0}}, "first_session.blocks must be"),
         ({"first_session": {"peft": "adaptformer", "blocks": 1.5}}, "first_session.blocks must be"),
-        ({"first_session": {"peft": "adaptformer", "stages": "all"}}, "first_session.stages all is not available yet"),
+        ({"first_session": {"stages": "all"}}, "first_session.stages all trains the adapters"),
     ],
 )
 def test_first_session_options_are_checked(sections, problem):

@@ -356,6 +356,13 @@ def _restorable(state: ForgetState, name: str) -> Forgotten:
             "restored; learn it again from new images with `drl learn-stage`"
         )
     entry = max(kept, key=lambda f: f.generation)
+    moved = [k for k in state.indices if k > entry.last_stage and "carry" in state.metas[k]]
+    if moved:  # a carried run (first_session.stages all): its kept Gaussian was not moved with the others
+        raise RunStateError(
+            f"class {name!r} was forgotten before stage {moved[0]}, which moved the carried classes of this run "
+            "(first_session.stages all) while its kept rows stayed as they were; learn it again with "
+            "`drl learn-stage`"
+        )
     learned = {n: k for k in state.indices for n in state.classes[k]}
     refuse_near_duplicates([name], learned, what=f"forgotten class {name!r}")
     return entry

@@ -37,6 +37,8 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
         stage_bytes = run.stage_bytes(index, manifest)
         if meta.get("train") is None:  # no stage network: its parameters are the head's, solved again each stage
             solved_params = meta["num_params"]
+        elif "carry" in meta:  # a carried run trained its one stage network again: the same parameters
+            trained_params = meta["num_params"]
         else:
             trained_params += meta["num_params"]
         cum_params = trained_params + solved_params

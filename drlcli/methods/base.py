@@ -95,3 +95,6 @@ class Method:
     # whether stage 1's network is trained on part of its images and kept only if the head scores
     # the held-out part higher with it (``stage/first_session.py``)
     decides_first_stage: Callable[[RunConfig], bool] = lambda config: False
+    # one stage network, made in stage 1 and trained again at every stage, the newest stage's totals
+    # holding it; the head carries the earlier classes (``heads/ridge/carry.py``): a carried run
+    carries_network: Callable[[RunConfig], bool] = lambda config: False

@@ -306,11 +306,13 @@ def _slice_problem(state: ForgetState, key: str, piece: Tensor, where: tuple[int
     if where is None:
         return f"{key!r} is not one class's slice of a per-class tensor"
     index, spec = where
-    if piece.dim() <= spec.axis or piece.shape[spec.axis] != 1 or not piece.is_floating_point():
+    tensor = state.tensors(index, spec.file).get(spec.name)
+    # integer slices (a carried run's counts and ranks) only where the live tensor holds that dtype
+    same_integers = tensor is not None and not tensor.is_floating_point() and piece.dtype == tensor.dtype
+    if piece.dim() <= spec.axis or piece.shape[spec.axis] != 1 or not (piece.is_floating_point() or same_integers):
         return f"{key!r} is not one class's slice of a per-class tensor"
     if not torch.isfinite(piece).all():
         return f"{key} holds NaN or infinite values"
-    tensor = state.tensors(index, spec.file).get(spec.name)
     expected = None if tensor is None else tensor.shape[: spec.axis] + (1,) + tensor.shape[spec.axis + 1 :]
     if expected is not None and tuple(piece.shape) != tuple(expected):
         return f"{key} has shape {tuple(piece.shape)}, expected {tuple(expected)}"

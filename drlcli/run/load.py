@@ -97,8 +97,10 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
     forgotten, classes = active_classes(run, manifest, stages)  # per stage: its classes not forgotten
     head = head_of(config)
     analytic = head.load() if head is not None else None
+    method = method_of(config)
+    carried = method.carries_network(config)
     tensors = _run_tensors(
-        run, method_of(config), analytic, stages, classes, width=backbone.width(ptm), scoring=scoring
+        run, method, analytic, stages, classes, width=backbone.width(ptm), scoring=scoring, carried=carried
     )
 
     def fit_error(position: int | None, exc: Exception) -> IntegrityError:
@@ -110,7 +112,7 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
         config,
         tensors,
         class_names=[name for names in classes for name in names],
-        num_stages=sum(stage_networks(method_of(config), stages)),
+        num_stages=sum(stage_networks(method, stages, carried=carried)),
         data_config=record["ptm"]["data_config"],
         fit_error=fit_error,
     )
@@ -143,12 +145,14 @@ def _run_tensors(
     *,
     width: int,
     scoring: bool,
+    carried: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A run's stages under ``model/restore.py``'s tensor names: each stage's ``<method prefix><param>``
     becomes ``stage.<i>.<param>``, the per-stage prototype rows (n, subspaces then, d) one zero-padded
     bank, the stage files' head tensors the head's state. ``classes`` holds each stage's active classes
-    (not forgotten): one prototype row each. Each stage's tensors are checked first."""
-    networks = stage_networks(method, stages)
+    (not forgotten): one prototype row each. Each stage's tensors are checked first. A ``carried``
+    run's one stage network is in the newest stage's totals."""
+    networks = stage_networks(method, stages, carried=carried)
     num_subspaces = method.offset + sum(networks)
     tensors: dict[str, torch.Tensor] = {}
     rows, class_stage = [], []
@@ -161,7 +165,7 @@ def _run_tensors(
         rows.append(padded)
         class_stage += [stage.index] * expected[0]
         if networks[position]:
-            state = with_prefix(stage.tensors, method.tensor_prefix)
+            state = with_prefix(stages[-1].totals if carried else stage.tensors, method.tensor_prefix)
             tensors.update({stage_prefix(made - 1) + k: v for k, v in state.items()})
     tensors[PROTOTYPES] = torch.cat(rows) if rows else empty_prototypes(width, method.offset)
     tensors[CLASS_STAGE] = torch.tensor(class_stage, dtype=torch.long)
@@ -171,9 +175,12 @@ def _run_tensors(
     return tensors
 
 
-def stage_networks(method: Method, stages: list[StageRecord]) -> list[bool]:
-    """Which stages hold a stage network (its parameters under the method's prefix). A stage that
-    nothing the run answers reads has none (``train.skip_unread``; stored untrained before issue 32)."""
+def stage_networks(method: Method, stages: list[StageRecord], *, carried: bool = False) -> list[bool]:
+    """Which stages made a stage network (its parameters under the method's prefix). A stage that
+    nothing the run answers reads has none (``train.skip_unread``; stored untrained before issue 32).
+    A carried run made one, in stage 1; the newest stage's totals hold it as trained last."""
+    if carried:
+        return [position == 0 for position in range(len(stages))]
     if not method.trains:
         return [False] * len(stages)
     return [any(name.startswith(method.tensor_prefix) for name in stage.tensors) for stage in stages]

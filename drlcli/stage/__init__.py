@@ -19,6 +19,7 @@ from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..tracking import TensorBoardLog, check_tensorboard_dir
+from .carry import check_one_process
 from .context import Sources
 from .fit import fit_features
 from .prepare import already_committed, check_classes, check_data, prepare, read_records
@@ -93,6 +94,7 @@ def learn_stage(
             progress=progress,
         )
         check_data(stage)
+        check_one_process(stage)
         trained = train_or_resume(stage, restart=restart)
         fitted = fit_features(stage)
         evaluated = evaluate_stage(stage)

@@ -61,6 +61,8 @@ class StageContext:
         subspace (``train.skip_unread``, ``methods.stage_is_read``)."""
         if not self.method.trains:
             return False
+        if self.method.carries_network(self.config):
+            return False
         limit = self.method.trained_stages(self.config)
         if limit is not None:
             return self.index > limit
@@ -100,6 +102,7 @@ class Fitted:
     rmd: tuple[Moments, torch.Tensor] | None  # the rmd rule's moments and (n,) biases of them
     seconds: float  # the feature pass for the prototypes, and the head's fit
     decision: Decision | None = None  # stage 1's adapted against frozen features (first_session.py)
+    carry: dict[str, Any] | None = None  # a carried run's stage > 1: how far it moved the earlier classes
 
 
 @dataclass(frozen=True)

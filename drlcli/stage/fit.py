@@ -13,8 +13,10 @@ from ..evaluation import EVAL_BATCH_SIZE
 from ..heads import EarlierStages, Head, HeadFit
 from ..heads.openset.calibrate import Calibration, calibrate
 from ..heads.openset.rmd import Moments, split_probe
+from ..heads.ridge.carry import Carried
 from ..methods import head_of, stages_read
 from ..model import class_means, embed_images
+from .carry import CarryStep, carry_stage
 from .context import Fitted, StageContext
 from .first_session import Decision, decide, deciding
 
@@ -40,13 +42,45 @@ def fit_features(stage: StageContext) -> Fitted:
     decision = None
     if deciding(stage) and head is not None:
         feats, rmd_feats, decision = _first_session(stage, head, feats, rmd_feats, labels, shard, probes)
+    carry = None
+    if stage.method.carries_network(stage.config) and head is not None:
+        carry = _carry(stage, feats, labels, shard, computed, _layout(stage, head), probes)
     _add_prototypes(stage, feats, labels, computed)
     stage.say("calibrate", 0, 0, "the unknown answer's thresholds")
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
     bias, rmd = _calibrated(stage, calibration, moments, old_bias, old_rmd)
     log.debug("prototypes of %d classes in %.1fs", len(stage.images.class_names), time.perf_counter() - tick)
-    fit = _fit_head(stage, head, feats, labels, shard) if head is not None else None
-    return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick, decision)
+    fit = None
+    if head is not None:
+        fit = _fit_head(stage, head, feats, labels, shard, carried=carry.earlier if carry else None)
+    if carry is not None and fit is not None:
+        fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
+    return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick, decision, carry.meta if carry else None)
+
+
+def _carry(
+    stage: StageContext,
+    feats: torch.Tensor,
+    labels: torch.Tensor,
+    shard: list[int] | None,
+    computed: int | None,
+    layout: int,
+    probes: tuple[int, ...],
+) -> CarryStep:
+    """A carried run's step (``carry.py``); its "before" pass runs the set as the stage began."""
+    network = stage.model.network
+
+    def before() -> torch.Tensor:
+        stage.say("carry", 0, 0, "the stage's images through the adapters as the stage began")
+        with network.starting():
+            start, _ = _embed(stage, shard, computed, layout, probes)
+        return split_probe(start, len(probes), stage.model.probe_weight)[0]
+
+    try:
+        return carry_stage(stage, feats, labels, layout, before)
+    finally:
+        if stage.index > 1:
+            network.drop_start()
 
 
 def _embed(
@@ -128,9 +162,15 @@ def _calibrated(
 
 
 def _fit_head(
-    stage: StageContext, head: Head, feats: torch.Tensor, labels: torch.Tensor, shard: list[int] | None
+    stage: StageContext,
+    head: Head,
+    feats: torch.Tensor,
+    labels: torch.Tensor,
+    shard: list[int] | None,
+    carried: Carried | None = None,
 ) -> HeadFit:
-    """The head fitted with the stage's features on top of the earlier stages' statistics."""
+    """The head fitted with the stage's features on top of the earlier stages' statistics (a carried
+    run: the earlier classes' ``carried`` sums instead)."""
     stage.say("fit", 0, 0, "the head from the run's statistics")
     loaded = stage.loaded
     earlier = EarlierStages(
@@ -140,6 +180,7 @@ def _fit_head(
             {**loaded.run.stage_statistics(i, loaded.manifest), **totals}
             for i, totals in zip(loaded.run.stage_indices(loaded.manifest), loaded.stage_totals)
         ),
+        carried=carried,
     )
     fit = head.load().fit_stage(
         earlier,

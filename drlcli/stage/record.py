@@ -91,20 +91,28 @@ def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluate
             f"committed: lower --lr (now {stage.config.train.lr:g})"
         )
     meta = _stage_meta(stage, trained, fitted, evaluated)
-    weights, statistics, totals = _split_totals(stage.index, tensors, fitted.fit.statistics if fitted.fit else {})
+    carried = stage.method.tensor_prefix if stage.method.carries_network(stage.config) else None
+    weights, statistics, totals = _split_totals(
+        stage.index, tensors, fitted.fit.statistics if fitted.fit else {}, network=carried
+    )
     files = stage_files(stage.index, meta, weights, statistics or None, totals or None)
     return Record(meta, files, carries_totals=bool(totals))
 
 
 def _split_totals(
-    index: int, tensors: dict[str, torch.Tensor], statistics: dict[str, torch.Tensor]
+    index: int, tensors: dict[str, torch.Tensor], statistics: dict[str, torch.Tensor], network: str | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(weights, statistics, totals): the run's totals (``heads.running``) apart, marked with the stage."""
+    """(weights, statistics, totals): the run's totals (``heads.running``; a carried run's stage network
+    too, its tensors under the ``network`` prefix) apart, marked with the stage."""
     running = heads.running()
-    totals = {k: v for part in (tensors, statistics) for k, v in part.items() if k in running}
+
+    def total(name: str) -> bool:
+        return name in running or (network is not None and name.startswith(network))
+
+    totals = {k: v for part in (tensors, statistics) for k, v in part.items() if total(k)}
     if totals:
         totals[TOTALS_MARK] = torch.tensor([index])
-    own = [{k: v for k, v in part.items() if k not in running} for part in (tensors, statistics)]
+    own = [{k: v for k, v in part.items() if not total(k)} for part in (tensors, statistics)]
     return own[0], own[1], totals
 
 
@@ -167,6 +175,8 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
         meta["ridge"] = fit.meta  # the ridge head's λ, validation errors and counts (every method scored by it)
     if fitted.decision is not None:  # stage 1's adapted against frozen features, on its held-out images
         meta["first_session"] = fitted.decision.to_dict()
+    if fitted.carry is not None:  # a carried run: how far the stage moved the earlier classes
+        meta["carry"] = fitted.carry
     return meta
 
 

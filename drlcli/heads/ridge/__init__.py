@@ -91,11 +91,17 @@ COV_SHARED = f"{PREFIX}cov_shared"  # (d, d) pooled within-class covariance, new
 COV_PARAMS = f"{PREFIX}cov_params"  # (3,) w, a, b, newest stage
 COV_SCATTER, COV_COUNTS = "cov_scatter", "cov_counts"  # statistics: (d, d) summed scatter, (2,) images, classes
 LAMBDA = "lambda"  # statistics: (1,) the λ the newest stage chose, where the next stage's search starts
-# a carried run (``carry.py``): every class's covariance tensors as the newest stage drew them, in its totals
+# a carried run (``carry.py``), in the newest stage's totals: every class's covariance tensors as it
+# drew them, every class's Gaussian (``ClassGaussians.to_tensors`` under CARRY; the linear parts'
+# products are per group, the rest per class) and its fit and held-out image counts (C, 2)
 CARRY_COV = {name: f"{name}_carried" for name in (COV_MEAN, COV_COVARIANCE, COV_FACTOR, COV_TRACE)}
+CARRY = f"{PREFIX}carry_"
+CARRY_PER_CLASS = tuple(f"{CARRY}{name}" for name in ("mean", "factor", "rank", "spread", "count", "group", "parts"))
+CARRY_LINEAR = f"{CARRY}linear"
 # the newest stage's totals: W and what the covariances share, the Grams and scatters summed so far
 RUNNING = (
-    WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", LAMBDA, COV_SCATTER, COV_COUNTS, *CARRY_COV.values()
+    WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", LAMBDA, COV_SCATTER, COV_COUNTS,
+    *CARRY_COV.values(), *CARRY_PER_CLASS, CARRY_LINEAR,
 )  # fmt: skip
 PER_CLASS = (
     PerClass("weights", COV_MEAN, 0),
@@ -106,7 +112,7 @@ PER_CLASS = (
     PerClass("totals", WEIGHT, 1, seen=True),  # W (M, C), solved again by each stage, in the newest's totals
     PerClass("statistics", "q_fit", 1),  # Q (M, n) of the stage's own classes (statistics.Statistics)
     PerClass("statistics", "q_val", 1),
-    *(PerClass("totals", name, 0, seen=True) for name in CARRY_COV.values()),
+    *(PerClass("totals", name, 0, seen=True) for name in (*CARRY_COV.values(), *CARRY_PER_CLASS)),
 )
 
 

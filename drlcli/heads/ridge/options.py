@@ -40,6 +40,12 @@ class RanpacConfig:
     layout_grid: int = option(0, within=Range(0, MAX_LAYOUT_GRID))
     # the layout's weight against f_0 in the input (folded into R's rows)
     layout_scale: float = option(1.0, within=Range(0, 100, low_open=True))
+    # a carried run (ranpac's first_session.stages all): each class kept as a Gaussian of the head's
+    # tokens with this many leading directions, moved by per-token ridge maps of this λ (absolute:
+    # tuned on DeiT-Tiny's sketch validation split), the head's sums rebuilt from this many draws per image
+    carry_rank: int = option(16, within=Range(1, 4096))
+    carry_lambda: float = option(1000.0, within=Range(0, 1e12, low_open=True))
+    carry_draws: int = option(100, within=Range(1, 10_000))
 
     def resolved_proj_dim(self, width: int) -> int:
         return self.proj_dim if self.proj_dim is not None else min(3000, 16 * width)

@@ -26,6 +26,11 @@ def adapts(config: RunConfig) -> bool:
     return config.first_session.peft != "none"
 
 
+def carries(config: RunConfig) -> bool:
+    """Whether the one adapter set learns at every stage (``first_session.stages all``): a carried run."""
+    return adapts(config) and config.first_session.stages == "all"
+
+
 def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
     if not adapts(config):
         return build_ipa(ptm, config)  # the bare PTM pass: an IPA network that never gets a stage
@@ -37,11 +42,11 @@ def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
 def rules(config: RunConfig) -> None:
     if config.ranpac.subspaces != 1:
         raise UsageError("ranpac.subspaces must be 1 for method ranpac (its head reads the PTM's subspace)")
-    if config.first_session.stages == "all":  # the network and its hold term are here; learn-stage's carry is not yet
-        raise UsageError(
-            "first_session.stages all is not available yet (a carried run needs learn-stage's carry, "
-            "docs/research/carried-preset-plan.md): use first"
-        )
+    if config.first_session.stages == "all":
+        if not adapts(config):
+            raise UsageError("first_session.stages all trains the adapters: set first_session.peft adaptformer")
+        if config.first_session.decide:
+            raise UsageError("first_session.decide is for stages first: a carried run (stages all) keeps its adapters")
     if adapts(config) and config.train.kd_weight:
         raise UsageError(
             "train.kd_weight must be 0 for method ranpac (the first session has no frozen PTM to distil to)"
@@ -60,7 +65,25 @@ METHOD = Method(
     train_defaults=TrainConfig(loss="ce", kd_weight=0.0, scale_init=1.0, lr=0.01, epochs=20, batch_size=48),
     rules=rules,
     head="ridge",
-    presets={"published": {"first_session": {"peft": "adaptformer"}}},
-    trained_stages=lambda config: 1 if adapts(config) else 0,
+    presets={
+        "published": {"first_session": {"peft": "adaptformer"}},
+        # issue 32's carried schedule (docs/research/adaptation-bounds.md, eleventh round): one set in
+        # blocks 0-5 trained at every stage, 20 epochs at lr 0.05, held near each stage's start (w 3),
+        # the earlier classes carried as class Gaussians, read by drl's default head
+        "carried": {
+            "first_session": {"peft": "adaptformer", "stages": "all", "blocks": 0.5, "hold_weight": 3.0},
+            "ranpac": {
+                "covariance_weight": 4.0,
+                "covariance_rank": 16,
+                "layout_grid": 2,
+                "layout_scale": 0.5,
+                "lambda_search": "local",
+                "lambda_classes": 128,
+            },
+            "train": {"lr": 0.05, "epochs": 20, "batch_size": 48, "scale_init": 16.0},
+        },
+    },
+    trained_stages=lambda config: None if carries(config) else 1 if adapts(config) else 0,
     decides_first_stage=lambda config: adapts(config) and config.first_session.decide,
+    carries_network=carries,
 )

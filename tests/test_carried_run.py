@@ -1,0 +1,199 @@
+"""A carried run (``ranpac --preset carried``, issue 32): one adapter set trained again at every stage,
+held near each stage's start, the earlier classes carried as class Gaussians moved with it."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from drlcli import evaluate, export_run, forget_class, learn_stage, load_model, restore_class
+from drlcli.api import info, predict_sources, verify
+from drlcli.cli import app
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.errors import RunStateError, UsageError
+from drlcli.heads.ridge import CARRY, CARRY_COV, CARRY_LINEAR, COV_MEAN
+from drlcli.run.load import load_run
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+SMALL = {
+    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "train": {"epochs": 2, "batch_size": 8},
+}
+
+
+def _init(run, sections=SMALL):
+    config = RunConfig.for_method("ranpac", sections, preset="carried")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+
+
+@pytest.fixture(scope="module")
+def carried_run(tmp_path_factory, stage_folders):
+    run = tmp_path_factory.mktemp("carried") / "run"
+    _init(run)
+    results = [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders]
+    return run, results
+
+
+def test_the_preset_is_the_researched_schedule():
+    config = RunConfig.for_method("ranpac", preset="carried")
+    first = config.first_session
+    assert (first.peft, first.stages, first.blocks, first.hold_weight) == ("adaptformer", "all", 0.5, 3.0)
+    assert (config.train.loss, config.train.lr, config.train.epochs, config.train.batch_size) == ("ce", 0.05, 20, 48)
+    head = config.ranpac
+    assert (head.covariance_rank, head.layout_grid, head.carry_rank, head.carry_lambda) == (16, 2, 16, 1000.0)
+
+
+def test_every_stage_trains_and_only_the_newest_holds_the_set_and_the_carry(carried_run):
+    run, results = carried_run
+    assert [r.training_skipped for r in results] == [False, False, False]
+    assert all(len(r.epoch_losses) == 2 for r in results)
+    loaded = load_run(run, device="cpu")
+    assert [bool(t) for t in loaded.stage_totals] == [False, False, True]
+    totals = loaded.stage_totals[-1]
+    assert any(k.startswith("adapt.") for k in totals)
+    assert not any(k.startswith("adapt.") for stage in loaded.stage_tensors[:-1] for k in stage if k not in totals)
+    assert totals[f"{CARRY}mean"].shape[0] == 9 and totals[CARRY_COV[COV_MEAN]].shape[0] == 9
+    assert totals[f"{CARRY}group"].tolist() == [0, 0, 0, 1, 1, 1, -1, -1, -1]  # moved twice, once, not yet
+    assert len(totals[CARRY_LINEAR]) == 2
+    network = loaded.model.network
+    assert network.num_stages == 1 and network.stages[0].down.shape[0] == 2  # blocks 0-1 of the tiny PTM's 4
+    metas = loaded.stage_metas
+    assert "carry" not in metas[0] and metas[1]["carry"]["classes"] == 3 and metas[2]["carry"]["classes"] == 6
+    assert metas[2]["carry"]["move"] > 0 and metas[2]["ridge"]["earlier_columns"] == "carried"
+    assert all(m["train"]["loss"] == "ce" for m in metas)
+
+
+def test_the_loaded_run_answers_as_learn_stage_evaluated(carried_run, stage_folders):
+    run, results = carried_run
+    report = evaluate(run, all_seen=True, device="cpu").report
+    assert report.num_images == results[-1].eval.num_images == 9 * 4
+    assert report.top1 == pytest.approx(results[-1].eval.top1)
+    verify(run)  # raises on any damage
+    stages = info(run)["stages"]
+    assert [s["holds_totals"] for s in stages] == [False, False, True]
+
+
+def test_the_carried_set_moves_the_earlier_classes_features(carried_run, images, tmp_path, stage_folders):
+    run, _ = carried_run
+    after = load_run(run, device="cpu").model.network
+    once = tmp_path / "once"
+    _init(once)
+    learn_stage(once, data_dir=stage_folders[0][0], device="cpu")
+    before = load_run(once, device="cpu").model.network
+    with torch.no_grad():
+        assert not torch.allclose(after(images)[:, 0], before(images)[:, 0], atol=1e-5)
+
+
+def test_export_predict_forget(carried_run, stage_folders, tmp_path):
+    run, _ = carried_run
+    pictures = sorted(str(p) for p in stage_folders[1][1].rglob("*.png"))
+    from_run = [[c["class"] for c in p.top] for p in predict_sources(pictures, run_dir=run, device="cpu")]
+    export_run(run, tmp_path / "m.drl")
+    from_file = [[c["class"] for c in p.top] for p in predict_sources(pictures, model_path=tmp_path / "m.drl")]
+    assert from_file == from_run
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(run, copy)
+    name = info(copy)["stages"][0]["classes"][0]
+    forget_class(copy, name)
+    assert name not in load_model(export_run(copy, tmp_path / "after.drl").path).class_names
+    totals = load_run(copy, device="cpu").stage_totals[-1]
+    assert totals[f"{CARRY}mean"].shape[0] == 8 and totals[CARRY_COV[COV_MEAN]].shape[0] == 8
+    restore_class(copy, name)  # no stage learned since: its rows come back as they were
+    assert load_run(copy, device="cpu").stage_totals[-1][f"{CARRY}mean"].shape[0] == 9
+
+
+def test_a_class_forgotten_before_a_later_stage_cannot_come_back(carried_run, stage_folders, tmp_path):
+    import shutil
+
+    run, _ = carried_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    name = info(copy)["stages"][0]["classes"][0]
+    forget_class(copy, name)
+    extra = stage_folders[0][0].parent / "extra"
+    if not extra.exists():
+        shutil.copytree(stage_folders[0][0], extra)
+        for folder in extra.iterdir():
+            folder.rename(extra / f"x_{folder.name}")
+    learn_stage(copy, data_dir=extra, device="cpu")
+    manifest_before = (copy / "manifest.json").read_bytes()
+    with pytest.raises(RunStateError, match="carried"):
+        restore_class(copy, name)
+    assert (copy / "manifest.json").read_bytes() == manifest_before
+
+
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        (f"{CARRY}group", lambda t: t.fill_(7)),  # a group with no linear part
+        (f"{CARRY}parts", lambda t: t[:4]),  # counts for fewer classes
+        (f"{CARRY}mean", lambda t: t[:, :2]),  # tokens the head does not read
+    ],
+)
+def test_crafted_carried_classes_are_refused_and_nothing_is_committed(carried_run, stage_folders, tmp_path, name, bad):
+    import shutil
+
+    from conftest import rewrite_stage_weights
+
+    from drlcli.errors import IntegrityError
+
+    run, _ = carried_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    rewrite_stage_weights(copy, 3, lambda tensors: tensors.__setitem__(name, bad(tensors[name].clone()).contiguous()))
+    manifest = (copy / "manifest.json").read_bytes()
+    extra = tmp_path / "extra"
+    shutil.copytree(stage_folders[0][0], extra)
+    for folder in list(extra.iterdir()):
+        folder.rename(extra / f"y_{folder.name}")
+    with pytest.raises(IntegrityError, match="not fit"):
+        learn_stage(copy, data_dir=extra, device="cpu")
+    assert (copy / "manifest.json").read_bytes() == manifest
+
+
+@pytest.mark.parametrize(
+    "sections, problem",
+    [
+        ({"first_session": {"peft": "none"}}, "stages all trains the adapters"),
+        ({"first_session": {"decide": True}}, "first_session.decide is for stages first"),
+    ],
+)
+def test_carried_options_are_checked(sections, problem):
+    from drlcli.config import validate
+
+    with pytest.raises(UsageError, match=problem):
+        validate(RunConfig.for_method("ranpac", sections, preset="carried"))
+
+
+def test_a_carried_run_learns_in_one_process(monkeypatch):
+    from types import SimpleNamespace
+
+    from drlcli import distributed
+    from drlcli.methods import get_method
+    from drlcli.stage.carry import check_one_process
+
+    stage = SimpleNamespace(method=get_method("ranpac"), config=RunConfig.for_method("ranpac", preset="carried"))
+    check_one_process(stage)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(UsageError, match="without torchrun"):
+        check_one_process(stage)
+    check_one_process(SimpleNamespace(method=stage.method, config=RunConfig.for_method("ranpac", preset="published")))
+
+
+def test_info_counts_the_one_set_once(carried_run):
+    run, results = carried_run
+    stages = info(run)["stages"]
+    assert [s["num_params"] for s in stages] == [results[0].num_params] * 3
+    assert stages[-1]["cumulative_params"] == results[0].num_params
+
+
+def test_cli_init_preset_carried(tmp_path):
+    args = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
+    run = tmp_path / "run"
+    result = CliRunner().invoke(
+        app, ["init", "--run", str(run), *args, "--random-init", "--method", "ranpac", "--preset", "carried"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "stages: all" in (run / "run.yaml").read_text()
