@@ -71,9 +71,8 @@ def _carry(
     network = stage.model.network
 
     def before() -> torch.Tensor:
-        stage.say("carry", 0, 0, "the stage's images through the adapters as the stage began")
-        with network.starting():
-            start, _ = _embed(stage, shard, computed, layout, probes)
+        with network.starting():  # progress: "carry", the stage's images through the set as it began
+            start, _ = _embed(stage, shard, computed, layout, probes, phase="carry")
         return split_probe(start, len(probes), stage.model.probe_weight)[0]
 
     try:
@@ -84,7 +83,12 @@ def _carry(
 
 
 def _embed(
-    stage: StageContext, shard: list[int] | None, computed: int | None, layout: int, probes: tuple[int, ...]
+    stage: StageContext,
+    shard: list[int] | None,
+    computed: int | None,
+    layout: int,
+    probes: tuple[int, ...],
+    phase: str = "prototypes",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return embed_images(
         stage.model.network,
@@ -94,7 +98,7 @@ def _embed(
         num_workers=stage.config.train.num_workers,
         precision=stage.precision,
         indices=shard,
-        progress=(lambda s, t: stage.say("prototypes", s, t)) if stage.progress else None,
+        progress=(lambda s, t: stage.say(phase, s, t)) if stage.progress else None,
         stages=computed,
         layout=layout,
         probes=probes,
