@@ -197,3 +197,27 @@ def test_cli_init_preset_carried(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "stages: all" in (run / "run.yaml").read_text()
+
+
+def test_a_stage_interrupted_in_training_resumes_to_the_same_set_and_carry(tmp_path, stage_folders):
+    """Stage 2 killed after its first epoch: the re-run reloads stage 1's set (the same "start"), resumes
+    from the checkpoint and commits the same tensors as an uninterrupted run."""
+
+    class Interrupt(Exception):
+        pass
+
+    def stop(event):
+        if event.phase == "train" and event.epoch == 2:
+            raise Interrupt
+
+    runs = [tmp_path / "straight", tmp_path / "resumed"]
+    for run in runs:
+        _init(run)
+        learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    learn_stage(runs[0], data_dir=stage_folders[1][0], device="cpu")
+    with pytest.raises(Interrupt):
+        learn_stage(runs[1], data_dir=stage_folders[1][0], device="cpu", progress=stop)
+    resumed = learn_stage(runs[1], data_dir=stage_folders[1][0], device="cpu")
+    assert resumed.resumed_from_epoch == 1
+    a, b = (load_run(run, device="cpu").stage_totals[-1] for run in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
