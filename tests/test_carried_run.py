@@ -88,9 +88,10 @@ def test_export_predict_forget(carried_run, stage_folders, tmp_path):
     run, _ = carried_run
     pictures = sorted(str(p) for p in stage_folders[1][1].rglob("*.png"))
     from_run = [[c["class"] for c in p.top] for p in predict_sources(pictures, run_dir=run, device="cpu")]
-    export_run(run, tmp_path / "m.drl")
-    from_file = [[c["class"] for c in p.top] for p in predict_sources(pictures, model_path=tmp_path / "m.drl")]
-    assert from_file == from_run
+    for name in ("m.drl", "m.onnx"):  # the network rebuilt from the spec (blocks 0.5), and traced
+        export_run(run, tmp_path / name)
+        from_file = [[c["class"] for c in p.top] for p in predict_sources(pictures, model_path=tmp_path / name)]
+        assert from_file == from_run
     copy = tmp_path / "copy"
     import shutil
 
