@@ -198,6 +198,14 @@ def test_cli_init_preset_carried(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "stages: all" in (run / "run.yaml").read_text()
+    from drlcli.synthetic import make_stages
+
+    stages = make_stages(tmp_path / "data", num_stages=2, classes_per_stage=2, train=6, test=2)
+    small = ["--epochs", "1", "--batch-size", "6"]
+    for train, _ in stages:
+        result = CliRunner().invoke(app, ["learn-stage", "--run", str(run), "--data", str(train), *small])
+        assert result.exit_code == 0, result.output
+    assert "carried 2 earlier classes" in result.output and "drawn 100 times per image" in result.output
 
 
 def test_a_stage_interrupted_in_training_resumes_to_the_same_set_and_carry(tmp_path, stage_folders):

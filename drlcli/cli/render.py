@@ -130,6 +130,13 @@ def learn_stage(r: dict[str, Any]) -> str:
         )
     if r.get("first_session"):
         lines.append(first_session_line(r["first_session"]))
+    if r.get("carry"):  # a carried run's stage after the first
+        c = r["carry"]
+        lines.append(
+            f"carried {c['classes']} earlier classes: the adapters moved this stage's images by {c['move']:.2g} "
+            f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image "
+            f"({c['seconds']:.1f}s)"
+        )
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
     if r["tensorboard_dir"]:

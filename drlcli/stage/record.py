@@ -48,6 +48,7 @@ class StageResult:
     training_skipped: bool = False  # no stage network was made (``StageContext.untrained``)
     skipped_because: str = ""  # why, for people (``StageContext.skip_reason``)
     first_session: dict[str, Any] | None = None  # stage 1's decision (``first_session.Decision.to_dict``)
+    carry: dict[str, Any] | None = None  # a carried run's stage > 1: stage.json's ``carry``
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -240,6 +241,7 @@ def learned_result(
         training_skipped=trained.skipped,
         skipped_because=stage.skip_reason if trained.skipped else "",
         first_session=record.meta.get("first_session"),
+        carry=record.meta.get("carry"),
         stage_bytes=sum(len(b) for b in record.files.values()),
         eval=evaluated.report,
         history=history_of([*stage.loaded.stage_metas, record.meta]),
