@@ -173,7 +173,7 @@ def test_a_carried_run_learns_in_one_process(monkeypatch):
 
     from drlcli import distributed
     from drlcli.methods import get_method
-    from drlcli.stage.carry import check_one_process
+    from drlcli.stage.prepare import check_one_process
 
     stage = SimpleNamespace(method=get_method("ranpac"), config=RunConfig.for_method("ranpac", preset="carried"))
     check_one_process(stage)

@@ -91,6 +91,12 @@ class AnalyticHead(Protocol):
         after it was forgotten, solved again (ValueError when it cannot be)."""
         ...
 
+    def carry_stage(self, config: Any, features: Tensor, labels: Tensor, **kwargs: Any) -> Any:
+        """learn-stage in a run whose method carries its network (``Method.carries_network``; the
+        ridge head's ``carry.carry_stage``): the earlier classes moved with the network, for
+        ``fit_stage`` (``EarlierStages.carried``), and every class's carried state for the totals."""
+        ...
+
 
 @dataclass(frozen=True)
 class Head:

@@ -48,7 +48,7 @@ class StageNetwork(Protocol):
 
     def new_stage(self, *, seed: int) -> nn.Module:
         """Append a freshly initialised stage (seeded, on the PTM's device) and return it (a network that
-        carries one stage, ranpac's with ``first_session.stages all``, reopens that one instead)."""
+        carries one stage, ``Method.carries_network``, reopens that one instead)."""
         ...
 
     def forward(

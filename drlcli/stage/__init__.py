@@ -19,10 +19,9 @@ from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..tracking import TensorBoardLog, check_tensorboard_dir
-from .carry import check_one_process
 from .context import Sources
 from .fit import fit_features
-from .prepare import already_committed, check_classes, check_data, prepare, read_records
+from .prepare import already_committed, check_classes, check_data, check_one_process, prepare, read_records
 from .record import StageResult, commit_stage, evaluate_stage, learned_result, record_stage
 from .resume import train_or_resume
 

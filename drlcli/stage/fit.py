@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -13,10 +14,8 @@ from ..evaluation import EVAL_BATCH_SIZE
 from ..heads import EarlierStages, Head, HeadFit
 from ..heads.openset.calibrate import Calibration, calibrate
 from ..heads.openset.rmd import Moments, split_probe
-from ..heads.ridge.carry import Carried
 from ..methods import head_of, stages_read
 from ..model import class_means, embed_images
-from .carry import CarryStep, carry_stage
 from .context import Fitted, StageContext
 from .first_session import Decision, decide, deciding
 
@@ -44,7 +43,7 @@ def fit_features(stage: StageContext) -> Fitted:
         feats, rmd_feats, decision = _first_session(stage, head, feats, rmd_feats, labels, shard, probes)
     carry = None
     if stage.method.carries_network(stage.config) and head is not None:
-        carry = _carry(stage, feats, labels, shard, computed, _layout(stage, head), probes)
+        carry = _carry(stage, head, feats, labels, shard, computed, probes)
     _add_prototypes(stage, feats, labels, computed)
     stage.say("calibrate", 0, 0, "the unknown answer's thresholds")
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
@@ -60,15 +59,16 @@ def fit_features(stage: StageContext) -> Fitted:
 
 def _carry(
     stage: StageContext,
+    head: Head,
     feats: torch.Tensor,
     labels: torch.Tensor,
     shard: list[int] | None,
     computed: int | None,
-    layout: int,
     probes: tuple[int, ...],
-) -> CarryStep:
-    """A carried run's step (``carry.py``); its "before" pass runs the set as the stage began."""
-    network = stage.model.network
+) -> Any:
+    """A carried run's stage (``Method.carries_network``): the head carries the earlier classes
+    (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began."""
+    network, layout, loaded = stage.model.network, _layout(stage, head), stage.loaded
 
     def before() -> torch.Tensor:
         with network.starting():  # progress: "carry", the stage's images through the set as it began
@@ -76,7 +76,16 @@ def _carry(
         return split_probe(start, len(probes), stage.model.probe_weight)[0]
 
     try:
-        return carry_stage(stage, feats, labels, layout, before)
+        return head.load().carry_stage(
+            stage.config,
+            feats,
+            labels,
+            layout=layout,
+            stage_index=stage.index,
+            earlier=(loaded.stage_tensors, loaded.stage_totals[-1]) if loaded.stage_metas else None,
+            earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
+            before=before,
+        )
     finally:
         if stage.index > 1:
             network.drop_start()
@@ -171,7 +180,7 @@ def _fit_head(
     feats: torch.Tensor,
     labels: torch.Tensor,
     shard: list[int] | None,
-    carried: Carried | None = None,
+    carried: Any = None,
 ) -> HeadFit:
     """The head fitted with the stage's features on top of the earlier stages' statistics (a carried
     run: the earlier classes' ``carried`` sums instead)."""

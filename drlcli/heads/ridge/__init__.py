@@ -63,7 +63,7 @@ of W again, and keeps every class's covariance rows, as drawn, in the newest sta
 
 The folder: ``options.py`` its run-config section (``ranpac`` in run.yaml), ``statistics.py`` the
 sums and the ridge solve, ``covariance.py`` the class covariances, ``head.py`` the scoring module,
-``fit.py`` one stage's fit and the re-solve of a restored class, ``carry.py`` the carried classes. This module holds the head's
+``fit.py`` one stage's fit and the re-solve of a restored class, ``carry.py`` and ``carried.py`` the carried classes. This module holds the head's
 facts for the registry (no torch): its tensor names, its per-class tensors, what it reads.
 """
 

@@ -17,10 +17,8 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
   covariances' moments of x = f_0/‖f_0‖ that the classes' images would give, estimated from
   ``draws`` times as many draws as each class had images.
 
-Pure tensor maths: nothing here reads a run or a network. Float64 throughout is the caller's
-choice; every operation keeps the dtype it is given. Not yet read by any method: the
-``ranpac`` preset that will read it is planned in ``docs/research/carried-preset-plan.md``; the
-research harness (``benchmarks/research/adapt/carry.py``) replays its runs through it.
+Pure tensor maths: ``carried.py`` puts it together for one stage of a carried run (``ranpac
+--preset carried``); the research harness (``benchmarks/research/adapt``) replays its runs through it.
 """
 
 from __future__ import annotations

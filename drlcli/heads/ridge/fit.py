@@ -30,6 +30,7 @@ from . import (
     PROJECTION,
     WEIGHT,
 )
+from .carried import carry_stage as _carry_stage
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RanpacHead, expand, head_input, random_projection
 from .statistics import (
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 
 from_state = RanpacHead.from_state
 from_stages = RanpacHead.from_stages
+carry_stage = _carry_stage  # a carried run's stage (``carried.py``)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""One stage of a carried run (``ranpac --preset carried``, ``Method.carries_network``; issue 32),
+from ``carry.py``'s maths: learn-stage hands ``carry_stage`` the stage's features and a pass
+through the network as the stage began; it reads no file and runs no network itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ...errors import IntegrityError
+from . import CARRY, CARRY_PER_CLASS, LAMBDA, PROJECTION
+from .carry import Carried, ClassGaussians, TokenMaps, expected_sums
+from .head import head_input
+from .statistics import STAT_DTYPE, validation_mask
+
+if TYPE_CHECKING:
+    from ...config import RunConfig
+
+PARTS = CARRY_PER_CLASS[-1]  # (C, 2): each class's fit and held-out image counts
+
+
+@dataclass(frozen=True)
+class CarryStep:
+    """What a carried run's stage carries: the earlier classes for the head's fit (None at stage 1),
+    every class's Gaussian after it (moved, then the stage's own) with its image counts, and
+    stage.json's record of the move (None at stage 1)."""
+
+    earlier: Carried | None
+    gaussians: ClassGaussians
+    parts: Tensor  # (C, 2) int64
+    meta: dict[str, Any] | None
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Into the run's totals (``RUNNING``)."""
+        return {**self.gaussians.to_tensors(CARRY), PARTS: self.parts}
+
+
+def carry_stage(
+    config: RunConfig,
+    feats: Tensor,
+    labels: Tensor,
+    *,
+    layout: int,
+    stage_index: int,
+    earlier: tuple[list[dict[str, Tensor]], dict[str, Tensor]] | None,
+    earlier_classes: int,
+    before: Callable[[], Tensor],
+) -> CarryStep:
+    """A carried run's stage (``Method.carries_network``): ``feats`` (N, S', d) are the head's rows of
+    the stage's images through the trained network, in image order, ``labels`` local. Its own
+    classes' Gaussians are taken from them. After stage 1 (``earlier``: the run's stage tensors and
+    its newest totals, holding ``earlier_classes`` classes), ``before()`` gives the same images'
+    rows through the network as the stage began: one ridge map per head token from those to these,
+    the earlier Gaussians moved by the maps, and the head's sums over them drawn (the earlier
+    classes for ``fit_stage``). A crafted or damaged carry is an IntegrityError."""
+    tick = time.perf_counter()
+    cfg = config.ranpac
+    width = feats.shape[-1] * (cfg.subspaces + layout**2)
+    tokens = _tokens(feats, width, layout)
+    labels = labels.cpu()
+    n = int(labels.max()) + 1 if len(labels) else 0
+    val = validation_mask(labels, fraction=cfg.val_fraction, seed=config.train.seed + stage_index)
+    own = ClassGaussians.of([tokens[labels == c] for c in range(n)], cfg.carry_rank)
+    own_parts = torch.tensor([[int((~val[labels == c]).sum()), int(val[labels == c].sum())] for c in range(n)])
+    if earlier is None:
+        return CarryStep(None, own, own_parts, None)
+    stage_tensors, totals = earlier
+    try:
+        old = ClassGaussians.from_tensors(totals, CARRY)
+        parts = totals[PARTS]
+        if tuple(parts.shape) != (len(old), 2) or parts.dtype.is_floating_point or bool((parts < 0).any()):
+            raise ValueError(f"{PARTS} must be ({len(old)}, 2) image counts")
+        if len(old) != earlier_classes:
+            raise ValueError(f"{len(old)} class Gaussians for {earlier_classes} earlier classes")
+        if tuple(old.tokens) != tuple(tokens.shape[1:]):
+            raise ValueError(f"class Gaussians of tokens {tuple(old.tokens)}, not the head's {tuple(tokens.shape[1:])}")
+    except (KeyError, ValueError) as exc:
+        raise IntegrityError(f"the run's carried classes do not fit ({exc}); restore it from a backup") from exc
+    lam = float(totals[LAMBDA]) if LAMBDA in totals else None
+    maps = TokenMaps.fit(_tokens(before(), width, layout), tokens, cfg.carry_lambda)
+    moved = old.moved(maps)
+    sums = expected_sums(
+        moved,
+        parts,
+        projection=stage_tensors[0][PROJECTION].to(STAT_DTYPE),
+        layout_cells=layout**2,
+        draws=cfg.carry_draws,
+        generator=torch.Generator().manual_seed(config.train.seed + stage_index),
+    )
+    meta = {
+        "move": round(maps.move, 6),  # the stage's images' relative squared move: what the maps follow
+        "map_lambda": cfg.carry_lambda,
+        "draws": cfg.carry_draws,
+        "classes": len(old),
+        "seconds": round(time.perf_counter() - tick, 3),
+    }
+    return CarryStep(Carried(sums, lam), moved.joined(own), torch.cat([parts, own_parts]), meta)
+
+
+def _tokens(feats: Tensor, width: int, layout: int) -> Tensor:
+    """(N, S, d) the tokens the head reads (f_0 and the layout cells), in float64 on the CPU."""
+    return head_input(feats, width, layout**2).unflatten(1, (-1, feats.shape[-1])).to(STAT_DTYPE).cpu()
