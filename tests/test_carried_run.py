@@ -191,10 +191,11 @@ def test_info_counts_the_one_set_once(carried_run):
 
 
 def test_cli_init_preset_carried(tmp_path):
-    args = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
+    from drlcli.synthetic import init_args
+
     run = tmp_path / "run"
     result = CliRunner().invoke(
-        app, ["init", "--run", str(run), *args, "--random-init", "--method", "ranpac", "--preset", "carried"]
+        app, ["init", "--run", str(run), *init_args(), "--method", "ranpac", "--preset", "carried"]
     )
     assert result.exit_code == 0, result.output
     assert "stages: all" in (run / "run.yaml").read_text()
