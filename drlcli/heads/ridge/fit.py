@@ -32,7 +32,7 @@ from . import (
 )
 from .carried import carry_stage as _carry_stage
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
-from .head import RanpacHead, expand, head_input, random_projection
+from .head import RanpacHead, expand, head_input, joined_rows, random_projection
 from .statistics import (
     STAT_DTYPE,
     Statistics,
@@ -122,7 +122,7 @@ def fit_stage(
     stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
     if carried is not None and COV_PARAMS in tensors:
         stages = [carried.sums.covariance_rows(cfg.covariance_rank), tensors]
-        statistics.update({CARRY_COV[name]: _joined_rows(stages, name) for name in stages[0]})
+        statistics.update({CARRY_COV[name]: joined_rows(stages, name) for name in stages[0]})
     meta = {
         "lambda": lam,
         "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
@@ -142,10 +142,6 @@ def fit_stage(
         ) from exc
     meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
     return StageFit(head, tensors, statistics, meta, weight.numel())
-
-
-def _joined_rows(stages: list[dict[str, Tensor]], name: str) -> Tensor:
-    return torch.cat([t[name] for t in stages])
 
 
 def _choose_lambda(

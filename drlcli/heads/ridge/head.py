@@ -190,16 +190,16 @@ class RanpacHead(nn.Module):
         if CARRY_COV[COV_MEAN] in newest:  # a carried run: every class's rows, as its newest stage drew them
             stages = [{name: newest[carried] for name, carried in CARRY_COV.items() if carried in newest}]
         if COV_FACTOR in newest:  # the low-rank form (ranpac.covariance_rank > 0)
-            parts = (_joined(stages, name) for name in (COV_MEAN, COV_FACTOR, COV_TRACE))
+            parts = (joined_rows(stages, name) for name in (COV_MEAN, COV_FACTOR, COV_TRACE))
             lowrank = LowRankPrecisions.of(*parts, shared, shrink=shrink, blend=blend)
             return cls(projection, weight, cov_weight=torch.tensor(cov_weight), layout=layout, cov_lowrank=lowrank)
-        covariances = _joined(stages, COV_COVARIANCE)
+        covariances = joined_rows(stages, COV_COVARIANCE)
         if covariances.dim() != 3 or tuple(shared.shape) != tuple(covariances.shape[1:]):
             raise ValueError(f"{COV_SHARED} has shape {tuple(shared.shape)}, not one class covariance's")
         return cls(
             projection,
             weight,
-            _joined(stages, COV_MEAN),
+            joined_rows(stages, COV_MEAN),
             precisions(covariances, shared, shrink=shrink, blend=blend),
             torch.tensor(cov_weight),
             layout=layout,
@@ -229,7 +229,7 @@ def _dense_parts(
 LOWRANK = ("cov_rotation", "cov_scale", "cov_center", "cov_const", "cov_factor", "cov_offset", "cov_factor_scale")
 
 
-def _joined(stages: list[dict[str, Tensor]], name: str) -> Tensor:
+def joined_rows(stages: list[dict[str, Tensor]], name: str) -> Tensor:
     """Every stage's per-class rows of ``name``, in class order; ValueError when a stage lacks them or
     their shapes differ."""
     if any(name not in t for t in stages):

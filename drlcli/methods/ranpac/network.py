@@ -16,6 +16,7 @@ is the adapted PTM's feature and stage 1's subspace is the same feature, compute
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,26 +80,23 @@ class FirstSessionNetwork(nn.Module):
         return stage
 
     @contextmanager
-    def bare(self) -> Iterator[None]:
-        """The frozen PTM without stage 1's adapters, for the block (``first_session.decide``)."""
-        stages = self.stages
-        self.stages = nn.ModuleList()
+    def _swapped(self, stages: list[EaseAdapters]) -> Iterator[None]:
+        kept = self.stages
+        self.stages = nn.ModuleList(stages)
         try:
             yield
         finally:
-            self.stages = stages
+            self.stages = kept
 
-    @contextmanager
-    def starting(self) -> Iterator[None]:
+    def bare(self) -> contextlib.AbstractContextManager[None]:
+        """The frozen PTM without stage 1's adapters, for the block (``first_session.decide``)."""
+        return self._swapped([])
+
+    def starting(self) -> contextlib.AbstractContextManager[None]:
         """The set as the stage began in place of the trained one (a carried run's "before" pass)."""
         if self.start is None:
             raise ValueError("no stage has reopened the adapter set")
-        stages = self.stages
-        self.stages = nn.ModuleList([self.start])
-        try:
-            yield
-        finally:
-            self.stages = stages
+        return self._swapped([self.start])
 
     def drop_start(self) -> None:
         self.__dict__["start"] = None
