@@ -11,7 +11,7 @@ from drlcli.cli import app
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import RunStateError, UsageError
-from drlcli.heads.ridge import CARRY, CARRY_COV, CARRY_LINEAR, COV_MEAN
+from drlcli.heads.ridge import CARRY, CARRY_COV, CARRY_LINEAR, COV_FACTOR, COV_MEAN, COV_TRACE
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
@@ -61,6 +61,19 @@ def test_every_stage_trains_and_only_the_newest_holds_the_set_and_the_carry(carr
     assert "carry" not in metas[0] and metas[1]["carry"]["classes"] == 3 and metas[2]["carry"]["classes"] == 6
     assert metas[2]["carry"]["move"] > 0 and metas[2]["ridge"]["earlier_columns"] == "carried"
     assert all(m["train"]["loss"] == "ce" for m in metas)
+
+
+def test_no_stage_keeps_sums_a_later_stage_draws_again(carried_run):
+    """Issue 32 item 4: a carried run holds no Grams, Q, scatters or per-stage covariance rows
+    (a later stage draws the earlier classes' sums from their Gaussians; the rows are in the totals)."""
+    run, _ = carried_run
+    loaded = load_run(run, device="cpu")
+    assert not any(p.name.startswith("statistics") for p in (run / "stages").rglob("*.safetensors"))
+    assert all(loaded.run.stage_statistics(i, loaded.manifest) == {} for i in (1, 2, 3))
+    totals = loaded.stage_totals[-1]
+    assert not {"gram_fit", "gram_val", "counts", "cov_scatter", "q_fit"} & set(totals)
+    own = [k for stage in loaded.stage_tensors for k in stage if k not in totals]
+    assert own and not {COV_MEAN, COV_FACTOR, COV_TRACE} & set(own)
 
 
 def test_the_loaded_run_answers_as_learn_stage_evaluated(carried_run, stage_folders):

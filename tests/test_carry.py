@@ -237,7 +237,7 @@ def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypat
         carry.expected_sums(gaussians, parts[:1], generator=torch.Generator(), **kwargs)
 
 
-def _fit(earlier, feats, labels, config, stage_index):
+def _fit(earlier, feats, labels, config, stage_index, carries=False):
     from drlcli.heads.ridge.fit import fit_stage
 
     return fit_stage(
@@ -249,6 +249,7 @@ def _fit(earlier, feats, labels, config, stage_index):
         num_classes=int(labels.max()) + 1,
         config=config,
         stage_index=stage_index,
+        carries=carries,
     )
 
 
@@ -257,7 +258,7 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     carried stage solves the same W and scores as the fit from the stored statistics."""
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
-    from drlcli.heads.ridge import CARRY_COV, COV_FACTOR, COV_MEAN, LAMBDA, PROJECTION, WEIGHT
+    from drlcli.heads.ridge import CARRY_COV, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, PROJECTION, WEIGHT
     from drlcli.heads.ridge.carry import Carried, expected_sums
     from drlcli.heads.ridge.statistics import validation_mask
 
@@ -299,10 +300,40 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
         assert torch.allclose(fit2.head(both), exact.head(both), atol=1e-3)
     assert fit2.statistics[CARRY_COV[COV_MEAN]].shape == (7, d)  # every class's rows, into the totals
     assert fit2.statistics[CARRY_COV[COV_FACTOR]].shape == (7, d, 3)
-    assert torch.allclose(fit2.statistics[CARRY_COV[COV_MEAN]][3:], fit2.tensors[COV_MEAN])
+    assert torch.allclose(fit2.statistics[CARRY_COV[COV_MEAN]][3:], exact.tensors[COV_MEAN])
+    # nothing a later carried stage draws again: no Grams, no Q, no scatter, no rows outside the totals
+    assert COV_MEAN not in fit2.tensors and COV_FACTOR not in fit2.tensors
+    assert set(fit2.statistics) == {"totals", LAMBDA, *(CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE))}
 
     from drlcli.heads.ridge.head import RanpacHead
 
     loaded = RanpacHead.from_stages([weights1, {**fit2.tensors, **fit2.statistics}])
     with torch.no_grad():
         assert torch.allclose(loaded(both), fit2.head(both), atol=1e-5)  # the head rebuilt from the totals alone
+
+
+def test_a_carried_first_stage_keeps_only_what_a_later_stage_reads():
+    """Stage 1 of a carried run stores λ and its classes' covariance rows in the totals, and none of
+    the sums the next stage draws again (Grams, Q, scatter); its head scores as the plain fit's."""
+    from drlcli.config import RunConfig
+    from drlcli.heads.base import EarlierStages
+    from drlcli.heads.ridge import CARRY_COV, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, WEIGHT
+    from drlcli.heads.ridge.head import RanpacHead
+
+    config = RunConfig.for_method(
+        "ranpac", {"ranpac": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
+    )
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(30, 6, 8, generator=g)
+    labels = torch.arange(3).repeat(10)
+    plain = _fit(EarlierStages(None, [], list), feats, labels, config, 1)
+    carried = _fit(EarlierStages(None, [], list), feats, labels, config, 1, carries=True)
+
+    assert {"gram_fit", "q_fit", "cov_scatter"} <= set(plain.statistics)
+    assert set(carried.statistics) == {"totals", LAMBDA, *(CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE))}
+    assert COV_MEAN not in carried.tensors and torch.equal(carried.tensors[WEIGHT], plain.tensors[WEIGHT])
+    assert torch.equal(carried.statistics[CARRY_COV[COV_FACTOR]], plain.tensors[COV_FACTOR])
+    loaded = RanpacHead.from_stages([{**carried.tensors, **carried.statistics}])
+    with torch.no_grad():
+        assert torch.allclose(loaded(feats), plain.head(feats), atol=1e-6)
+        assert torch.allclose(carried.head(feats), plain.head(feats), atol=1e-6)

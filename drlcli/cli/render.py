@@ -67,7 +67,8 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     ]
     if any(s.get("holds_totals") for s in stages):
         lines.append(
-            "+ with the run's totals (Gram matrices, W: what the next stage adds to), kept by the newest stage"
+            "+ with the run's totals (what the next stage reads: W and the sums so far, or a carried run's "
+            "adapter set and class Gaussians), kept by the newest stage"
         )
     if any(s.get("untrained") for s in stages):
         lines.append(

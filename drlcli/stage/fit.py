@@ -51,7 +51,7 @@ def fit_features(stage: StageContext) -> Fitted:
     log.debug("prototypes of %d classes in %.1fs", len(stage.images.class_names), time.perf_counter() - tick)
     fit = None
     if head is not None:
-        fit = _fit_head(stage, head, feats, labels, shard, carried=carry.earlier if carry else None)
+        fit = _fit_head(stage, head, feats, labels, shard, carry)
     if carry is not None and fit is not None:
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
     return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick, decision, carry.meta if carry else None)
@@ -180,10 +180,10 @@ def _fit_head(
     feats: torch.Tensor,
     labels: torch.Tensor,
     shard: list[int] | None,
-    carried: Any = None,
+    carry: Any = None,
 ) -> HeadFit:
     """The head fitted with the stage's features on top of the earlier stages' statistics (a carried
-    run: the earlier classes' ``carried`` sums instead)."""
+    run, whose stage ``carry`` is: the earlier classes' carried sums instead)."""
     stage.say("fit", 0, 0, "the head from the run's statistics")
     loaded = stage.loaded
     earlier = EarlierStages(
@@ -193,7 +193,7 @@ def _fit_head(
             {**loaded.run.stage_statistics(i, loaded.manifest), **totals}
             for i, totals in zip(loaded.run.stage_indices(loaded.manifest), loaded.stage_totals)
         ),
-        carried=carried,
+        carried=carry.earlier if carry is not None else None,
     )
     fit = head.load().fit_stage(
         earlier,
@@ -204,6 +204,7 @@ def _fit_head(
         num_classes=len(stage.images.class_names),
         config=stage.config,
         stage_index=stage.index,
+        carries=carry is not None,
     )
     stage.model.head = fit.head.to(stage.model.device)
     log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])

@@ -72,11 +72,14 @@ def fit_stage(
     num_classes: int,
     config: RunConfig,
     stage_index: int,
+    carries: bool = False,
 ) -> StageFit:
     """Add a stage's images to the statistics and solve W for every class seen.
 
     ``features`` (N, S, d) and local ``labels`` (N,) are this process's shard (``indices`` of the
-    stage's ``image_labels``; None: all); ``earlier`` gives the stages before it.
+    stage's ``image_labels``; None: all); ``earlier`` gives the stages before it. A run that
+    ``carries`` its network (stage 1 too) keeps none of the sums a later stage draws again (the
+    Grams, Q, the scatter): only λ, and every class's covariance rows in its totals.
     """
     start = time.perf_counter()
     cfg = config.ranpac
@@ -89,6 +92,7 @@ def fit_stage(
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
     scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
     carried = earlier.carried
+    carries = carries or carried is not None
     if carried is None:
         total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
     else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians (carry.py)
@@ -120,9 +124,14 @@ def fit_stage(
     # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits
     # them there), or in a carried run as drawn now, every class's then kept in the run's totals
     stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
-    if carried is not None and COV_PARAMS in tensors:
-        stages = [carried.sums.covariance_rows(cfg.covariance_rank), tensors]
-        statistics.update({CARRY_COV[name]: joined_rows(stages, name) for name in stages[0]})
+    newest = tensors
+    if carries:
+        statistics = {name: statistics[name] for name in (TOTALS_MARK, LAMBDA)}
+        if COV_PARAMS in tensors:
+            own = {name: tensors.pop(name) for name in CARRY_COV if name in tensors}
+            stages = [carried.sums.covariance_rows(cfg.covariance_rank), own] if carried is not None else [own]
+            statistics.update({CARRY_COV[name]: joined_rows(stages, name) for name in own})
+            newest = {**tensors, **statistics}
     meta = {
         "lambda": lam,
         "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
@@ -135,7 +144,7 @@ def fit_stage(
         "layout_grid": layout,
     }
     try:  # the earlier stages' class covariances are checked here (learn-stage loads the run without them)
-        head = RanpacHead.assemble(projection, tensors, stages, layout=layout)
+        head = RanpacHead.assemble(projection, newest, stages, layout=layout)
     except (RuntimeError, KeyError, ValueError) as exc:
         raise IntegrityError(
             f"the run's class covariances do not fit ({str(exc).splitlines()[0]}); restore it from a backup"

@@ -189,7 +189,7 @@ class RanpacHead(nn.Module):
         shared = newest[COV_SHARED]
         if CARRY_COV[COV_MEAN] in newest:  # a carried run: every class's rows, as its newest stage drew them
             stages = [{name: newest[carried] for name, carried in CARRY_COV.items() if carried in newest}]
-        if COV_FACTOR in newest:  # the low-rank form (ranpac.covariance_rank > 0)
+        if COV_FACTOR in stages[-1]:  # the low-rank form (ranpac.covariance_rank > 0)
             parts = (joined_rows(stages, name) for name in (COV_MEAN, COV_FACTOR, COV_TRACE))
             lowrank = LowRankPrecisions.of(*parts, shared, shrink=shrink, blend=blend)
             return cls(projection, weight, cov_weight=torch.tensor(cov_weight), layout=layout, cov_lowrank=lowrank)
