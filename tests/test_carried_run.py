@@ -181,21 +181,6 @@ def test_carried_options_are_checked(sections, problem):
         validate(RunConfig.for_method("ranpac", sections, preset="carried"))
 
 
-def test_a_carried_run_learns_in_one_process(monkeypatch):
-    from types import SimpleNamespace
-
-    from drlcli import distributed
-    from drlcli.methods import get_method
-    from drlcli.stage.prepare import check_one_process
-
-    stage = SimpleNamespace(method=get_method("ranpac"), config=RunConfig.for_method("ranpac", preset="carried"))
-    check_one_process(stage)
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    with pytest.raises(UsageError, match="without torchrun"):
-        check_one_process(stage)
-    check_one_process(SimpleNamespace(method=stage.method, config=RunConfig.for_method("ranpac", preset="published")))
-
-
 def test_info_counts_the_one_set_once(carried_run):
     run, results = carried_run
     stages = info(run)["stages"]

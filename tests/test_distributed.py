@@ -117,6 +117,39 @@ def test_two_processes_move_the_earlier_classes_weights_as_one_does(tmp_path):
     assert w[0].shape == (64, 10) and torch.allclose(w[0], w[1], rtol=1e-4, atol=1e-5 * float(w[0].abs().max()))
 
 
+def test_a_carried_run_under_torchrun_carries_as_one_process(tmp_path, stage_folders):
+    """A carried run (``ranpac --preset carried``) under torchrun: every process trains the set on
+    its share of each batch, the first carries the earlier classes from every process's rows, and
+    the run's set, Gaussians and W are the one process's (up to float summation order)."""
+    from safetensors.torch import load
+
+    sections = {
+        "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+        "first_session": {"dropout": 0.0},  # no random masks: the two runs then differ only in summation order
+        "train": {"epochs": 2, "batch_size": 12, "crop_scale_min": 1.0, "hflip": False},
+    }
+    config = RunConfig.for_method("ranpac", sections, preset="carried")
+    runs = {}
+    for name in ("one", "two"):
+        runs[name] = tmp_path / name
+        init_run(runs[name], ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    for train, test in stage_folders[:2]:
+        single = learn_stage(runs["one"], data_dir=train, eval_data_dir=test, device="cpu")
+        done = _torchrun("learn-stage", "--run-dir", runs["two"], "--data", train, "--eval-data", test, "--json")
+        assert done.returncode == 0, _rank_lines(done.stderr)
+        out = json.loads(done.stdout)
+        assert out["epoch_losses"] == pytest.approx(single.epoch_losses, rel=1e-3)
+        assert out["eval"]["top1"] == single.eval.top1
+    metas = [RunDir(runs[name]).stage_meta(2) for name in ("one", "two")]
+    assert metas[1]["world_size"] == 2 and metas[1]["carry"]["classes"] == metas[0]["carry"]["classes"] == 3
+    assert metas[1]["carry"]["move"] == pytest.approx(metas[0]["carry"]["move"], rel=1e-2)
+    a, b = (load((runs[name] / "stages/002/totals.safetensors").read_bytes()) for name in ("one", "two"))
+    assert set(a) == set(b)
+    for key in a:
+        scale = float(a[key].double().abs().max()) or 1.0
+        assert torch.allclose(a[key].double(), b[key].double(), rtol=1e-3, atol=1e-3 * scale), key
+
+
 def test_a_failure_fails_every_rank_and_changes_nothing(tmp_path, make_folder):
     run = tmp_path / "run"
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)

@@ -21,7 +21,7 @@ from ..run.directory import RunDir
 from ..tracking import TensorBoardLog, check_tensorboard_dir
 from .context import Sources
 from .fit import fit_features
-from .prepare import already_committed, check_classes, check_data, check_one_process, prepare, read_records
+from .prepare import already_committed, check_classes, check_data, prepare, read_records
 from .record import StageResult, commit_stage, evaluate_stage, learned_result, record_stage
 from .resume import train_or_resume
 
@@ -93,7 +93,6 @@ def learn_stage(
             progress=progress,
         )
         check_data(stage)
-        check_one_process(stage)
         trained = train_or_resume(stage, restart=restart)
         fitted = fit_features(stage)
         evaluated = evaluate_stage(stage)

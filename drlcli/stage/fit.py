@@ -67,8 +67,11 @@ def _carry(
     probes: tuple[int, ...],
 ) -> Any:
     """A carried run's stage (``Method.carries_network``): the head carries the earlier classes
-    (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began."""
+    (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began. Under
+    torchrun each process passes its shard, and the first carries from every image (the maps and
+    the class Gaussians need them all) and hands the others what it carried."""
     network, layout, loaded = stage.model.network, _layout(stage, head), stage.loaded
+    earlier = (loaded.stage_tensors, loaded.stage_totals[-1]) if loaded.stage_metas else None
 
     def before() -> torch.Tensor:
         with network.starting():  # progress: "carry", the stage's images through the set as it began
@@ -76,19 +79,35 @@ def _carry(
         return split_probe(start, len(probes), stage.model.probe_weight)[0]
 
     try:
-        return head.load().carry_stage(
-            stage.config,
-            feats,
-            labels,
-            layout=layout,
-            stage_index=stage.index,
-            earlier=(loaded.stage_tensors, loaded.stage_totals[-1]) if loaded.stage_metas else None,
-            earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
-            before=before,
-        )
+        start = None  # under torchrun: every image's rows as the stage began
+        if distributed.world_size() > 1:
+            feats, labels = _in_image_order(shard, feats, labels)
+            start = _in_image_order(shard, before())[0] if earlier is not None else None
+        step = None
+        if distributed.is_main():
+            step = head.load().carry_stage(
+                stage.config,
+                feats,
+                labels,
+                layout=layout,
+                stage_index=stage.index,
+                earlier=earlier,
+                earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
+                before=before if start is None else (lambda: start),
+            )
+        return distributed.broadcast_object(step)
     finally:
         if stage.index > 1:
             network.drop_start()
+
+
+def _in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """Every process's rows of ``parts`` (this process's: ``shard`` of the stage's images), on the
+    CPU in the stage's image order, so that what is computed from them does not depend on the sharding."""
+    index = torch.tensor(shard if shard is not None else range(len(parts[0])), dtype=torch.long)
+    gathered = distributed.all_gather_objects((index, *(p.cpu() for p in parts)))
+    order = torch.cat([g[0] for g in gathered]).argsort()
+    return [torch.cat([g[i] for g in gathered])[order] for i in range(1, len(parts) + 1)]
 
 
 def _embed(
@@ -223,13 +242,7 @@ def _calibrate(
     the moments of the classes before it) and its classes' moments, from every process's subspace-0
     features and rmd inputs (``openset.rmd_input``), put back in the stage's image order so that
     they do not depend on the sharding."""
-    index = torch.tensor(shard if shard is not None else range(len(labels)), dtype=torch.long)
-    parts = distributed.all_gather_objects((index, feats[:, 0].cpu(), rmd_feats.cpu(), labels.cpu()))
-    index = torch.cat([p[0] for p in parts])
-    order = index.argsort()
-    features = torch.cat([p[1] for p in parts])[order]
-    rmd_features = torch.cat([p[2] for p in parts])[order]
-    targets = torch.cat([p[3] for p in parts])[order]
+    features, rmd_features, targets = _in_image_order(shard, feats[:, 0], rmd_feats, labels)
     n = len(stage.images.class_names)
     seed = stage.config.train.seed + stage.index
     cal = calibrate(features, targets, n, stage.config.open_set, seed=seed, earlier=earlier, rmd_features=rmd_features)

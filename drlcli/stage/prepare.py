@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import distributed
 from ..data import LabelledImages, refuse_near_duplicates, validate_images
 from ..errors import DataError, UsageError
 from ..evaluation import check_class_names_use, labelled_images
@@ -103,13 +102,6 @@ def check_data(stage: StageContext) -> None:
                 item, progress=lambda step, total, item=item: stage.say("validate", step, total, item.origin)
             )
             log.debug("validated %d images of %s in %.1fs", len(item), item.origin, time.perf_counter() - tick)
-
-
-def check_one_process(stage: StageContext) -> None:
-    """A run whose method carries its network learns in one process: the maps and the carried
-    classes of a stage need every image of it (``Method.carries_network``)."""
-    if stage.method.carries_network(stage.config) and distributed.world_size() > 1:
-        raise UsageError("first_session.stages all learns in one process: learn the stage without torchrun")
 
 
 def check_classes(images: LabelledImages, eval_images: LabelledImages | None, learned: dict[str, int]) -> None:
