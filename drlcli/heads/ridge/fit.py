@@ -116,9 +116,11 @@ def fit_stage(
         tensors[PROJECTION] = projection.float()
         if layout:
             tensors[LAYOUT] = torch.tensor(layout)
-    # the stage's own Q, and the run's totals through this stage (record.py puts them in its totals file)
-    statistics = {**stage.own(), **total.running(), TOTALS_MARK: torch.tensor([stage_index])}
-    statistics[LAMBDA] = torch.tensor([lam], dtype=STAT_DTYPE)
+    # the stage's own Q, and the run's totals through this stage (record.py puts them in its totals
+    # file); a carried run keeps λ alone: its next stage draws the sums again
+    statistics = {TOTALS_MARK: torch.tensor([stage_index]), LAMBDA: torch.tensor([lam], dtype=STAT_DTYPE)}
+    if not carries:
+        statistics.update({**stage.own(), **total.running()})
     if cfg.covariance_weight > 0:
         _covariances(earlier, features, labels, num_classes, cfg, scatters, tensors, statistics)
     # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits
@@ -126,7 +128,8 @@ def fit_stage(
     stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
     newest = tensors
     if carries:
-        statistics = {name: statistics[name] for name in (TOTALS_MARK, LAMBDA)}
+        for name in (COV_SCATTER, COV_COUNTS):  # summed for the pooled covariance only
+            statistics.pop(name, None)
         if COV_PARAMS in tensors:
             own = {name: tensors.pop(name) for name in CARRY_COV if name in tensors}
             stages = [carried.sums.covariance_rows(cfg.covariance_rank), own] if carried is not None else [own]
