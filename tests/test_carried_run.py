@@ -11,9 +11,10 @@ from drlcli.cli import app
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import RunStateError, UsageError
+from drlcli.heads.openset import RMD_MEAN, RMD_MEAN_CARRIED
 from drlcli.heads.ridge import CARRY, CARRY_COV, CARRY_LINEAR, COV_FACTOR, COV_MEAN, COV_TRACE
 from drlcli.run.load import load_run
-from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 SMALL = {
     "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
@@ -76,6 +77,61 @@ def test_no_stage_keeps_sums_a_later_stage_draws_again(carried_run):
     assert own and not {COV_MEAN, COV_FACTOR, COV_TRACE} & set(own)
 
 
+def _rmd_means_now(model, folders):
+    """The classes' rmd means recomputed from their training images on the run's network as it is."""
+    from drlcli.data import scan_class_folders
+    from drlcli.heads.openset.rmd import Moments
+    from drlcli.model import embed_images
+
+    means = []
+    for folder in folders:
+        images = scan_class_folders(folder)
+        feats, labels = embed_images(
+            model.network,
+            images,
+            model.data_config,
+            batch_size=16,
+            probes=model.probes_read,
+            layout=model.layout_scored,
+        )
+        means.append(Moments.of(model.split(feats)[1], labels, len(images.class_names)).means)
+    return torch.cat(means)
+
+
+def test_the_unknown_answer_s_moments_move_with_the_network(carried_run, stage_folders):
+    """Each stage moves the earlier classes' rmd means with the network (``openset.rmd.carried_moments``):
+    the newest totals hold every class's, the run reads them, and they are nearer the means the moved
+    network gives the classes' images than the means as their stages took them."""
+    run, _ = carried_run
+    loaded = load_run(run, device="cpu")
+    carried = loaded.stage_totals[-1][RMD_MEAN_CARRIED]
+    taken = torch.cat([tensors[RMD_MEAN] for tensors in loaded.stage_tensors])
+    assert carried.shape == taken.shape == (9, loaded.model.rmd_width)
+    assert torch.equal(carried[6:], taken[6:])  # the newest stage's own classes: as it took them
+    assert not torch.allclose(carried[:6], taken[:6], atol=1e-4)
+    assert torch.allclose(loaded.model.unknown_rmd[0].means.float(), carried)
+    assert all(meta["carry"]["unknown_move"] > 0 for meta in loaded.stage_metas[1:])
+    now = _rmd_means_now(loaded.model, [train for train, _ in stage_folders]).float()
+    assert torch.allclose(now[6:], taken[6:], atol=1e-4)
+    assert (carried[:6] - now[:6]).norm() < (taken[:6] - now[:6]).norm()
+
+
+def test_a_carried_run_from_before_the_moved_moments_reads_them_as_taken_and_learns_on(carried_run, tmp_path):
+    import shutil
+
+    from conftest import rewrite_stage_weights
+
+    run, _ = carried_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    rewrite_stage_weights(copy, 3, lambda tensors: tensors.pop(RMD_MEAN_CARRIED))
+    loaded = load_run(copy, device="cpu")
+    taken = torch.cat([tensors[RMD_MEAN] for tensors in loaded.stage_tensors])
+    assert torch.allclose(loaded.model.unknown_rmd[0].means.float(), taken)
+    learn_stage(copy, data_dir=make_class_folders(tmp_path / "more", [20, 21], images_per_class=6), device="cpu")
+    assert load_run(copy, device="cpu").stage_totals[-1][RMD_MEAN_CARRIED].shape[0] == 11
+
+
 def test_the_loaded_run_answers_as_learn_stage_evaluated(carried_run, stage_folders):
     run, results = carried_run
     report = evaluate(run, all_seen=True, device="cpu").report
@@ -114,8 +170,11 @@ def test_export_predict_forget(carried_run, stage_folders, tmp_path):
     assert name not in load_model(export_run(copy, tmp_path / "after.drl").path).class_names
     totals = load_run(copy, device="cpu").stage_totals[-1]
     assert totals[f"{CARRY}mean"].shape[0] == 8 and totals[CARRY_COV[COV_MEAN]].shape[0] == 8
+    assert totals[RMD_MEAN_CARRIED].shape[0] == 8
     restore_class(copy, name)  # no stage learned since: its rows come back as they were
-    assert load_run(copy, device="cpu").stage_totals[-1][f"{CARRY}mean"].shape[0] == 9
+    totals = load_run(copy, device="cpu").stage_totals[-1]
+    assert totals[f"{CARRY}mean"].shape[0] == 9
+    assert torch.equal(totals[RMD_MEAN_CARRIED], load_run(run, device="cpu").stage_totals[-1][RMD_MEAN_CARRIED])
 
 
 def test_a_class_forgotten_before_a_later_stage_cannot_come_back(carried_run, stage_folders, tmp_path):
@@ -144,6 +203,7 @@ def test_a_class_forgotten_before_a_later_stage_cannot_come_back(carried_run, st
         (f"{CARRY}group", lambda t: t.fill_(7)),  # a group with no linear part
         (f"{CARRY}parts", lambda t: t[:4]),  # counts for fewer classes
         (f"{CARRY}mean", lambda t: t[:, :2]),  # tokens the head does not read
+        (RMD_MEAN_CARRIED, lambda t: t[:4]),  # moved rmd means for fewer classes
     ],
 )
 def test_crafted_carried_classes_are_refused_and_nothing_is_committed(carried_run, stage_folders, tmp_path, name, bad):
@@ -205,6 +265,7 @@ def test_cli_init_preset_carried(tmp_path):
         result = CliRunner().invoke(app, ["learn-stage", "--run", str(run), "--data", str(train), *small])
         assert result.exit_code == 0, result.output
     assert "carried 2 earlier classes" in result.output and "drawn 100 times per image" in result.output
+    assert "the unknown answer's class means moved with them" in result.output
 
 
 def test_a_stage_interrupted_in_training_resumes_to_the_same_set_and_carry(tmp_path, stage_folders):

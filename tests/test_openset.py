@@ -17,7 +17,7 @@ from drlcli.heads.linalg import shrunk
 from drlcli.heads.openset import BIAS, RMD_BIAS, RMD_MEAN, RMD_ROWS, RMD_SCATTER, RMD_TENSORS
 from drlcli.heads.openset.calibrate import balanced_quantile, balanced_rate, calibrate, holdout_mask
 from drlcli.heads.openset.report import auroc, open_set_report
-from drlcli.heads.openset.rmd import Moments, RmdKnown, known_scores, probe_block, rmd_input
+from drlcli.heads.openset.rmd import Moments, RmdKnown, carried_moments, known_scores, probe_block, rmd_input
 from drlcli.options import OpenSetConfig
 
 runner = CliRunner()
@@ -95,6 +95,51 @@ def test_rmd_moments_add_up_stage_by_stage():
     for a, b in zip(joined.gaussians(), whole.gaussians()):
         assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b))
     assert torch.equal(joined.scatter_counts, torch.tensor([240.0, 4.0], dtype=torch.float64))
+
+
+def _classes_moments(x, labels, classes):
+    """Moments of rows taken as they are (no normalisation): what ``Moments.moved`` maps."""
+    means = torch.stack([x[labels == c].mean(0) for c in range(classes)])
+    centred = x - means[labels]
+    return means, centred.T @ centred
+
+
+def test_moving_moments_equals_taking_them_of_the_moved_images():
+    features, labels = _clusters(3)
+    moments = Moments.of(features, labels, 4)
+    x = torch.nn.functional.normalize(features.double(), dim=-1)
+    generator = torch.Generator().manual_seed(4)
+    linear = 0.1 * torch.randn(12, 12, generator=generator, dtype=torch.float64)
+    shift = 0.05 * torch.randn(12, generator=generator, dtype=torch.float64)
+    moved = moments.moved(linear, shift)
+    means, scatter = _classes_moments(x + x @ linear + shift, labels, 4)
+    assert torch.allclose(moved.means, means) and torch.allclose(moved.scatter, scatter)
+    assert torch.equal(moved.counts, moments.counts) and torch.equal(moved.scatter_counts, moments.scatter_counts)
+    with pytest.raises(ValueError, match="cannot move moments 12 wide"):
+        moments.moved(linear[:6, :6], shift[:6])
+
+
+def test_carried_moments_follow_a_planted_move_and_leave_unmoved_images_alone():
+    features, labels = _clusters(5, per_class=80)
+    earlier = Moments.of(features[labels < 2], labels[labels < 2], 2)
+    new = labels >= 2  # the stage's own images: before and after its "training"
+    before = torch.nn.functional.normalize(features[new].double(), dim=-1)
+    same, move = carried_moments(earlier, features[new], before, before, 1000.0)
+    assert move == 0.0 and torch.allclose(same.means, earlier.means) and torch.allclose(same.scatter, earlier.scatter)
+    generator = torch.Generator().manual_seed(6)
+    skew = 0.2 * torch.randn(12, 12, generator=generator, dtype=torch.float64)
+    rotation = torch.linalg.matrix_exp(skew - skew.T)  # x stays a unit vector: the map is x -> x R
+    after = 3.0 * before @ rotation  # x is the direction of the rmd input: its norm is not read
+    moved, move = carried_moments(earlier, features[new], before, after, 1e-6)  # λ ≈ 0: the map is recovered
+    x = torch.nn.functional.normalize(features[labels < 2].double(), dim=-1)
+    means, scatter = _classes_moments(x @ rotation, labels[labels < 2], 2)
+    assert move > 0 and torch.allclose(moved.means, means, atol=1e-6)
+    assert torch.allclose(moved.scatter, scatter, atol=1e-6)
+    # λ is the head's class-token map's on raw f_0, scaled to unit rows: the same λ at any norm of f_0
+    far, _ = carried_moments(earlier, 10 * features[new], before, after, 1e-4)
+    assert torch.allclose(far.means, moved.means, atol=1e-12) and torch.allclose(far.scatter, moved.scatter, atol=1e-12)
+    biased, _ = carried_moments(earlier, features[new], before, after, 1e-1)  # a larger λ: a shorter move
+    assert (biased.means - means).norm() > (moved.means - means).norm()
 
 
 def test_rmd_calibration_rejects_the_target_share_and_calls_far_images_unknown():

@@ -137,6 +137,7 @@ def learn_stage(r: dict[str, Any]) -> str:
             f"carried {c['classes']} earlier classes: the adapters moved this stage's images by {c['move']:.2g} "
             f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image "
             f"({c['seconds']:.1f}s)"
+            + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
         )
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])

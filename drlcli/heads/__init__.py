@@ -30,7 +30,14 @@ def per_class() -> tuple[PerClass, ...]:
 def running() -> frozenset[str]:
     """The tensors only the newest stage holds (in its totals file): the running totals of the run's
     sums and what is solved from them (the ridge's W), the "unknown" answer's pooled scatter."""
-    return frozenset({TOTALS_MARK, *openset.RUNNING, *(name for head in HEADS.values() for name in head.running)})
+    return frozenset(
+        {
+            TOTALS_MARK,
+            *openset.RUNNING,
+            openset.RMD_MEAN_CARRIED,
+            *(name for head in HEADS.values() for name in head.running),
+        }
+    )
 
 
 def sections() -> dict[str, type]:

@@ -15,7 +15,7 @@ from ..config import RunConfig
 from ..device import resolve_device
 from ..errors import IntegrityError, PTMError
 from ..heads import PROTOTYPES, AnalyticHead, since_totals
-from ..heads.openset import BIAS, RMD_ROWS, RUNNING
+from ..heads.openset import BIAS, RMD_MEAN, RMD_MEAN_CARRIED, RMD_ROWS, RUNNING
 from ..methods import Method, head_of, method_of
 from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, restore_model, stage_prefix, with_prefix
 from ..ptm import backbone, hub
@@ -219,7 +219,7 @@ def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch
     """The run's open-set tensors from its stages' (``heads/openset``): the biases when every stage
     has them (runs from before open-set scoring have none), the rmd statistics when every stage has
     them (the rows concatenated, the scatters and their counts summed: since the newest stage's running
-    totals, ``heads.since_totals``)."""
+    totals, ``heads.since_totals``); a carried run's class means as its newest stage moved them."""
     merged = [stage.merged for stage in stages]
     if not stages or not _all_hold(merged, (BIAS,)):
         return {}
@@ -233,8 +233,16 @@ def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch
             tensors[name] = torch.cat([t[name] for t in merged])
         for name in RUNNING:  # the scatters and their counts, summed
             tensors[name] = torch.stack([t[name].double() for t in summed]).sum(0).float()
+        carried = merged[-1].get(RMD_MEAN_CARRIED)  # a carried run: every class's mean, moved by its newest stage
+        if carried is not None:
+            if tuple(carried.shape) != tuple(tensors[RMD_MEAN].shape):
+                shape = tuple(tensors[RMD_MEAN].shape)
+                raise ValueError(f"{RMD_MEAN_CARRIED} has shape {tuple(carried.shape)}, expected {shape}")
+            tensors[RMD_MEAN] = carried
     except RuntimeError as exc:  # stages of different shapes: damage
         raise _stage_error(run, stages[-1].index, ValueError(f"{name}: {exc}")) from exc
+    except ValueError as exc:
+        raise _stage_error(run, stages[-1].index, exc) from exc
     return tensors
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from .. import distributed
 from ..evaluation import EVAL_BATCH_SIZE
 from ..heads import EarlierStages, Head, HeadFit
 from ..heads.openset.calibrate import Calibration, calibrate
-from ..heads.openset.rmd import Moments, split_probe
+from ..heads.openset.rmd import Moments, carried_moments, split_probe
 from ..methods import head_of, stages_read
 from ..model import class_means, embed_images
 from .context import Fitted, StageContext
@@ -43,7 +44,10 @@ def fit_features(stage: StageContext) -> Fitted:
         feats, rmd_feats, decision = _first_session(stage, head, feats, rmd_feats, labels, shard, probes)
     carry = None
     if stage.method.carries_network(stage.config) and head is not None:
-        carry = _carry(stage, head, feats, labels, shard, computed, probes)
+        earlier_rmd = old_rmd[0] if old_rmd is not None and len(old_rmd[0].counts) else None
+        carry, moved = _carry(stage, head, feats, rmd_feats, labels, shard, computed, probes, earlier_rmd)
+        if moved is not None:  # the earlier classes' rmd moments, moved with the network
+            old_rmd = (moved, old_rmd[1])
     _add_prototypes(stage, feats, labels, computed)
     stage.say("calibrate", 0, 0, "the unknown answer's thresholds")
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
@@ -61,29 +65,41 @@ def _carry(
     stage: StageContext,
     head: Head,
     feats: torch.Tensor,
+    rmd_feats: torch.Tensor,
     labels: torch.Tensor,
     shard: list[int] | None,
     computed: int | None,
     probes: tuple[int, ...],
-) -> Any:
+    earlier_rmd: Moments | None,
+) -> tuple[Any, Moments | None]:
     """A carried run's stage (``Method.carries_network``): the head carries the earlier classes
-    (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began. Under
-    torchrun each process passes its shard, and the first carries from every image (the maps and
-    the class Gaussians need them all) and hands the others what it carried."""
+    (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began, and the
+    same images' rmd inputs before and after move ``earlier_rmd``, the earlier classes' moments of
+    the "unknown" answer (``_moved_moments``). Under torchrun each process passes its shard, and
+    the first carries from every image (the maps and the class Gaussians need them all) and hands
+    the others what it carried."""
     network, layout, loaded = stage.model.network, _layout(stage, head), stage.loaded
     earlier = (loaded.stage_tensors, loaded.stage_totals[-1]) if loaded.stage_metas else None
+    began: list[tuple[torch.Tensor, torch.Tensor]] = []  # (f_0, rmd inputs) as the stage began, once run
 
-    def before() -> torch.Tensor:
+    def before() -> tuple[torch.Tensor, torch.Tensor]:
         with network.starting():  # progress: "carry", the stage's images through the set as it began
             start, _ = _embed(stage, shard, computed, layout, probes, phase="carry")
-        return split_probe(start, len(probes), stage.model.probe_weight)[0]
+        return split_probe(start, len(probes), stage.model.probe_weight)
+
+    def head_rows() -> torch.Tensor:
+        rows, rmd_rows = before()
+        began.append((rows[:, 0], rmd_rows))
+        return rows
 
     try:
         start = None  # under torchrun: every image's rows as the stage began
         if distributed.world_size() > 1:
-            feats, labels = _in_image_order(shard, feats, labels)
-            start = _in_image_order(shard, before())[0] if earlier is not None else None
-        step = None
+            feats, rmd_feats, labels = _in_image_order(shard, feats, rmd_feats, labels)
+            if earlier is not None:
+                start, rmd_rows = _in_image_order(shard, *before())
+                began.append((start[:, 0], rmd_rows))
+        result = None
         if distributed.is_main():
             step = head.load().carry_stage(
                 stage.config,
@@ -93,9 +109,14 @@ def _carry(
                 stage_index=stage.index,
                 earlier=earlier,
                 earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
-                before=before if start is None else (lambda: start),
+                before=head_rows if start is None else (lambda: start),
             )
-        return distributed.broadcast_object(step)
+            moved = None
+            if earlier_rmd is not None and began and step.meta is not None:
+                moved, move = carried_moments(earlier_rmd, *began[0], rmd_feats, step.meta["map_lambda"])
+                step = replace(step, meta={**step.meta, "unknown_move": round(move, 6)})
+            result = (step, moved)
+        return distributed.broadcast_object(result)
     finally:
         if stage.index > 1:
             network.drop_start()

@@ -129,6 +129,8 @@ def _stage_tensors(stage: StageContext, trained: Trained, fitted: Fitted) -> dic
         joined = stage.model.unknown_rmd  # the earlier classes' moments joined with the stage's: the totals
         if joined is not None and len(joined[0].counts) == len(stage.model.class_names):
             tensors.update({name: joined[0].tensors()[name] for name in openset.RUNNING})
+            if stage.method.carries_network(stage.config):  # every class's mean as this stage moved it
+                tensors[openset.RMD_MEAN_CARRIED] = joined[0].means.float()
     if _stores_network(stage, trained, fitted):
         new = stage.model.network.stages[-1].state_dict()
         tensors.update({f"{stage.method.tensor_prefix}{k}": v for k, v in new.items()})

@@ -24,7 +24,7 @@ from replay import plan, replay  # noqa: E402
 
 from drlcli.benchmark.protocol import BenchmarkData  # noqa: E402
 from drlcli.config import RunConfig  # noqa: E402
-from drlcli.heads.ridge.carry import ridge_map  # noqa: E402
+from drlcli.heads.linalg import ridge_map  # noqa: E402
 
 
 def move_tokens(rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:

@@ -37,6 +37,13 @@ kept images'), and the stage's threshold t is the ``open_set.rejection`` quantil
 images' best score; each class of the stage stores t (``unknown_bias``, ``unknown_rmd_bias``).
 No image or per-image feature is kept: only these numbers and the moments go into the stage.
 
+A carried run (``ranpac --preset carried``) moves the network at every stage, so the earlier
+classes' means and the scatter would describe x of a network that no longer exists. Each of its
+stages moves them with the network as the head's class Gaussians are moved: one ridge map of x
+(``linalg.ridge_map``) from the stage's own images before its training to after it, applied to every
+earlier class's mean and to the scatter (``Moments.moved``); the newest stage's totals hold every
+class's mean as moved (``RMD_MEAN_CARRIED``), which the run reads in place of the means as taken.
+
 - cosine: the best score over the stage's classes, a plain quantile. A cosine threshold holds for
   the life of the run (prototypes never change).
 - rmd: the best score over every class learned so far, as the model will score them, and a
@@ -85,7 +92,13 @@ RMD_TENSORS = (*RMD_ROWS, RMD_SCATTER, RMD_SCATTER_COUNTS)
 RUNNING = (RMD_SCATTER, RMD_SCATTER_COUNTS)  # summed over every stage: the newest stage's totals hold them
 
 
+RMD_MEAN_CARRIED = f"{RMD_MEAN}_carried"  # (C, w) a carried run's newest totals: every class's mean, moved
+
+
 RULES = ("rmd", "cosine")
 
 # one row per class of the stage: ``drl forget`` takes a class's rows out
-PER_CLASS = tuple(PerClass("weights", name, 0) for name in (BIAS, *RMD_ROWS))
+PER_CLASS = (
+    *(PerClass("weights", name, 0) for name in (BIAS, *RMD_ROWS)),
+    PerClass("totals", RMD_MEAN_CARRIED, 0, seen=True),
+)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..linalg import shrunk  # the class-covariance head's shrinkage too
+from ..linalg import ridge_map, shrunk  # the class-covariance head's shrinkage too
 from . import BIAS, RMD_BIAS, RMD_COUNT, RMD_MEAN, RMD_SCATTER, RMD_SCATTER_COUNTS
 
 _MOMENT_NAMES = (RMD_MEAN, RMD_COUNT, RMD_SCATTER, RMD_SCATTER_COUNTS)  # Moments' fields, in order
@@ -82,6 +82,20 @@ class Moments:
             self.scatter_counts + later.scatter_counts,
         )
 
+    def moved(self, linear: Tensor, shift: Tensor) -> Moments:
+        """The moments of the images after x -> x + x B + b (``linalg.ridge_map``'s (B, b): a carried
+        run's stage moving the earlier classes with the network): each mean mapped, the scatter of
+        the centred images (I + B)ᵀ S (I + B), the counts kept."""
+        if tuple(linear.shape) != tuple(self.scatter.shape) or tuple(shift.shape) != (self.scatter.shape[0],):
+            raise ValueError(f"a map of shape {tuple(linear.shape)} cannot move moments {self.scatter.shape[0]} wide")
+        step = torch.eye(len(linear), dtype=torch.float64) + linear.double()
+        return Moments(
+            self.means + self.means @ linear.double() + shift.double(),
+            self.counts,
+            step.T @ self.scatter @ step,
+            self.scatter_counts,
+        )
+
     def tensors(self) -> dict[str, Tensor]:
         """A stage's rmd tensors (its threshold aside), in fp32."""
         values = (self.means, self.counts, self.scatter, self.scatter_counts)
@@ -105,6 +119,18 @@ class Moments:
             within = full
         variance = float(torch.trace(full)) / full.shape[0]
         return mu0, _inverse(shrunk(within, SHRINK)), _inverse(shrunk(full, SHRINK)), variance
+
+
+def carried_moments(earlier: Moments, f0: Tensor, before: Tensor, after: Tensor, lam: float) -> tuple[Moments, float]:
+    """A carried run's stage (``ranpac --preset carried``): ``earlier`` moved by one ridge map of x,
+    the unit rmd input, from the stage's images before its training to after it (``before``,
+    ``after``: (N, w) rmd inputs, in image order), with the images' relative squared move of x. λ is
+    the head's class-token map's (``lam``, fitted on raw f_0) scaled to unit rows: divided by the
+    mean squared norm of f_0 (N, d) as the stage began, x being f_0's direction (and the probe's)."""
+    x, y = (F.normalize(rows.double(), dim=-1) for rows in (before, after))
+    linear, shift = ridge_map(x, y, lam / float(f0.double().pow(2).sum(1).mean().clamp_min(1e-30)))
+    move = float((y - x).pow(2).sum() / x.pow(2).sum())
+    return earlier.moved(linear, shift), move
 
 
 def probe_block(depth_fraction: float | None, depth: int) -> int | None:

@@ -28,20 +28,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from ..linalg import ridge_map
 from . import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_TRACE
 from .covariance import class_factors, covariance_input
 from .head import expand, head_input
 from .statistics import STAT_DTYPE, Statistics
 
 CHUNK = 8192  # draws a class at a time; above it the draws come in chunks (another random stream)
-
-
-def ridge_map(x: Tensor, y: Tensor, lam: float) -> tuple[Tensor, Tensor]:
-    """(B, b) with y ≈ x + x B + b, by ridge on the centred residual (x, y: (n, d))."""
-    mx, my = x.mean(0), y.mean(0)
-    xc, rc = x - mx, (y - x) - (my - mx)
-    b_mat = torch.linalg.solve(xc.T @ xc + lam * torch.eye(x.shape[1], dtype=x.dtype), xc.T @ rc)
-    return b_mat, (my - mx) - mx @ b_mat
 
 
 @dataclass(frozen=True)
