@@ -75,7 +75,7 @@ def _carry(
     """A carried run's stage (``Method.carries_network``): the head carries the earlier classes
     (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began, and the
     same images' rmd inputs before and after move ``earlier_rmd``, the earlier classes' moments of
-    the "unknown" answer (``_moved_moments``). Under torchrun each process passes its shard, and
+    the "unknown" answer (``openset.rmd.carried_moments``). Under torchrun each process passes its shard, and
     the first carries from every image (the maps and the class Gaussians need them all) and hands
     the others what it carried."""
     network, layout, loaded = stage.model.network, _layout(stage, head), stage.loaded

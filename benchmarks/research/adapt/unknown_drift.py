@@ -19,10 +19,10 @@ import torch
 
 from drlcli.commands.evaluate import _open_set
 from drlcli.data import scan_class_folders
-from drlcli.evaluation import EVAL_BATCH_SIZE, EvalSet, predict_sets, registered_eval_sets
-from drlcli.heads.openset.rmd import Moments, split_probe
-from drlcli.model import embed_images
+from drlcli.evaluation import EvalSet, predict_sets, registered_eval_sets
+from drlcli.heads.openset.rmd import Moments
 from drlcli.run.load import load_run
+from rmd_carry import joined, rows  # the same directory: the script's own
 
 
 def main() -> None:
@@ -39,19 +39,9 @@ def main() -> None:
             parts = []
             for train in trains:
                 images = scan_class_folders(train)
-                feats, labels = embed_images(
-                    model.network,
-                    images,
-                    model.data_config,
-                    batch_size=EVAL_BATCH_SIZE,
-                    probes=model.probes_read,
-                    layout=model.layout_scored,
-                )
-                _, rmd = split_probe(feats, len(model.probes_read), model.probe_weight)
+                _, rmd, labels = rows(model, images)
                 parts.append(Moments.of(rmd, labels, len(images.class_names)))
-            moments = parts[0]
-            for part in parts[1:]:
-                moments = moments.joined(part)
+            moments = joined(parts)
             if moments.means.shape != stored_moments.means.shape:
                 raise SystemExit(
                     f"recomputed {tuple(moments.means.shape)} != stored {tuple(stored_moments.means.shape)}"
