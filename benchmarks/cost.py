@@ -12,8 +12,9 @@ interleaved round by round with the bare forward, and reported as median time / 
   head's M 3000 projection and C·d² Mahalanobis work included) and ``ease`` with T stages (one ViT
   pass per stage), against ``ptm.forward_features`` under ``torch.inference_mode``;
 - inference of ``ranpac`` (``ranpac_T10``: the bare PTM pass and RanPAC's ridge head on f_0, M 3000,
-  100 classes) and of RanPAC as published (``ranpac_published_T10``: the PTM with stage 1's
-  AdaptFormer adapters, the same head);
+  100 classes), of RanPAC as published (``ranpac_published_T10``: the PTM with stage 1's
+  AdaptFormer adapters, the same head) and of ``ranpac --preset carried`` (``ranpac_carried_T10``:
+  the PTM with its one adapter set in the leading half of the blocks, the default ``drl``'s head);
 - one training step of a new stage (forward, loss, backward, SGD step; the real ``train.py`` step)
   at stage 1 and stage 10, against one bare frozen forward (``torch.no_grad``) of the same batch;
 - peak memory of each case (CPU: the rise of the process's peak RSS, each case in a fresh process;
@@ -85,11 +86,11 @@ def classifier_model(method: str, network: torch.nn.Module) -> IncrementalModel:
     return model
 
 
-def with_default_head(model: IncrementalModel, method: str = "drl") -> IncrementalModel:
-    """``model`` scored as ``method``'s new run scores with the ridge head: the default ``drl``'s,
-    ridge on ReLU([f_0, PTM layout] R) (M and the layout grid from the config) plus class
-    covariances; ``ranpac``'s, the ridge on f_0 alone. Random tensors of the real shapes."""
-    cfg = RunConfig.for_method(method).ranpac
+def with_default_head(model: IncrementalModel, method: str = "drl", preset: str | None = None) -> IncrementalModel:
+    """``model`` scored as ``method``'s new run (with ``preset``) scores with the ridge head: the
+    default ``drl``'s, ridge on ReLU([f_0, PTM layout] R) (M and the layout grid from the config) plus
+    class covariances; ``ranpac``'s, the ridge on f_0 alone. Random tensors of the real shapes."""
+    cfg = RunConfig.for_method(method, preset=preset).ranpac
     g = torch.Generator().manual_seed(1)
     d, num_classes = model.network.width, len(model.class_names)
     proj_dim = cfg.resolved_proj_dim(d)
@@ -221,10 +222,12 @@ def cases_for(arch: str, args, device: torch.device, which: str | None = None) -
 def ranpac_cases(
     ptm: torch.nn.Module, images: torch.Tensor, want: Callable[[str], bool]
 ) -> dict[str, Callable[[], None]]:
-    """RanPAC: the bare PTM pass, or (published) the PTM with stage 1's AdaptFormer adapters; the
-    ridge head on f_0 over 10 stages of classes."""
+    """RanPAC: the bare PTM pass, or (published) the PTM with stage 1's AdaptFormer adapters, with the
+    ridge head on f_0; or (carried) the PTM with the carried set, with the default ``drl``'s head;
+    over 10 stages of classes."""
     cases = {}
-    for name, preset in (("ranpac_T10", None), ("ranpac_published_T10", "published")):
+    presets = (("ranpac_T10", None), ("ranpac_published_T10", "published"), ("ranpac_carried_T10", "carried"))
+    for name, preset in presets:
         if want(name):
             network = build_network("ranpac", ptm, 1 if preset else 0, preset)
             num_classes = 10 * CLASSES_PER_STAGE
@@ -233,7 +236,7 @@ def ranpac_cases(
             model = IncrementalModel(
                 network, names, torch.ones(num_classes, dtype=torch.long), protos, ScoreConfig(), {}
             )
-            cases[name] = inference_case(with_default_head(model, "ranpac"), images)
+            cases[name] = inference_case(with_default_head(model, "ranpac", preset), images)
     return cases
 
 
@@ -334,9 +337,7 @@ def main() -> None:
     parser.add_argument("--stages", default="1,5,10,20", help="drl inference stage counts")
     parser.add_argument("--default-stages", default="10,20", help="default drl (ridge + covariance head) stage counts")
     parser.add_argument("--ease-stages", default="10", help="ease inference stage counts")
-    parser.add_argument(
-        "--no-ranpac", dest="ranpac", action="store_false", help="leave out ranpac and its published preset"
-    )
+    parser.add_argument("--no-ranpac", dest="ranpac", action="store_false", help="leave out ranpac and its presets")
     parser.add_argument("--train-stages", default="1,10")
     parser.add_argument("--ease-train-stages", default="10")
     parser.add_argument("--repeats", type=int, default=5)

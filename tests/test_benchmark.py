@@ -150,6 +150,13 @@ def test_stages_runs_a_prefix_and_a_later_call_continues_it(tmp_path):
     assert len(RunDir(tmp_path / "out" / "runs" / "simplecil").stage_indices()) == 3
 
 
+def test_params_per_stage_keep_stage_order():
+    from drlcli.benchmark.report import per_stage
+
+    assert per_stage([297_984, 60_000, 90_000]) == "297,984/60,000/90,000"  # stage 1 first, not sorted
+    assert per_stage([148_992] * 3) == "148,992" and per_stage([]) == "0"
+
+
 def test_mean_and_std_over_class_orders_on_known_inputs():
     from drlcli.benchmark.report import aggregate, markdown_table
 

@@ -1,6 +1,8 @@
 """A carried run (``ranpac --preset carried``, issue 32): one adapter set trained again at every stage,
 held near each stage's start, the earlier classes carried as class Gaussians moved with it."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -130,6 +132,68 @@ def test_a_carried_run_from_before_the_moved_moments_reads_them_as_taken_and_lea
     assert torch.allclose(loaded.model.unknown_rmd[0].means.float(), taken)
     learn_stage(copy, data_dir=make_class_folders(tmp_path / "more", [20, 21], images_per_class=6), device="cpu")
     assert load_run(copy, device="cpu").stage_totals[-1][RMD_MEAN_CARRIED].shape[0] == 11
+
+
+def test_each_later_stage_measures_forward_transfer(tmp_path, stage_folders):
+    """A carried stage after the first records its forward transfer (``metrics.Transfer``): its images,
+    of classes never trained on, answered by leave-one-out class means through the network as the
+    stage began (here: the run as stage 2 left it) and through the frozen PTM; the run's counts add
+    up, and ``drl info`` reads them."""
+    import shutil
+
+    from drlcli.data import scan_class_folders
+    from drlcli.metrics import Transfer, measure
+    from drlcli.model import embed_images
+
+    run = tmp_path / "run"
+    _init(run)
+    for train, _ in stage_folders[:2]:
+        learn_stage(run, data_dir=train, device="cpu")
+    shutil.copytree(run, tmp_path / "before")
+    learn_stage(run, data_dir=stage_folders[2][0], device="cpu")
+    metas = load_run(run, device="cpu").stage_metas
+    assert "carry" not in metas[0]
+    second, third = (Transfer.from_dict(meta["carry"]["transfer"]) for meta in metas[1:])
+    assert second.images == third.images == 3 * 12
+    assert Transfer.from_dict(metas[2]["carry"]["transfer"]["run"]) == second + third
+    assert metas[2]["carry"]["transfer"]["transfers"] == (second + third).transfers
+    model = load_run(tmp_path / "before", device="cpu").model
+    images = scan_class_folders(stage_folders[2][0])
+    adapted, labels = embed_images(model.network, images, model.data_config, batch_size=16)
+    with model.network.bare():
+        frozen, _ = embed_images(model.network, images, model.data_config, batch_size=16)
+    assert measure(adapted[:, 0], frozen[:, 0], labels) == third
+    shown = info(run)["stages"]
+    assert shown[0]["transfer"] is None and shown[2]["transfer"]["run"] == (second + third).to_dict()
+
+
+@pytest.mark.parametrize("run_counts", [{"better": 9, "worse": 9, "images": 3}, "many", {"better": 1}])
+def test_crafted_forward_transfer_counts_are_refused_and_nothing_is_committed(
+    carried_run, stage_folders, tmp_path, run_counts
+):
+    """The next stage adds its counts to the newest record's: counts that cannot be are damage (exit 5),
+    and ``drl info`` reports such a record as having none."""
+    import json
+    import shutil
+
+    from drlcli.errors import IntegrityError
+    from drlcli.run.layout import sha256_bytes
+
+    run, _ = carried_run
+    copy = Path(shutil.copytree(run, tmp_path / "copy"))
+    name = "stages/003/stage.json"
+    meta = json.loads((copy / name).read_text())
+    meta["carry"]["transfer"]["run"] = run_counts
+    data = json.dumps(meta).encode()
+    (copy / name).write_bytes(data)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert info(copy)["stages"][2]["transfer"] is None
+    more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
+    with pytest.raises(IntegrityError, match="last stage record does not fit"):
+        learn_stage(copy, data_dir=more, device="cpu")
+    assert load_run(copy, device="cpu").stage_metas[-1]["stage"] == 3
 
 
 def test_the_loaded_run_answers_as_learn_stage_evaluated(carried_run, stage_folders):
@@ -266,6 +330,9 @@ def test_cli_init_preset_carried(tmp_path):
         assert result.exit_code == 0, result.output
     assert "carried 2 earlier classes" in result.output and "drawn 100 times per image" in result.output
     assert "the unknown answer's class means moved with them" in result.output
+    assert "forward transfer: of this stage's 12 images (classes never trained on)" in result.output
+    shown = CliRunner().invoke(app, ["info", "--run", str(run)])
+    assert shown.exit_code == 0 and "stage 2: forward transfer:" in shown.output
 
 
 def test_a_stage_interrupted_in_training_resumes_to_the_same_set_and_carry(tmp_path, stage_folders):

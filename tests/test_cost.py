@@ -33,6 +33,7 @@ def test_cost_benchmark_reports_ratios_for_every_case(tmp_path):
         "train_ease_s2",
         "ranpac_T10",
         "ranpac_published_T10",
+        "ranpac_carried_T10",
     }
     assert report["ratio"]["bare"] == 1.0 and all(r > 0 for r in report["ratio"].values())
     assert "| drl_T2 |" in result.stdout

@@ -144,6 +144,9 @@ def test_a_carried_run_under_torchrun_carries_as_one_process(tmp_path, stage_fol
     assert metas[1]["world_size"] == 2 and metas[1]["carry"]["classes"] == metas[0]["carry"]["classes"] == 3
     for moved in ("move", "unknown_move"):
         assert metas[1]["carry"][moved] == pytest.approx(metas[0]["carry"][moved], rel=1e-2)
+    one, two = (meta["carry"]["transfer"] for meta in metas)  # counted by the first from every process's rows
+    assert two["images"] == one["images"] == 36
+    assert abs(two["better"] - one["better"]) <= 1 and abs(two["worse"] - one["worse"]) <= 1
     a, b = (load((runs[name] / "stages/002/totals.safetensors").read_bytes()) for name in ("one", "two"))
     assert set(a) == set(b)
     for key in a:

@@ -61,3 +61,50 @@ def test_top5_counts_a_target_among_the_five_best_classes():
     report = accuracy_report(ranked[:, 0], targets, stage, num_stages=1, ranked=ranked)
     assert report.top1 == 50.0 and report.top5 == 75.0
     assert accuracy_report(ranked[:, 0], targets, stage, num_stages=1).top5 is None
+
+
+def test_leave_one_out_nearest_mean_leaves_each_image_out_of_its_own_mean():
+    from drlcli.metrics import leave_one_out_right
+
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [0.1, 1.0], [0.9, 0.2]])
+    labels = torch.tensor([0, 0, 1, 1, 1])  # the last image lies among class 0's
+    assert leave_one_out_right(x, labels).tolist() == [True, True, True, True, False]
+    # one image of a class: without it, its class has no mean (scored 0), so it is never right
+    assert leave_one_out_right(
+        torch.tensor([[1.0, 0.2], [0.0, 1.0], [0.0, 0.9]]), torch.tensor([0, 1, 1])
+    ).tolist() == [
+        False,
+        True,
+        True,
+    ]
+
+
+def test_forward_transfer_counts_and_what_they_say():
+    import pytest
+
+    from drlcli.metrics import Transfer, measure
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(4).repeat_interleave(25)
+    separated = torch.nn.functional.one_hot(labels, 8).float() + 0.3 * torch.randn(100, 8, generator=g)
+    mixed = torch.randn(100, 8, generator=g)
+    t = measure(separated, mixed, labels)
+    assert t.images == 100 and t.better > 50 and t.worse < 10 and t.transfers and t.gain >= 40
+    assert measure(separated, separated, labels) == Transfer(0, 0, 100)
+    assert not Transfer(0, 0, 100).transfers
+    assert measure(separated[:25], mixed[:25], labels[:25]) == Transfer(0, 0, 0)  # one class: nothing to compare
+    assert not Transfer(3, 0, 1590).transfers  # above chance (3 > 1.645 √3), but 0.19 % of the images: too small
+    assert Transfer(13, 3, 310).transfers and not Transfer(20, 11, 319).transfers  # 3.2 %; 2.8 % within chance
+    assert Transfer(20, 11, 319) + Transfer(18, 5, 286) == Transfer(38, 16, 605)
+    assert Transfer.from_dict(Transfer(1, 2, 5).to_dict()) == Transfer(1, 2, 5)
+    for bad in (
+        None,
+        [],
+        {"better": 1, "worse": 1},
+        {"better": 4, "worse": 2, "images": 5},
+        {"better": -1, "worse": 0, "images": 5},
+        {"better": True, "worse": 0, "images": 5},
+        {"better": 1.0, "worse": 0, "images": 5},
+    ):
+        with pytest.raises(ValueError):
+            Transfer.from_dict(bad)

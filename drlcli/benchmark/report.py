@@ -127,19 +127,27 @@ def markdown_table(report: dict[str, Any]) -> str:
     head += ["params/stage", "learn s", "infer ms/img"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        params = sorted(set(r["params_per_stage"]))
+        params = r["params_per_stage"]
         row = [
             f"`{r['label']}`",
             _fmt(r["average"]),
             _fmt(r["last"]),
             _fmt(r["mean_forgetting"]),
             *[_fmt(a) for a in r["accuracy"]],
-            "/".join(f"{p:,}" for p in params) if params else "0",
+            per_stage(params),
             _fmt(r.get("learn_seconds"), 0),
             f"{r['inference_ms_per_image']:.1f}",
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def per_stage(values: list[int]) -> str:
+    """Stage 1's value, then each later stage's, in stage order ("a/b/c"); one value when every stage
+    has the same."""
+    if not values:
+        return "0"
+    return "/".join(f"{v:,}" for v in (values[:1] if len(set(values)) == 1 else values))
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:

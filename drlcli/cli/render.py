@@ -65,6 +65,7 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     lines += [
         f"stage {s['stage']}: " + first_session_line(s["first_session"]) for s in stages if s.get("first_session")
     ]
+    lines += [f"stage {s['stage']}: " + transfer_line(s["transfer"]) for s in stages if s.get("transfer")]
     if any(s.get("holds_totals") for s in stages):
         lines.append(
             "+ with the run's totals (what the next stage reads: W and the sums so far, or a carried run's "
@@ -84,6 +85,20 @@ def first_session_line(d: dict[str, Any]) -> str:
     if d["kept"] == "adapted":
         return f"first session: the adapted PTM is kept ({scores})"
     return f"first session: the frozen PTM is kept, the adapters are not stored ({scores})"
+
+
+def transfer_line(d: dict[str, Any]) -> str:
+    """A carried stage's forward transfer (``metrics.Transfer``), for people."""
+    verdict = (
+        "adapting transfers to new classes here"
+        if d["transfers"]
+        else "adapting does not transfer to new classes here yet (the default `drl`, on the frozen PTM, may answer as well)"
+    )
+    return (
+        f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
+        f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; "
+        f"run so far {d['gain']:+.1f} % of {d['run']['images']} images: {verdict}"
+    )
 
 
 def accuracy_lines(acc: dict[str, Any]) -> list[str]:
@@ -139,6 +154,8 @@ def learn_stage(r: dict[str, Any]) -> str:
             f"({c['seconds']:.1f}s)"
             + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
         )
+        if c.get("transfer"):
+            lines.append(transfer_line(c["transfer"]))
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
     if r["tensorboard_dir"]:

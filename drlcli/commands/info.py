@@ -9,7 +9,14 @@ from typing import Any
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
 from ..run.layout import TOTALS
-from ..run.records import check_stage_meta, first_session_record, history_of, read_record, train_metrics
+from ..run.records import (
+    check_stage_meta,
+    first_session_record,
+    history_of,
+    read_record,
+    train_metrics,
+    transfer_record,
+)
 
 
 def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
@@ -57,6 +64,8 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "untrained": train_metrics(meta).get("skipped") is True,
                 # stage 1 of a run with first_session.decide: both held-out scores and what was kept
                 "first_session": first_session_record(meta),
+                # a carried run's stage after the first: does adapting transfer to classes it never trained on
+                "transfer": transfer_record(meta),
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' rows, stage.json
                 # the newest stage also holds the run's running totals (its totals file: Grams, W)
                 "holds_totals": run.stage_file_name(index, TOTALS, manifest) is not None,

@@ -11,7 +11,7 @@ import torch
 
 from ..config import RunConfig
 from ..errors import IntegrityError, UsageError
-from ..metrics import AccuracyReport, HistorySummary, summarize_history
+from ..metrics import AccuracyReport, HistorySummary, Transfer, summarize_history
 from ..ptm.record import check_ptm_record
 from .layout import RUN_CONFIG
 
@@ -111,6 +111,21 @@ def first_session_record(meta: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(held, int) or isinstance(held, bool) or held < 0:
         return None
     return {"adapted_top1": float(scores[0]), "frozen_top1": float(scores[1]), "held_out": held, "kept": record["kept"]}
+
+
+def transfer_record(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A carried stage's forward transfer as stage.json holds it (``carry.transfer``: the stage's
+    counts and the run's so far, ``metrics.Transfer``), what the run's say recomputed from them; None
+    when it has none or a malformed one (a crafted stage.json is reported as having none)."""
+    carry = meta.get("carry")
+    record = carry.get("transfer") if isinstance(carry, dict) else None
+    if not isinstance(record, dict):
+        return None
+    try:
+        own, run = Transfer.from_dict(record), Transfer.from_dict(record.get("run"))
+    except ValueError:
+        return None
+    return {**own.to_dict(), "run": run.to_dict(), "gain": round(run.gain, 3), "transfers": run.transfers}
 
 
 def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:

@@ -11,11 +11,13 @@ from typing import Any
 import torch
 
 from .. import distributed
+from ..errors import IntegrityError
 from ..evaluation import EVAL_BATCH_SIZE
 from ..heads import EarlierStages, Head, HeadFit
 from ..heads.openset.calibrate import Calibration, calibrate
 from ..heads.openset.rmd import Moments, carried_moments, split_probe
 from ..methods import head_of, stages_read
+from ..metrics import Transfer, measure
 from ..model import class_means, embed_images
 from .context import Fitted, StageContext
 from .first_session import Decision, decide, deciding
@@ -92,8 +94,14 @@ def _carry(
         began.append((rows[:, 0], rmd_rows))
         return rows
 
+    def frozen_f0() -> torch.Tensor:
+        with network.bare():  # progress: "transfer", the stage's images through the frozen PTM
+            bare, _ = _embed(stage, shard, computed, 0, (), phase="transfer")
+        return _in_image_order(shard, bare[:, 0])[0] if distributed.world_size() > 1 else bare[:, 0]
+
     try:
         start = None  # under torchrun: every image's rows as the stage began
+        frozen = frozen_f0() if earlier is not None else None
         if distributed.world_size() > 1:
             feats, rmd_feats, labels = _in_image_order(shard, feats, rmd_feats, labels)
             if earlier is not None:
@@ -115,11 +123,28 @@ def _carry(
             if earlier_rmd is not None and began and step.meta is not None:
                 moved, move = carried_moments(earlier_rmd, *began[0], rmd_feats, step.meta["map_lambda"])
                 step = replace(step, meta={**step.meta, "unknown_move": round(move, 6)})
+            if frozen is not None and began and step.meta is not None:
+                step = replace(step, meta={**step.meta, "transfer": _transfer(stage, began[0][0], frozen, labels)})
             result = (step, moved)
         return distributed.broadcast_object(result)
     finally:
         if stage.index > 1:
             network.drop_start()
+
+
+def _transfer(stage: StageContext, adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> dict:
+    """stage.json's ``carry.transfer``: the stage's forward-transfer counts (``transfer.py``), the
+    run's so far (this stage's and those in the newest earlier stage's record), and what they say."""
+    own = measure(adapted, frozen, labels)
+    carry = stage.loaded.stage_metas[-1].get("carry")  # a carried run's stage 1, or one from before it: none
+    try:
+        before = carry.get("transfer") if isinstance(carry, dict) else None
+        if before is not None and not isinstance(before, dict):
+            raise ValueError("carry.transfer must be a mapping")
+        so_far = own + (Transfer.from_dict(before["run"]) if before else Transfer(0, 0, 0))
+    except (KeyError, ValueError) as exc:
+        raise IntegrityError(f"the run's last stage record does not fit ({exc}); restore it from a backup") from exc
+    return {**own.to_dict(), "run": so_far.to_dict(), "gain": round(so_far.gain, 3), "transfers": so_far.transfers}
 
 
 def _in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:

@@ -158,10 +158,11 @@ def sdc(rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor, sigma: float) -> t
     return out
 
 
-def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry) -> dict:
+def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry, scored_out: list | None = None) -> dict:
     """B0 Inc10 through ``replay.stage_scores`` as a run would see it (``saved``: ``embed``'s tables,
     keyed by the paths in ``data``), the earlier statistics carried by ``carry`` before each stage:
-    Ā, A_T and forgetting, capped and full."""
+    Ā, A_T and forgetting, capped and full. ``scored_out``, when given, receives each stage's
+    (stage of each class, full-evaluation scores, labels)."""
     lookups = [{**saved["after"], **val} for val in saved["val"]]
     names = [sorted(c) for c in stages]
     moved: dict[str, torch.Tensor] = {}  # class -> its fit rows, moved stage by stage
@@ -205,6 +206,8 @@ def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry) -
 
     history: dict[str, list] = {"capped": [], "full": []}
     for k, stage_of, scored in stage_scores(data, stages, lookups, config, [RANK], before_stage=before_stage):
+        if scored_out is not None:
+            scored_out.append((stage_of, *scored[RANK, "full"]))
         for (_, kind), (scores, labels) in scored.items():
             history[kind].append(accuracy_report(scores.argmax(1), labels, stage_of, num_stages=k))
     return {kind: summary(h) for kind, h in history.items()}
