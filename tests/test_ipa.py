@@ -188,15 +188,16 @@ def test_stages_batched_equals_one_stage_at_a_time(tiny_ptm, images):
 @torch.no_grad()
 def test_leading_subspaces_only_equal_the_full_output(tiny_ptm, images, monkeypatch):
     """forward(images, k): f_0 and the first k stages' subspaces, as in the full output; k 0 runs
-    no stage stream at all (one bare PTM pass, what a head reading f_0 alone needs)."""
+    no stage stream at all (one bare PTM pass through timm's own blocks, fused attention, what a
+    head reading f_0 alone needs: equal to the full output's f_0 up to float rounding)."""
     net = _network(tiny_ptm, stages=3, randomize=True)
     full = net(images)
     for k in range(4):
-        assert torch.allclose(net(images, k), full[:, : k + 1], atol=1e-6)
+        assert torch.allclose(net(images, k), full[:, : k + 1], atol=1e-5)
     calls = []
     monkeypatch.setattr(net, "_ipa_block", lambda *a, **kw: calls.append(1))
     monkeypatch.setattr(net, "_transfer", lambda *a, **kw: calls.append(1))
-    assert torch.equal(net(images, 0), full[:, :1]) and not calls
+    assert torch.allclose(net(images, 0), full[:, :1], atol=1e-5) and not calls
 
 
 @torch.no_grad()

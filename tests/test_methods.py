@@ -111,7 +111,8 @@ def _learned(path, stages, config):
 def test_a_stage_nothing_reads_has_no_network_and_changes_no_answer(tmp_path, stage_folders):
     """The default drl head reads the PTM only: learn-stage makes no stage network at all (nothing
     trained, computed or stored, issue 32), and every answer (scores, the "unknown" margin) is the
-    answer of a run that trained and stored them."""
+    answer of a run that trained and stored them, up to float rounding: a run that computes stage
+    streams writes the PTM's blocks out, one that computes none runs timm's fused blocks."""
     from drlcli.cli.render import learn_stage as render
     from drlcli.data.decode import load_rgb
     from drlcli.data.images import scan_class_folders
@@ -138,16 +139,17 @@ def test_a_stage_nothing_reads_has_no_network_and_changes_no_answer(tmp_path, st
     assert skipped[0].num_params == skipped[0].to_dict()["num_params"] > 0  # the head's W, solved
     assert skipped[0].stage_bytes < trained[0].stage_bytes
     pa, pb = a.model.real_prototypes, b.model.real_prototypes
-    assert pa.shape[1] == 1 and torch.equal(pa[:, 0], pb[:, 0])
+    assert pa.shape[1] == 1 and torch.allclose(pa[:, 0], pb[:, 0], atol=1e-5)
     images = scan_class_folders(stages[1][1])
     transform = eval_transform(a.model.data_config)
     batch = torch.stack([transform(load_rgb(path)) for path in images.paths])
     with torch.no_grad():
         fa, fb = a.model.features(batch, open_set=True), b.model.features(batch, open_set=True)
-    assert torch.equal(fa, fb)
+    assert torch.equal(fa, fb)  # neither computes a stream to answer
     (sa, ka), (sb, kb) = a.model.split(fa), b.model.split(fb)
-    assert torch.equal(a.model.scores(sa), b.model.scores(sb))
-    assert torch.equal(a.model.known(ka), b.model.known(kb))
+    scores_a, scores_b = a.model.scores(sa), b.model.scores(sb)
+    assert torch.allclose(scores_a, scores_b, atol=5e-3) and torch.equal(scores_a.argmax(1), scores_b.argmax(1))
+    assert torch.allclose(a.model.known(ka), b.model.known(kb), atol=1e-4)
 
 
 def test_a_stage_the_head_reads_is_trained(tmp_path, stage_folders):

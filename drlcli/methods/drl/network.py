@@ -199,14 +199,19 @@ class IPANetwork(nn.Module):
         probes: tuple[int, ...],
     ) -> _Blocks:
         """Blocks 1 .. L-1 (Eq. 4-8): the PTM stream, the frozen stages' streams (no gradients) and the
-        trainable stage's stream, block by block in one pass; the probe blocks' class tokens on the way."""
+        trainable stage's stream, block by block in one pass; the probe blocks' class tokens on the way.
+        With no stream to compute (a head that reads the PTM alone), timm's own blocks run, with its
+        fused attention: nothing reads the attention probabilities then."""
         streams: Tensor | None = x0 if old else None  # (B, N, d) while every stream equals f^0
         new: Tensor | None = x0 if new_params is not None else None
         workspace: dict[str, Tensor] = {}  # the frozen streams' buffers, reused block after block
         probed: dict[int, Tensor] = {}
         for l, block in enumerate(self.ptm.blocks[:-1]):
             with torch.no_grad():
-                x0_next, probs = backbone.block_with_attention(block, x0)
+                if streams is None and new is None:  # no stream reads the attention: timm's own (fused) block
+                    x0_next, probs = block(x0), None
+                else:
+                    x0_next, probs = backbone.block_with_attention(block, x0)
                 if l in probes:
                     probed[l] = backbone.ptm_probe(self.ptm, x0_next)
                 if streams is not None:
