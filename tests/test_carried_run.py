@@ -172,7 +172,7 @@ def test_crafted_forward_transfer_counts_are_refused_and_nothing_is_committed(
     carried_run, stage_folders, tmp_path, run_counts
 ):
     """The next stage adds its counts to the newest record's: counts that cannot be are damage (exit 5),
-    and ``drl info`` reports such a record as having none."""
+    found before any training, and ``drl info`` reports such a record as having none."""
     import json
     import shutil
 
@@ -191,8 +191,10 @@ def test_crafted_forward_transfer_counts_are_refused_and_nothing_is_committed(
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert info(copy)["stages"][2]["transfer"] is None
     more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
+    phases = []
     with pytest.raises(IntegrityError, match="last stage record does not fit"):
-        learn_stage(copy, data_dir=more, device="cpu")
+        learn_stage(copy, data_dir=more, device="cpu", progress=lambda event: phases.append(event.phase))
+    assert "load" in phases and "train" not in phases  # refused before any training
     assert load_run(copy, device="cpu").stage_metas[-1]["stage"] == 3
 
 

@@ -11,16 +11,16 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..errors import IntegrityError
 from ..evaluation import EVAL_BATCH_SIZE
 from ..heads import EarlierStages, Head, HeadFit
 from ..heads.openset.calibrate import Calibration, calibrate
 from ..heads.openset.rmd import Moments, carried_moments, split_probe
 from ..methods import head_of, stages_read
-from ..metrics import Transfer, measure
+from ..metrics import measure
 from ..model import class_means, embed_images
 from .context import Fitted, StageContext
 from .first_session import Decision, decide, deciding
+from .prepare import earlier_transfer
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +133,10 @@ def _carry(
 
 
 def _transfer(stage: StageContext, adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> dict:
-    """stage.json's ``carry.transfer``: the stage's forward-transfer counts (``transfer.py``), the
+    """stage.json's ``carry.transfer``: the stage's forward-transfer counts (``metrics.Transfer``), the
     run's so far (this stage's and those in the newest earlier stage's record), and what they say."""
     own = measure(adapted, frozen, labels)
-    carry = stage.loaded.stage_metas[-1].get("carry")  # a carried run's stage 1, or one from before it: none
-    try:
-        before = carry.get("transfer") if isinstance(carry, dict) else None
-        if before is not None and not isinstance(before, dict):
-            raise ValueError("carry.transfer must be a mapping")
-        so_far = own + (Transfer.from_dict(before["run"]) if before else Transfer(0, 0, 0))
-    except (KeyError, ValueError) as exc:
-        raise IntegrityError(f"the run's last stage record does not fit ({exc}); restore it from a backup") from exc
+    so_far = own + earlier_transfer(stage)
     return {**own.to_dict(), "run": so_far.to_dict(), "gain": round(so_far.gain, 3), "transfers": so_far.transfers}
 
 
