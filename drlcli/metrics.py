@@ -160,6 +160,10 @@ class Transfer:
     def to_dict(self) -> dict[str, int]:
         return {"better": self.better, "worse": self.worse, "images": self.images}
 
+    def record(self, run: Transfer) -> dict[str, Any]:
+        """stage.json's ``carry.transfer``: this stage's counts, the run's so far and what those say."""
+        return {**self.to_dict(), "run": run.to_dict(), "gain": round(run.gain, 3), "transfers": run.transfers}
+
     @classmethod
     def from_dict(cls, d: Any) -> Transfer:
         """A stage record's counts; ValueError unless three counts that fit together."""

@@ -125,7 +125,7 @@ def transfer_record(meta: dict[str, Any]) -> dict[str, Any] | None:
         own, run = Transfer.from_dict(record), Transfer.from_dict(record.get("run"))
     except ValueError:
         return None
-    return {**own.to_dict(), "run": run.to_dict(), "gain": round(run.gain, 3), "transfers": run.transfers}
+    return own.record(run)
 
 
 def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:

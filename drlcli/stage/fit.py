@@ -136,8 +136,7 @@ def _transfer(stage: StageContext, adapted: torch.Tensor, frozen: torch.Tensor, 
     """stage.json's ``carry.transfer``: the stage's forward-transfer counts (``metrics.Transfer``), the
     run's so far (this stage's and those in the newest earlier stage's record), and what they say."""
     own = measure(adapted, frozen, labels)
-    so_far = own + earlier_transfer(stage)
-    return {**own.to_dict(), "run": so_far.to_dict(), "gain": round(so_far.gain, 3), "transfers": so_far.transfers}
+    return own.record(own + earlier_transfer(stage))
 
 
 def _in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:
