@@ -154,6 +154,25 @@ def test_a_carried_run_under_torchrun_carries_as_one_process(tmp_path, stage_fol
         assert torch.allclose(a[key].double(), b[key].double(), rtol=1e-3, atol=1e-3 * scale), key
 
 
+def test_a_switched_run_under_torchrun_learns_both_tracks(tmp_path, stage_folders):
+    """A switched run (``ranpac --preset switched``) under torchrun: rank 0 makes the frozen track,
+    every rank learns the stage in it and then in the carried network, and the run answers."""
+    from drlcli.run.load import load_run
+
+    sections = {"ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3}, "train": {"epochs": 1, "batch_size": 12}}
+    run = tmp_path / "run"
+    config = RunConfig.for_method("ranpac", sections, preset="switched")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    for train, test in stage_folders[:2]:
+        done = _torchrun("learn-stage", "--run-dir", run, "--data", train, "--eval-data", test, "--json")
+        assert done.returncode == 0, _rank_lines(done.stderr)
+        out = json.loads(done.stdout)
+        assert out["eval"]["top1"] == out["switch"]["top1"][out["switch"]["answers"]]
+    track = RunDir(run / "frozen")
+    assert [track.stage_meta(i)["world_size"] for i in (1, 2)] == [2, 2]
+    assert load_run(run, device="cpu").model.num_stages == 2
+
+
 def test_a_failure_fails_every_rank_and_changes_nothing(tmp_path, make_folder):
     run = tmp_path / "run"
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)

@@ -11,9 +11,11 @@ import numpy as np
 
 from .. import jsonio, storage
 from ..config import RunConfig
+from ..methods import method_of
 from ..metrics import AccuracyReport, summarize_history
 from ..run.load import LoadedRun
 from ..run.records import history_of, train_metrics
+from ..run.track import frozen_track
 from .variants import Variant
 
 SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "learn_seconds", "inference_ms_per_image")
@@ -70,7 +72,7 @@ def _across_seeds(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
 def summary_row(label: str, variant: Variant, loaded: LoadedRun, config: RunConfig, seconds_per_image: float) -> dict:
     """A variant's results row: A_t, Ā, forgetting, parameters, bytes and times from its loaded run
     (its stage metadata checked by ``check_stage_meta``)."""
-    run, manifest, metas = loaded.run, loaded.manifest, loaded.stage_metas
+    run, metas = loaded.run, loaded.stage_metas
     history = history_of(metas)
     train = [train_metrics(m).get("seconds", 0.0) for m in metas]
     learn = [m["metrics"].get("learn_seconds") for m in metas]  # None: a stage from before learn_seconds
@@ -86,7 +88,7 @@ def summary_row(label: str, variant: Variant, loaded: LoadedRun, config: RunConf
         "mean_forgetting": history.mean_forgetting,
         "final_groups": (metas[-1]["metrics"]["eval"] or {}).get("groups", {}),
         "params_per_stage": [m["num_params"] for m in metas],
-        "bytes_per_stage": [run.stage_bytes(i, manifest) for i in run.stage_indices(manifest)],
+        "bytes_per_stage": _stage_bytes(loaded, config),
         "train_seconds": round(sum(train), 2),
         "stage_train_seconds": [round(s, 2) for s in train],
         # SGD, feature pass and fit, without evaluation: comparable between methods (train_seconds is
@@ -96,6 +98,17 @@ def summary_row(label: str, variant: Variant, loaded: LoadedRun, config: RunConf
         "inference_ms_per_image": round(1000 * seconds_per_image, 3),
         "num_stages": len(metas),
     }
+
+
+def _stage_bytes(loaded: LoadedRun, config: RunConfig) -> list[int]:
+    """Each stage's bytes on disk; a switched run's with its frozen track's stage (``run/track.py``)."""
+    run, manifest = loaded.run, loaded.manifest
+    sizes = [run.stage_bytes(i, manifest) for i in run.stage_indices(manifest)]
+    if not method_of(config).switches(config):
+        return sizes
+    track = frozen_track(run)
+    held = track.manifest()
+    return [size + track.stage_bytes(i, held) for size, i in zip(sizes, track.stage_indices(held))]
 
 
 def rescored_row(row: dict[str, Any], text: str, options: dict[str, Any], reports: list[AccuracyReport]) -> dict:

@@ -15,6 +15,7 @@ from .app import app
 from .boundary import command, execute
 from .options import (
     CONFIG_SECTIONS,
+    PRESETS,
     DeviceOpt,
     ExportFormat,
     JsonOpt,
@@ -62,7 +63,7 @@ def init(
     preset: str | None = typer.Option(
         None,
         "--preset",
-        help="A named recipe of the method under --config's sections: paper (drl: the paper's scoring).",
+        help=f"A named recipe of the method under --config's sections ({PRESETS}; docs/methods.md).",
     ),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
     allow_nonempty: bool = typer.Option(

@@ -38,6 +38,8 @@ CONFIG_SECTIONS = tuple(config_sections())
 
 # choices that --help and shell completion show (the values are the library's own names)
 MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)
+# every method's named recipes, for --preset's help: "drl: paper; ..."
+PRESETS = "; ".join(f"{name}: {', '.join(m.presets)}" for name, m in METHODS.items() if m.presets)
 ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "pt2", "onnx")}, type=str)
 PrecisionName = Enum("PrecisionName", {p: p for p in PRECISIONS}, type=str)
 

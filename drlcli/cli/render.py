@@ -66,6 +66,7 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
         f"stage {s['stage']}: " + first_session_line(s["first_session"]) for s in stages if s.get("first_session")
     ]
     lines += [f"stage {s['stage']}: " + transfer_line(s["transfer"]) for s in stages if s.get("transfer")]
+    lines += [f"stage {s['stage']}: " + switch_line(s["switch"]) for s in stages if s.get("switch")]
     if any(s.get("holds_totals") for s in stages):
         lines.append(
             "+ with the run's totals (what the next stage reads: W and the sums so far, or a carried run's "
@@ -98,6 +99,17 @@ def transfer_line(d: dict[str, Any]) -> str:
         f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
         f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; "
         f"run so far {d['gain']:+.1f} % of {d['run']['images']} images: {verdict}"
+    )
+
+
+def switch_line(d: dict[str, Any]) -> str:
+    """Which track a switched run answers from after a stage (``run/track.py``), for people."""
+    top1 = {k: "n/a" if v is None else f"{v:.2f}" for k, v in d["top1"].items()}
+    if d["answers"] == "carried":
+        return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']})"
+    return (
+        f"the run answers from its frozen track, the default `drl` on the frozen PTM (top-1 {top1['frozen']}; the "
+        f"carried network {top1['carried']}), until adapting transfers to new classes"
     )
 
 
@@ -156,6 +168,8 @@ def learn_stage(r: dict[str, Any]) -> str:
         )
         if c.get("transfer"):
             lines.append(transfer_line(c["transfer"]))
+    if r.get("switch"):
+        lines.append(switch_line(r["switch"]))
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
     if r["tensorboard_dir"]:
@@ -235,6 +249,12 @@ def info(r: dict[str, Any]) -> str:
         f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB "
         f"({r['base_bytes'] / 2**20:.2f} MiB before any stage)",
     ]
+    track = r.get("frozen_track")
+    if track:  # a switched run
+        lines.append(
+            f"frozen track {track['run_dir']}: the default `drl` on the frozen PTM, {track['num_stages']} stages, "
+            f"{track['total_bytes'] / 2**20:.2f} MiB more"
+        )
     if r["stages"]:
         lines += growth_lines(r["stages"]) + history_lines(r["history"])
     return _text(lines + forgotten_lines(r["forgotten"]) + forget_history_lines(r.get("forget_history") or []))

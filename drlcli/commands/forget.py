@@ -73,6 +73,7 @@ from ..run.forgotten import (
     specs_of,
 )
 from ..run.layout import STATISTICS, TOTALS, forget_log_file, forgotten_rows_file, stage_file
+from ..run.track import on_frozen_track
 from ..run.writer import RunWriter
 
 MAX_REASON = 1000  # characters
@@ -257,6 +258,7 @@ def forget_class(
             (*state.log.forgotten, entry),
             (*state.log.events, _event("forget", entry, at, reason, state.generation)),
         )
+        on_frozen_track(state, name, purge, lambda track: forget_class(track, name, reason=reason, purge=purge))
         _commit(writer, state, change, log)
     return _result(state, "forget", entry, log, change, kept=not purge)
 
@@ -289,6 +291,7 @@ def _purge_kept(writer: RunWriter, state: ForgetState, name: str, reason: str | 
         (*state.log.events, _event("purge", entry, at, reason, state.generation)),
     )
     change = _Change(supersede=[forgotten_rows_file(entry.generation)])
+    on_frozen_track(state, name, True, lambda track: forget_class(track, name, reason=reason, purge=True))
     _commit(writer, state, change, log)
     return replace(_result(state, "purge", purged, log, change, kept=False), at=at, reason=reason)
 
@@ -332,6 +335,7 @@ def restore_class(
             tuple(f for f in state.log.forgotten if f != entry),
             (*state.log.events, _event("restore", entry, at, reason, state.generation)),
         )
+        on_frozen_track(state, name, None, lambda track: restore_class(track, name, reason=reason))
         _commit(writer, state, change, log)
     return replace(_result(state, "restore", entry, log, change, kept=False), at=at, reason=reason)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..methods import method_of
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
 from ..run.layout import TOTALS
@@ -14,9 +15,11 @@ from ..run.records import (
     first_session_record,
     history_of,
     read_record,
+    switch_record,
     train_metrics,
     transfer_record,
 )
+from ..run.track import frozen_track
 
 
 def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
@@ -66,6 +69,8 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "first_session": first_session_record(meta),
                 # a carried run's stage after the first: does adapting transfer to classes it never trained on
                 "transfer": transfer_record(meta),
+                # a switched run: the track that answers after this stage, and both tracks' top-1
+                "switch": switch_record(meta),
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' rows, stage.json
                 # the newest stage also holds the run's running totals (its totals file: Grams, W)
                 "holds_totals": run.stage_file_name(index, TOTALS, manifest) is not None,
@@ -98,4 +103,17 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
         "forget_history": list(forgotten.events),
         "history": history_of(metas).to_dict(),
         "config": record["config"],
+        "frozen_track": _frozen_track(run, manifest),
     }
+
+
+def _frozen_track(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """A switched run's frozen track (``run/track.py``): its folder, stages and bytes (None: not a switched run)."""
+    config = read_record(run, manifest)[1]
+    if not method_of(config).switches(config):
+        return None
+    track = frozen_track(run)
+    if not track.exists():
+        return {"run_dir": str(track.path), "num_stages": 0, "total_bytes": 0}
+    held = track.manifest()
+    return {"run_dir": str(track.path), "num_stages": len(held["stages"]), "total_bytes": track.size_bytes(held)}

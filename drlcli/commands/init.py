@@ -66,18 +66,23 @@ def init_run(
         model, ptm_record = _init_ptm(
             ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
         )
-        record = {
-            "kind": RUN_CONFIG_KIND,
-            "drl_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "ptm": ptm_record,
-            "config": config.to_dict(),
-        }
+        record = run_record(ptm_record, config)
         writer.commit(init_files(record, model.state_dict() if random_init else None), manifest=None)
     info = record["ptm"]
     return InitResult(
         str(run.path), config.method, info["name"], info["sha256"], info["source"], info["data_config"], info.get("hub")
     )
+
+
+def run_record(ptm_record: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """run.yaml of a new run: its PTM section (``_init_ptm``) and config."""
+    return {
+        "kind": RUN_CONFIG_KIND,
+        "drl_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "ptm": ptm_record,
+        "config": config.to_dict(),
+    }
 
 
 def _init_ptm(

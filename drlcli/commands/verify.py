@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError
+from ..methods import method_of
 from ..progress import Progress, ProgressFn
 from ..run import forgotten
 from ..run.directory import RunDir
+from ..run.records import read_record
+from ..run.track import frozen_track
 from ..stage.resume import checkpoint_meta_ok
 
 
@@ -23,6 +26,7 @@ class VerifyResult:
     files_checked: int
     bytes_checked: int
     interrupted_stage: dict[str, Any] | None  # a resumable checkpoint, if one is waiting
+    frozen_track: dict[str, Any] | None = None  # a switched run's frozen track, verified the same way
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,4 +58,23 @@ def _verify(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | None) 
         len(manifest["files"]),
         run.size_bytes(manifest),
         waiting,
+        _frozen_track(run, manifest, progress),
     )
+
+
+def _frozen_track(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | None) -> dict[str, Any] | None:
+    """A switched run's frozen track (``run/track.py``), verified: its files, and as many stages as the
+    run (or one more, which an interrupted learn-stage committed there and its next call reuses)."""
+    config = read_record(run, manifest)[1]
+    if not method_of(config).switches(config):
+        return None
+    track = frozen_track(run)
+    if not track.exists() and not manifest["stages"]:
+        return None
+    result = verify(track.path, progress=progress)
+    if result.num_stages - len(manifest["stages"]) not in (0, 1):
+        raise IntegrityError(
+            f"the frozen track of run {run.path} holds {result.num_stages} stages, the run {len(manifest['stages'])}; "
+            "restore the run from a backup"
+        )
+    return result.to_dict()

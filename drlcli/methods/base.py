@@ -98,3 +98,6 @@ class Method:
     # one stage network, made in stage 1 and trained again at every stage, the newest stage's totals
     # holding it; the head carries the earlier classes (``heads/ridge/carry.py``): a carried run
     carries_network: Callable[[RunConfig], bool] = lambda config: False
+    # a carried run that also keeps the frozen default's run beside it (its frozen track,
+    # ``run/track.py``) and answers from the track the stage's forward transfer picks
+    switches: Callable[[RunConfig], bool] = lambda config: False

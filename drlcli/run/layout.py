@@ -55,8 +55,12 @@ QUARANTINE = ".quarantine"
 FORGOTTEN = "forgotten"
 
 
+# a switched run's frozen track (``track.py``): the frozen default's own run directory, inside this one
+FROZEN_TRACK = "frozen"
+
+
 # every name a run keeps at its top level: never a link, and never a user's file that init would take over
-RESERVED = (MANIFEST, RUN_CONFIG, PTM_WEIGHTS, STAGES, LOCK, STAGING, CHECKPOINT, QUARANTINE, FORGOTTEN)
+RESERVED = (MANIFEST, RUN_CONFIG, PTM_WEIGHTS, STAGES, LOCK, STAGING, CHECKPOINT, QUARANTINE, FORGOTTEN, FROZEN_TRACK)
 
 
 OWN_FOLDERS = (STAGES, CHECKPOINT, STAGING, FORGOTTEN)  # folders whose every entry is the run's

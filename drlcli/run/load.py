@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 
 from ..config import RunConfig
 from ..device import resolve_device
-from ..errors import IntegrityError, PTMError
+from ..errors import IntegrityError, PTMError, RunStateError
 from ..heads import PROTOTYPES, AnalyticHead, since_totals
 from ..heads.openset import BIAS, RMD_MEAN, RMD_MEAN_CARRIED, RMD_ROWS, RUNNING
 from ..methods import Method, head_of, method_of
@@ -21,9 +21,10 @@ from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, resto
 from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
 from .directory import RunDir, StageRecord
-from .forgotten import ForgetLog, active_classes
+from .forgotten import ForgetLog, active_classes, read_log
 from .layout import PTM_WEIGHTS
 from .records import check_stage_meta, non_finite, read_record
+from .track import FROZEN, answering, check_tracks, frozen_track
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,10 @@ def load_run(
 ) -> LoadedRun:
     """The run's model and records, all of one generation (``RunDir.read_generation``: a ``drl
     forget`` committing meanwhile makes it read the newer one). ``scoring`` False: an analytic head
-    without what only its scores need (learn-stage fits a new head; ``AnalyticHead.from_stages``)."""
+    without what only its scores need (learn-stage fits a new head; ``AnalyticHead.from_stages``).
+
+    A switched run (``track.py``) whose newest stage answers from its frozen track gives that
+    track's model, config and PTM record, with this run's directory, manifest and stage records."""
     run = RunDir(run_dir)
     return run.read_generation(
         lambda manifest: _load(run, manifest, device=device, ptm_weights=ptm_weights, scoring=scoring)
@@ -90,6 +94,10 @@ def load_run(
 def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None, scoring: bool) -> LoadedRun:
     start = time.perf_counter()
     record, config = read_record(run, manifest)
+    if scoring and method_of(config).switches(config):
+        frozen = _frozen_answers(run, manifest, record, device=device, ptm_weights=ptm_weights)
+        if frozen is not None:
+            return frozen
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
     stages = run.stages(manifest)
     for stage in stages:
@@ -127,6 +135,29 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
     )
     tensors_of = [stage.merged for stage in stages]
     return LoadedRun(run, manifest, record, config, model, metas, forgotten, tensors_of, [s.totals for s in stages])
+
+
+def _frozen_answers(
+    run: RunDir, manifest: dict[str, Any], record: dict[str, Any], *, device: str, ptm_weights: Path | None
+) -> LoadedRun | None:
+    """A switched run's frozen track, loaded, when the run answers from it after its newest stage (None:
+    from the carried network), checked to answer for the run's classes on the run's PTM."""
+    metas = {i: run.stage_meta(i, manifest) for i in run.stage_indices(manifest)}
+    for index, meta in metas.items():
+        check_stage_meta(run, index, meta)
+    if not metas or answering(run, list(metas.values())) != FROZEN:
+        return None
+    track = load_run(frozen_track(run).path, device=device, ptm_weights=ptm_weights)
+    forgotten = read_log(run, manifest, metas)
+    classes = [name for meta in metas.values() for name in forgotten.active(meta)]
+    ptm, frozen_ptm = record["ptm"]["sha256"], track.record["ptm"]["sha256"]
+    if len(track.stage_metas) != len(metas):
+        raise RunStateError(
+            f"the frozen track of run {run.path} holds {len(track.stage_metas)} stages, the run {len(metas)}: a "
+            "learn-stage was interrupted; run it again with the same data"
+        )
+    check_tracks(run, classes, track.model.class_names, ptm, frozen_ptm)
+    return replace(track, run=run, manifest=manifest, stage_metas=list(metas.values()), forgotten=forgotten)
 
 
 def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:

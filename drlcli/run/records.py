@@ -128,6 +128,21 @@ def transfer_record(meta: dict[str, Any]) -> dict[str, Any] | None:
     return own.record(run)
 
 
+def switch_record(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A switched run's stage record (stage.json ``switch``: the track that answers and both tracks'
+    top-1); None when it has none or a malformed one."""
+    record = meta.get("switch")
+    if not isinstance(record, dict) or record.get("answers") not in ("carried", "frozen"):
+        return None
+    top1 = record.get("top1")
+    if not isinstance(top1, dict):
+        return None
+    scores = {k: top1.get(k) for k in ("carried", "frozen")}
+    if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in scores.values()):
+        return None
+    return {"answers": record["answers"], "top1": scores}
+
+
 def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
     """A checked stage's ``metrics.train`` (``check_stage_meta``); empty for a method that trains nothing."""
     return meta["metrics"].get("train") or {}

@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import distributed
 from ..device import resolve_device
+from ..methods import method_of
 from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
@@ -24,6 +25,7 @@ from .fit import fit_features
 from .prepare import already_committed, check_classes, check_data, prepare, read_records
 from .record import StageResult, commit_stage, evaluate_stage, learned_result, record_stage
 from .resume import train_or_resume
+from .switch import answered, learn_frozen_track
 
 
 def learn_stage(
@@ -76,11 +78,24 @@ def learn_stage(
         TensorBoardLog(tensorboard_dir) if main and tensorboard_dir else contextlib.nullcontext() as tracker,
     ):
         distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
-        records = read_records(run, Sources(data_dir, eval_data_dir, data, eval_data, class_names), progress)
+        sources = Sources(data_dir, eval_data_dir, data, eval_data, class_names)
+        records = read_records(run, sources, progress)
         unchanged = already_committed(records)
         if unchanged is not None:
             return unchanged
         check_classes(records.images, records.eval_images, records.learned)
+        frozen = None
+        if method_of(records.config).switches(records.config):  # the frozen track learns the stage first
+            frozen = learn_frozen_track(
+                records,
+                sources,
+                learn=learn_stage,
+                num_workers=(train_overrides or {}).get("num_workers"),
+                device=device,
+                ptm_weights=ptm_weights,
+                precision=precision,
+                progress=progress,
+            )
         stage = prepare(
             run,
             writer,
@@ -96,6 +111,8 @@ def learn_stage(
         trained = train_or_resume(stage, restart=restart)
         fitted = fit_features(stage)
         evaluated = evaluate_stage(stage)
+        if frozen is not None:  # the run answers from the track the stage's forward transfer picks
+            evaluated = answered(fitted, evaluated, frozen)
         record = record_stage(stage, trained, fitted, evaluated)
         commit_stage(stage, record)
         distributed.barrier()  # every rank returns only once the stage is committed

@@ -109,6 +109,7 @@ class Fitted:
 class Evaluated:
     report: AccuracyReport | None  # None: no eval set registered or given
     warnings: list[str]  # registered eval sets that were left out
+    switch: dict[str, Any] | None = None  # a switched run: the track that answers (``switch.answered``)
 
 
 @dataclass(frozen=True)

@@ -169,4 +169,5 @@ def already_committed(records: Records) -> StageResult | None:
         precision=meta.get("precision", "fp32"),  # absent: committed before drl recorded it, in fp32
         training_skipped=train.get("skipped") is True,
         first_session=first_session_record(meta),
+        switch=meta.get("switch") if isinstance(meta.get("switch"), dict) else None,
     )

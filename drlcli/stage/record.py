@@ -49,6 +49,7 @@ class StageResult:
     skipped_because: str = ""  # why, for people (``StageContext.skip_reason``)
     first_session: dict[str, Any] | None = None  # stage 1's decision (``first_session.Decision.to_dict``)
     carry: dict[str, Any] | None = None  # a carried run's stage > 1: stage.json's ``carry``
+    switch: dict[str, Any] | None = None  # a switched run: stage.json's ``switch`` (the track that answers)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -173,6 +174,11 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
             "learn_seconds": round((trained.result.seconds if trained.result else 0.0) + fitted.seconds, 3),
         },
     }
+    if evaluated.switch is not None:  # a switched run: its eval is the answering track's; both tracks learn
+        meta["switch"] = evaluated.switch
+        meta["metrics"]["learn_seconds"] = round(
+            meta["metrics"]["learn_seconds"] + evaluated.switch["frozen_seconds"], 3
+        )
     meta["open_set"] = fitted.calibration.to_dict()
     if fit is not None:
         meta["ridge"] = fit.meta  # the ridge head's λ, validation errors and counts (every method scored by it)
@@ -244,6 +250,7 @@ def learned_result(
         skipped_because=stage.skip_reason if trained.skipped else "",
         first_session=record.meta.get("first_session"),
         carry=record.meta.get("carry"),
+        switch=record.meta.get("switch"),
         stage_bytes=sum(len(b) for b in record.files.values()),
         eval=evaluated.report,
         history=history_of([*stage.loaded.stage_metas, record.meta]),

@@ -31,6 +31,12 @@ def carries(config: RunConfig) -> bool:
     return adapts(config) and config.first_session.stages == "all"
 
 
+def switches(config: RunConfig) -> bool:
+    """Whether a carried run keeps the frozen default beside it and answers from the track its
+    forward transfer picks (``first_session.switch transfer``)."""
+    return carries(config) and config.first_session.switch == "transfer"
+
+
 def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
     if not adapts(config):
         return build_ipa(ptm, config)  # the bare PTM pass: an IPA network that never gets a stage
@@ -47,11 +53,31 @@ def rules(config: RunConfig) -> None:
             raise UsageError("first_session.stages all trains the adapters: set first_session.peft adaptformer")
         if config.first_session.decide:
             raise UsageError("first_session.decide is for stages first: a carried run (stages all) keeps its adapters")
+    elif config.first_session.switch != "none":
+        raise UsageError(
+            "first_session.switch picks between a carried run and the frozen PTM: set first_session.stages all"
+        )
     if adapts(config) and config.train.kd_weight:
         raise UsageError(
             "train.kd_weight must be 0 for method ranpac (the first session has no frozen PTM to distil to)"
         )
 
+
+# issue 32's carried schedule (docs/research/adaptation-bounds.md, eleventh round): one set in blocks
+# 0-5 trained at every stage, 20 epochs at lr 0.05, held near each stage's start (w 3), the earlier
+# classes carried as class Gaussians, read by drl's default head
+CARRIED = {
+    "first_session": {"peft": "adaptformer", "stages": "all", "blocks": 0.5, "hold_weight": 3.0},
+    "ranpac": {
+        "covariance_weight": 4.0,
+        "covariance_rank": 16,
+        "layout_grid": 2,
+        "layout_scale": 0.5,
+        "lambda_search": "local",
+        "lambda_classes": 128,
+    },
+    "train": {"lr": 0.05, "epochs": 20, "batch_size": 48, "scale_init": 16.0},
+}
 
 METHOD = Method(
     name="ranpac",
@@ -67,23 +93,13 @@ METHOD = Method(
     head="ridge",
     presets={
         "published": {"first_session": {"peft": "adaptformer"}},
-        # issue 32's carried schedule (docs/research/adaptation-bounds.md, eleventh round): one set in
-        # blocks 0-5 trained at every stage, 20 epochs at lr 0.05, held near each stage's start (w 3),
-        # the earlier classes carried as class Gaussians, read by drl's default head
-        "carried": {
-            "first_session": {"peft": "adaptformer", "stages": "all", "blocks": 0.5, "hold_weight": 3.0},
-            "ranpac": {
-                "covariance_weight": 4.0,
-                "covariance_rank": 16,
-                "layout_grid": 2,
-                "layout_scale": 0.5,
-                "lambda_search": "local",
-                "lambda_classes": 128,
-            },
-            "train": {"lr": 0.05, "epochs": 20, "batch_size": 48, "scale_init": 16.0},
-        },
+        "carried": CARRIED,
+        # the carried schedule, answering from the frozen default (the run's frozen track) until the
+        # run's forward transfer says adapting pays (adaptation-bounds.md, fourteenth round)
+        "switched": {**CARRIED, "first_session": {**CARRIED["first_session"], "switch": "transfer"}},
     },
     trained_stages=lambda config: None if carries(config) else 1 if adapts(config) else 0,
     decides_first_stage=lambda config: adapts(config) and config.first_session.decide,
     carries_network=carries,
+    switches=switches,
 )

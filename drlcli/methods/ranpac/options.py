@@ -31,3 +31,8 @@ class FirstSessionConfig:
     # the head on the fit part's frozen and adapted features, and keep the adapters only when the
     # held-out part (the ridge head's statistics split) scores higher with them
     decide: bool = False
+    # drl's extension (issue 32), "all" only: "transfer" keeps the frozen default run beside the
+    # carried one (the run's frozen track) and answers from the carried network only from the stage on
+    # which the run's forward transfer (``metrics.Transfer``) says adapting tells new classes apart
+    # better than the frozen PTM; "none" always answers from the carried network
+    switch: str = option("none", choices=("none", "transfer"))

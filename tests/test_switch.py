@@ -1,0 +1,222 @@
+"""A switched run (``ranpac --preset switched``, ``run/track.py``; issue 32): a carried run with the
+frozen default's own run beside it (its frozen track), answering from the track the run's forward
+transfer picks."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from drlcli import evaluate, export_run, forget_class, learn_stage, load_model, restore_class
+from drlcli.api import info, verify
+from drlcli.cli import app
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.errors import IntegrityError, RunStateError, UsageError
+from drlcli.metrics import Transfer
+from drlcli.run.layout import sha256_bytes
+from drlcli.run.load import load_run
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
+
+SMALL = {
+    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "train": {"epochs": 2, "batch_size": 8, "seed": 3},
+}
+
+
+def _init(run, preset="switched"):
+    config = RunConfig.for_method("ranpac", SMALL, preset=preset)
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+
+
+def _learn(run, folders):
+    return [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in folders]
+
+
+def _transfers(monkeypatch, value: bool) -> None:
+    """What the run's forward transfer says, whatever the tiny random PTM's counts are."""
+    monkeypatch.setattr(Transfer, "transfers", property(lambda self: value and self.images > 0))
+
+
+@pytest.fixture(scope="module")
+def switched(tmp_path_factory, stage_folders):
+    """A switched run whose transfer never pays, and the frozen default learning the same stages."""
+    root = tmp_path_factory.mktemp("switched")
+    run, default = root / "run", root / "default"
+    _init(run)
+    config = RunConfig.for_method("drl", {"train": {"seed": 3}})
+    init_run(default, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    with pytest.MonkeyPatch.context() as patch:
+        _transfers(patch, False)
+        results = _learn(run, stage_folders)
+    return run, default, results, _learn(default, stage_folders)
+
+
+def test_the_preset_is_the_carried_schedule_with_the_switch():
+    switched = RunConfig.for_method("ranpac", preset="switched").to_dict()
+    carried = RunConfig.for_method("ranpac", preset="carried").to_dict()
+    assert switched["first_session"].pop("switch") == "transfer" and carried["first_session"].pop("switch") == "none"
+    assert switched == carried
+    with pytest.raises(UsageError, match="set first_session.stages all"):
+        RunConfig.for_method("ranpac", {"first_session": {"peft": "adaptformer", "switch": "transfer"}})
+
+
+def test_until_adapting_transfers_the_run_answers_as_the_frozen_default(switched, stage_folders):
+    run, default, results, reference = switched
+    assert [r.switch["answers"] for r in results] == ["frozen"] * 3
+    assert [r.eval.top1 for r in results] == [r.eval.top1 for r in reference]
+    assert [r.switch["top1"]["frozen"] for r in results] == [r.eval.top1 for r in reference]
+    assert all(r.switch["top1"]["carried"] is not None for r in results)
+    assert all(not r.training_skipped and r.epoch_losses for r in results)  # the carried network still learns
+    loaded = load_run(run, device="cpu")
+    assert loaded.config.method == "drl" and loaded.run.path == run  # the frozen track's model, the run's records
+    assert [m["switch"]["answers"] for m in loaded.stage_metas] == ["frozen"] * 3
+    test = stage_folders[2][1]
+    ours, theirs = evaluate(run, data_dir=test, device="cpu"), evaluate(default, data_dir=test, device="cpu")
+    assert ours.report == theirs.report
+    assert (run / "frozen" / "manifest.json").is_file() and load_run(run / "frozen", device="cpu").model.num_stages == 3
+
+
+def test_an_export_of_a_run_answering_from_its_frozen_track_is_the_frozen_default(switched, tmp_path, stage_folders):
+    run, default, _, _ = switched
+    export_run(run, tmp_path / "ours.drl")
+    export_run(default, tmp_path / "theirs.drl")
+    ours, theirs = load_model(tmp_path / "ours.drl"), load_model(tmp_path / "theirs.drl")
+    assert type(ours.network).__name__ == type(theirs.network).__name__ == "IPANetwork"
+    size = ours.data_config["input_size"][1:]
+    images = torch.rand(4, 3, *size)
+    assert torch.equal(ours.classify(images)[0], theirs.classify(images)[0])
+
+
+def test_the_run_records_both_tracks_and_their_cost(switched):
+    run, _, results, _ = switched
+    shown = info(run)
+    assert shown["frozen_track"]["num_stages"] == 3 and shown["frozen_track"]["total_bytes"] > 0
+    assert [s["switch"]["answers"] for s in shown["stages"]] == ["frozen"] * 3
+    metas = load_run(run, device="cpu").stage_metas
+    for meta in metas:
+        assert meta["metrics"]["learn_seconds"] >= meta["switch"]["frozen_seconds"] > 0
+    checked = verify(run)
+    assert checked.frozen_track["num_stages"] == 3 and checked.frozen_track["files_checked"] > 0
+    from drlcli.benchmark.report import _stage_bytes
+    from drlcli.run.directory import RunDir
+
+    loaded = load_run(run, device="cpu")
+    own, track = loaded.run, RunDir(run / "frozen")
+    both = [own.stage_bytes(i, own.manifest()) + track.stage_bytes(i, track.manifest()) for i in (1, 2, 3)]
+    assert _stage_bytes(loaded, RunConfig.for_method("ranpac", SMALL, preset="switched")) == both
+
+
+def test_once_adapting_transfers_the_carried_network_answers(tmp_path, stage_folders, monkeypatch):
+    run = tmp_path / "run"
+    _init(run)
+    _transfers(monkeypatch, True)
+    results = _learn(run, stage_folders[:2])
+    assert [r.switch["answers"] for r in results] == ["frozen", "carried"]  # stage 1 has no transfer to measure
+    assert results[1].eval.top1 == results[1].switch["top1"]["carried"]
+    loaded = load_run(run, device="cpu")
+    assert loaded.config.method == "ranpac" and loaded.config.first_session.switch == "transfer"
+    assert evaluate(run, all_seen=True, device="cpu").report.top1 == results[1].eval.top1
+    export_run(run, tmp_path / "model.drl")
+    assert type(load_model(tmp_path / "model.drl").network).__name__ == "FirstSessionNetwork"
+
+
+def _rewrite_meta(run: Path, index: int, change) -> None:
+    name = f"stages/{index:03d}/stage.json"
+    meta = json.loads((run / name).read_text())
+    change(meta)
+    data = json.dumps(meta).encode()
+    (run / name).write_bytes(data)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda meta: meta["switch"].update(answers="carried"),  # not what its counts say
+        lambda meta: meta.pop("switch"),
+        lambda meta: meta["carry"]["transfer"]["run"].update(better=30, images=99),  # counts that do not add up
+    ],
+)
+def test_a_crafted_switch_record_is_refused(switched, tmp_path, change):
+    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
+    _rewrite_meta(run, 3, change)
+    with pytest.raises(IntegrityError, match="stage 3 of switched run"):
+        load_run(run, device="cpu")
+
+
+def test_a_frozen_track_that_is_a_link_or_missing_is_refused(switched, tmp_path, stage_folders):
+    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
+    outside = Path(shutil.copytree(run / "frozen", tmp_path / "outside"))
+    shutil.rmtree(run / "frozen")
+    more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
+    with pytest.raises(IntegrityError, match="lost its frozen track"):
+        learn_stage(run, data_dir=more, device="cpu")
+    (run / "frozen").symlink_to(outside)
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        load_run(run, device="cpu")
+    assert len(json.loads((run / "manifest.json").read_text())["stages"]) == 3
+
+
+def test_an_interrupted_stage_in_the_frozen_track_is_reused_or_refused(switched, tmp_path, monkeypatch):
+    """The frozen track commits first: a call interrupted after it leaves the track one stage ahead,
+    which the next call with the same data reuses and one with other data refuses, changing nothing."""
+    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
+    _transfers(monkeypatch, False)
+    first = make_class_folders(tmp_path / "first", [20, 21], images_per_class=6)
+    other = make_class_folders(tmp_path / "other", [22, 23], images_per_class=6)
+    learn_stage(run / "frozen", data_dir=first, device="cpu")  # as the interrupted call left it
+    with pytest.raises(RunStateError, match="a learn-stage was interrupted"):
+        load_run(run, device="cpu")  # the run answers only from a track that matches it
+    with pytest.raises(RunStateError, match="holds a stage 4 of other data"):
+        learn_stage(run, data_dir=other, device="cpu")
+    assert load_run(run / "frozen", device="cpu").model.num_stages == 4
+    result = learn_stage(run, data_dir=first, device="cpu")
+    assert result.stage == 4 and result.switch["answers"] == "frozen"
+    assert load_run(run, device="cpu").model.num_stages == 4 and verify(run).frozen_track["num_stages"] == 4
+
+
+def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):
+    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
+    name = load_run(run, device="cpu").model.class_names[4]
+    forget_class(run, name)
+    assert name not in load_run(run, device="cpu").model.class_names
+    assert name not in load_run(run / "frozen", device="cpu").model.class_names
+    restore_class(run, name)
+    assert name in load_run(run, device="cpu").model.class_names
+    # a forget that committed in the frozen track only (interrupted): refused until run again
+    forget_class(run / "frozen", name)
+    with pytest.raises(IntegrityError, match="run the same `drl forget` again"):
+        load_run(run, device="cpu")
+    forget_class(run, name)
+    loaded = load_run(run, device="cpu")
+    assert name not in loaded.model.class_names and len(loaded.model.class_names) == 8
+
+
+def test_the_cli_says_which_track_answers(tmp_path, stage_folders, monkeypatch):
+    run = tmp_path / "run"
+    _init(run)
+    _transfers(monkeypatch, False)
+    runner = CliRunner()
+    train, test = stage_folders[0]
+    out = runner.invoke(
+        app, ["learn-stage", "--run", str(run), "--data", str(train), "--eval-data", str(test), "--device", "cpu"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "the run answers from its frozen track" in out.output
+    shown = runner.invoke(app, ["info", "--run", str(run)])
+    assert "frozen track" in shown.output and "1 stages" in shown.output
+
+
+def test_a_carried_run_has_no_frozen_track(tmp_path, stage_folders):
+    run = tmp_path / "run"
+    _init(run, preset="carried")
+    _learn(run, stage_folders[:1])
+    assert not (run / "frozen").exists() and info(run)["frozen_track"] is None
+    assert "switch" not in load_run(run, device="cpu").stage_metas[0]
+    assert torch.is_tensor(load_run(run, device="cpu").model.class_stage)
