@@ -141,6 +141,7 @@ def _rewrite_meta(run: Path, index: int, change) -> None:
         lambda meta: meta["switch"].update(answers="carried"),  # not what its counts say
         lambda meta: meta.pop("switch"),
         lambda meta: meta["carry"]["transfer"]["run"].update(better=30, images=99),  # counts that do not add up
+        lambda meta: meta.pop("carry"),  # a later stage of a carried run without its forward transfer
     ],
 )
 def test_a_crafted_switch_record_is_refused(switched, tmp_path, change):
@@ -150,6 +151,33 @@ def test_a_crafted_switch_record_is_refused(switched, tmp_path, change):
         load_run(run, device="cpu")
 
 
+def test_another_run_cannot_stand_in_for_the_frozen_track(switched, tmp_path):
+    """The run's switch records hold the sha256 of the frozen track's stage records: the frozen default
+    learning the same stages, but not the run's own track, is refused; so is a track of another config."""
+    run, default = (Path(shutil.copytree(p, tmp_path / p.name)) for p in switched[:2])
+    shutil.rmtree(run / "frozen")
+    shutil.copytree(default, run / "frozen")
+    with pytest.raises(IntegrityError, match="is not the one run"):
+        load_run(run, device="cpu")
+    with pytest.raises(IntegrityError, match="is not the one run"):
+        verify(run)
+    shutil.rmtree(run / "frozen")
+    shutil.copytree(switched[0], run / "frozen")  # a switched run as its own frozen track
+    with pytest.raises(IntegrityError, match="another config"):
+        load_run(run, device="cpu")
+
+
+def test_a_stage_refused_after_the_frozen_track_learned_it_commits_in_neither(switched, tmp_path):
+    """The frozen track commits only once the run's stage is recorded: a call refused later (here a
+    training option out of range) leaves both tracks as they were, and other data can follow."""
+    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
+    more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
+    with pytest.raises(UsageError):
+        learn_stage(run, data_dir=more, device="cpu", train_overrides={"lr": -1.0})
+    assert [len(json.loads((p / "manifest.json").read_text())["stages"]) for p in (run, run / "frozen")] == [3, 3]
+    assert load_run(run, device="cpu").model.num_stages == 3
+
+
 def test_a_frozen_track_that_is_a_link_or_missing_is_refused(switched, tmp_path, stage_folders):
     run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
     outside = Path(shutil.copytree(run / "frozen", tmp_path / "outside"))
@@ -157,6 +185,9 @@ def test_a_frozen_track_that_is_a_link_or_missing_is_refused(switched, tmp_path,
     more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
     with pytest.raises(IntegrityError, match="lost its frozen track"):
         learn_stage(run, data_dir=more, device="cpu")
+    for command in (lambda: load_run(run, device="cpu"), lambda: verify(run), lambda: info(run)):
+        with pytest.raises(IntegrityError, match="lost its frozen track"):
+            command()
     (run / "frozen").symlink_to(outside)
     with pytest.raises(IntegrityError, match="symbolic link"):
         load_run(run, device="cpu")
@@ -191,7 +222,7 @@ def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):
     assert name in load_run(run, device="cpu").model.class_names
     # a forget that committed in the frozen track only (interrupted): refused until run again
     forget_class(run / "frozen", name)
-    with pytest.raises(IntegrityError, match="run the same `drl forget` again"):
+    with pytest.raises(IntegrityError, match="run the same `drl forget`"):
         load_run(run, device="cpu")
     forget_class(run, name)
     loaded = load_run(run, device="cpu")

@@ -15,7 +15,7 @@ from ..methods import method_of
 from ..metrics import AccuracyReport, summarize_history
 from ..run.load import LoadedRun
 from ..run.records import history_of, train_metrics
-from ..run.track import frozen_track
+from ..run.track import tied_track
 from .variants import Variant
 
 SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "learn_seconds", "inference_ms_per_image")
@@ -106,9 +106,8 @@ def _stage_bytes(loaded: LoadedRun, config: RunConfig) -> list[int]:
     sizes = [run.stage_bytes(i, manifest) for i in run.stage_indices(manifest)]
     if not method_of(config).switches(config):
         return sizes
-    track = frozen_track(run)
-    held = track.manifest()
-    return [size + track.stage_bytes(i, held) for size, i in zip(sizes, track.stage_indices(held))]
+    track, held = tied_track(run, manifest, loaded.stage_metas, classes=False)
+    return [size + track.stage_bytes(i, held) for size, i in zip(sizes, run.stage_indices(manifest), strict=True)]
 
 
 def rescored_row(row: dict[str, Any], text: str, options: dict[str, Any], reports: list[AccuracyReport]) -> dict:

@@ -254,6 +254,9 @@ def info(r: dict[str, Any]) -> str:
         lines.append(
             f"frozen track {track['run_dir']}: the default `drl` on the frozen PTM, {track['num_stages']} stages, "
             f"{track['total_bytes'] / 2**20:.2f} MiB more"
+            + {"frozen": "; the run answers from it", "carried": "; the run answers from the carried network"}.get(
+                track.get("answers"), ""
+            )
         )
     if r["stages"]:
         lines += growth_lines(r["stages"]) + history_lines(r["history"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..methods import method_of
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
 from ..run.layout import TOTALS
@@ -19,7 +18,7 @@ from ..run.records import (
     train_metrics,
     transfer_record,
 )
-from ..run.track import frozen_track
+from ..run.track import answering, frozen_track, switched, tied_track
 
 
 def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
@@ -103,17 +102,22 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
         "forget_history": list(forgotten.events),
         "history": history_of(metas).to_dict(),
         "config": record["config"],
-        "frozen_track": _frozen_track(run, manifest),
+        "frozen_track": _frozen_track(run, manifest, metas),
     }
 
 
-def _frozen_track(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any] | None:
-    """A switched run's frozen track (``run/track.py``): its folder, stages and bytes (None: not a switched run)."""
-    config = read_record(run, manifest)[1]
-    if not method_of(config).switches(config):
+def _frozen_track(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A switched run's frozen track (``run/track.py``): its folder, stages and bytes, and the track
+    the run answers from (None: not a switched run)."""
+    if not switched(run, manifest):
         return None
-    track = frozen_track(run)
-    if not track.exists():
-        return {"run_dir": str(track.path), "num_stages": 0, "total_bytes": 0}
-    held = track.manifest()
-    return {"run_dir": str(track.path), "num_stages": len(held["stages"]), "total_bytes": track.size_bytes(held)}
+    if not metas:
+        return {"run_dir": str(frozen_track(run).path), "num_stages": 0, "total_bytes": 0, "answers": None}
+    answers = answering(run, metas)
+    track, held = tied_track(run, manifest, metas)
+    return {
+        "run_dir": str(track.path),
+        "num_stages": len(held["stages"]),
+        "total_bytes": track.size_bytes(held),
+        "answers": answers,
+    }

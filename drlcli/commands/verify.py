@@ -8,12 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import IntegrityError
-from ..methods import method_of
 from ..progress import Progress, ProgressFn
 from ..run import forgotten
 from ..run.directory import RunDir
-from ..run.records import read_record
-from ..run.track import frozen_track
+from ..run.track import answering, switched, tied_track
 from ..stage.resume import checkpoint_meta_ok
 
 
@@ -63,18 +61,13 @@ def _verify(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | None) 
 
 
 def _frozen_track(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | None) -> dict[str, Any] | None:
-    """A switched run's frozen track (``run/track.py``), verified: its files, and as many stages as the
-    run (or one more, which an interrupted learn-stage committed there and its next call reuses)."""
-    config = read_record(run, manifest)[1]
-    if not method_of(config).switches(config):
+    """A switched run's frozen track (``run/track.py``): its files verified the same way, its records
+    tied to the run's, and which track the run answers from as its records say."""
+    if not switched(run, manifest):
         return None
-    track = frozen_track(run)
-    if not track.exists() and not manifest["stages"]:
+    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    answers = answering(run, metas)
+    if not metas:
         return None
-    result = verify(track.path, progress=progress)
-    if result.num_stages - len(manifest["stages"]) not in (0, 1):
-        raise IntegrityError(
-            f"the frozen track of run {run.path} holds {result.num_stages} stages, the run {len(manifest['stages'])}; "
-            "restore the run from a backup"
-        )
-    return result.to_dict()
+    track, _ = tied_track(run, manifest, metas)
+    return {**verify(track.path, progress=progress).to_dict(), "answers": answers}

@@ -13,18 +13,18 @@ import torch
 
 from ..config import RunConfig
 from ..device import resolve_device
-from ..errors import IntegrityError, PTMError, RunStateError
+from ..errors import IntegrityError, PTMError
 from ..heads import PROTOTYPES, AnalyticHead, since_totals
 from ..heads.openset import BIAS, RMD_MEAN, RMD_MEAN_CARRIED, RMD_ROWS, RUNNING
 from ..methods import Method, head_of, method_of
 from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, restore_model, stage_prefix, with_prefix
 from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
-from .directory import RunDir, StageRecord
+from .directory import ListedFileGone, RunDir, StageRecord
 from .forgotten import ForgetLog, active_classes, read_log
 from .layout import PTM_WEIGHTS
 from .records import check_stage_meta, non_finite, read_record
-from .track import FROZEN, answering, check_tracks, frozen_track
+from .track import FROZEN, answering, tied_track
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
     start = time.perf_counter()
     record, config = read_record(run, manifest)
     if scoring and method_of(config).switches(config):
-        frozen = _frozen_answers(run, manifest, record, device=device, ptm_weights=ptm_weights)
+        frozen = _frozen_answers(run, manifest, device=device, ptm_weights=ptm_weights)
         if frozen is not None:
             return frozen
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
@@ -138,26 +138,21 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
 
 
 def _frozen_answers(
-    run: RunDir, manifest: dict[str, Any], record: dict[str, Any], *, device: str, ptm_weights: Path | None
+    run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None
 ) -> LoadedRun | None:
     """A switched run's frozen track, loaded, when the run answers from it after its newest stage (None:
-    from the carried network), checked to answer for the run's classes on the run's PTM."""
-    metas = {i: run.stage_meta(i, manifest) for i in run.stage_indices(manifest)}
-    for index, meta in metas.items():
+    from the carried network), checked to be the run's (``track.tied_track``)."""
+    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    for meta, index in zip(metas, run.stage_indices(manifest)):
         check_stage_meta(run, index, meta)
-    if not metas or answering(run, list(metas.values())) != FROZEN:
+    if not metas or answering(run, metas) != FROZEN:
         return None
-    track = load_run(frozen_track(run).path, device=device, ptm_weights=ptm_weights)
-    forgotten = read_log(run, manifest, metas)
-    classes = [name for meta in metas.values() for name in forgotten.active(meta)]
-    ptm, frozen_ptm = record["ptm"]["sha256"], track.record["ptm"]["sha256"]
-    if len(track.stage_metas) != len(metas):
-        raise RunStateError(
-            f"the frozen track of run {run.path} holds {len(track.stage_metas)} stages, the run {len(metas)}: a "
-            "learn-stage was interrupted; run it again with the same data"
-        )
-    check_tracks(run, classes, track.model.class_names, ptm, frozen_ptm)
-    return replace(track, run=run, manifest=manifest, stage_metas=list(metas.values()), forgotten=forgotten)
+    track, _ = tied_track(run, manifest, metas)
+    loaded = load_run(track.path, device=device, ptm_weights=ptm_weights)
+    forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
+    if loaded.model.class_names != [name for meta in metas for name in forgotten.active(meta)]:
+        raise ListedFileGone(f"the frozen track of run {run.path} changed while it was read; run the command again")
+    return replace(loaded, run=run, manifest=manifest, stage_metas=metas, forgotten=forgotten)
 
 
 def _stage_error(run: RunDir, index: int, exc: Exception) -> IntegrityError:

@@ -1,25 +1,29 @@
-"""A switched run's two tracks (``Method.switches``; issue 32): the carried run itself, and
-its frozen track, the frozen default's own run directory (``frozen/``, a ``drl`` run learning the
-same stages). After each stage the run answers from one of them: from the carried network once
-the run's forward transfer (stage.json ``carry.transfer``, ``metrics.Transfer``) says adapting tells
+"""A switched run's two tracks (``Method.switches``; issue 32): the carried run itself, and its
+frozen track, the frozen default's own run directory (``frozen/``, a ``drl`` run learning the same
+stages). After each stage the run answers from one of them: from the carried network once the
+run's forward transfer (stage.json ``carry.transfer``, ``metrics.Transfer``) says adapting tells
 new classes apart better than the frozen PTM, and from the frozen track until then (stage 1 has no
-transfer to measure). Both tracks learn every stage; the frozen one commits first, so that it holds
-the parent's stages or, after an interrupted learn-stage, one more."""
+transfer to measure). Both tracks learn every stage; the frozen one commits its stage just before
+the run commits its own, so it holds the run's stages or, for the moment between the two commits
+(or after a crash in it), one more. Each stage's ``switch`` record holds the sha256 of the frozen
+track's record of the stage: no other run can stand in for the frozen track."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import IntegrityError
+from ..config import RunConfig
+from ..errors import IntegrityError, RunStateError
 from ..methods import method_of
 from ..metrics import Transfer
 from .access import real_dir
-from .directory import RunDir
-from .forgotten import ForgetState
-from .layout import FROZEN_TRACK
-from .records import read_record, transfer_record
+from .directory import ListedFileGone, RunDir
+from .forgotten import ForgetState, read_log
+from .layout import FROZEN_TRACK, STAGE_META, stage_file
+from .records import check_stage_meta, read_record, transfer_record
 
 CARRIED, FROZEN = "carried", "frozen"
 TRACKS = (CARRIED, FROZEN)
@@ -45,38 +49,101 @@ def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
             total = total + Transfer.from_dict(transfer)
             if Transfer.from_dict(transfer["run"]) != total:
                 raise _crafted(run, stage, "its forward-transfer counts do not add up to the run's")
-        elif stage != 1 and isinstance(meta.get("carry"), dict):
+        elif stage != 1:
             raise _crafted(run, stage, "it has no forward-transfer counts")
         answer = CARRIED if transfer is not None and transfer["transfers"] else FROZEN
         if not isinstance(record, dict) or record.get("answers") != answer:
             raise _crafted(run, stage, f"its switch record does not say the {answer} track answers, as its counts do")
+        if not isinstance(record.get("frozen_stage_sha256"), str):
+            raise _crafted(run, stage, "its switch record names no frozen-track record")
     return answer
 
 
-def check_tracks(run: RunDir, classes: list[str], frozen_classes: list[str], ptm: str, frozen_ptm: str) -> None:
-    """The frozen track answers for the same classes, in the same order, on the same PTM; else
-    IntegrityError (an interrupted forget, or a crafted track)."""
-    if frozen_ptm != ptm:
+def frozen_config(config: RunConfig) -> RunConfig:
+    """The frozen track's config: the default ``drl`` with the run's seed, workers and "unknown" answer."""
+    train = {"seed": config.train.seed, "num_workers": config.train.num_workers}
+    return RunConfig.for_method("drl", {"train": train, "open_set": config.to_dict()["open_set"]})
+
+
+def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
+    """Whether the run is a switched one (its method and config say so)."""
+    config = read_record(run, manifest)[1]
+    return method_of(config).switches(config)
+
+
+def tied_track(
+    run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]], *, classes: bool = True, ahead: bool = False
+) -> tuple[RunDir, dict[str, Any]]:
+    """A switched run's frozen track and its manifest, checked against the run's records: the frozen
+    default's config, each of the run's stages recorded there as the run's ``switch`` records say
+    (sha256 of its stage.json), the same classes answered (unless not ``classes``). With ``ahead``
+    (learn-stage, under the run's lock) it may hold one more stage. Else the track one stage ahead (another process
+    is between the two commits, or a crash left it there): ``ListedFileGone`` once the run has moved
+    on meanwhile (``RunDir.read_generation`` reads the newer generation), else RunStateError; any
+    other mismatch: IntegrityError."""
+    track = frozen_track(run)
+    if not track.exists():
         raise IntegrityError(
-            f"{run.path / FROZEN_TRACK} was made for other PTM weights than run {run.path}; restore the run "
+            f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
+        )
+    held = track.manifest()
+    (record, config), (own_record, own) = read_record(run, manifest), read_record(track, held)
+    if own != frozen_config(config) or own_record["ptm"]["sha256"] != record["ptm"]["sha256"]:
+        raise IntegrityError(
+            f"{track.path} is not the frozen track of run {run.path} (another config or PTM); restore the run "
             "from a backup"
         )
-    if frozen_classes != classes:
-        differ = sorted(set(classes) ^ set(frozen_classes)) or ["their order"]
+    indices = track.stage_indices(held)
+    if len(indices) < len(metas):
         raise IntegrityError(
-            f"the frozen track of run {run.path} answers for other classes ({', '.join(differ[:5])}): a forget "
-            "or restore was interrupted; run the same `drl forget` again, or restore the run from a backup"
+            f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"
         )
+    for meta in metas:
+        entry = held["files"].get(stage_file(meta["stage"], STAGE_META))
+        if entry is None or entry.get("sha256") != meta["switch"]["frozen_stage_sha256"]:
+            raise IntegrityError(
+                f"stage {meta['stage']} of {track.path} is not the one run {run.path} recorded; restore the run from a backup"
+            )
+    track_metas = [track.stage_meta(i, held) for i in indices]
+    for index, meta in zip(indices, track_metas):
+        check_stage_meta(track, index, meta)
+    ours = _active(run, manifest, metas) if classes else []
+    theirs = _active(track, held, track_metas[: len(metas)]) if classes else []
+    if len(indices) > len(metas) + 1:
+        raise IntegrityError(
+            f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"
+        )
+    if (len(indices) > len(metas) and not ahead) or theirs != ours:
+        time.sleep(0.2)  # another process may be between the two commits
+        if run.manifest()["generation"] != manifest["generation"]:
+            raise ListedFileGone(f"run {run.path} changed while it was read")
+        if len(indices) > len(metas):
+            raise RunStateError(
+                f"the frozen track of run {run.path} holds a stage {len(metas) + 1} the run has not committed (a "
+                "learn-stage was interrupted between its two commits): run that learn-stage again with the same data"
+            )
+        differ = sorted(set(ours) ^ set(theirs)) or ["their order"]
+        raise IntegrityError(
+            f"the frozen track of run {run.path} answers for other classes ({', '.join(differ[:5])}): a forget or "
+            "restore was interrupted; run the same `drl forget` (or `drl forget --restore`) again"
+        )
+    return track, held
+
+
+def _active(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]]) -> list[str]:
+    forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
+    return [name for meta in metas for name in forgotten.active(meta)]
 
 
 def on_frozen_track(state: ForgetState, name: str, purge: bool | None, apply: Callable[[Path], Any]) -> None:
     """``drl forget`` in a switched run, once the run's own checks passed: ``apply`` (the same forget,
     ``purge`` True or False, or restore, ``purge`` None) to its frozen track first, unless an
     interrupted call already did it there (the class is already out, purged, or back)."""
-    config = read_record(state.run, state.manifest)[1]
-    if not method_of(config).switches(config) or not state.indices:
+    if not state.indices or not switched(state.run, state.manifest):
         return
-    track = frozen_track(state.run)
+    metas = [state.metas[i] for i in state.indices]
+    answering(state.run, metas)
+    track, _ = tied_track(state.run, state.manifest, metas, classes=False)
     held = ForgetState.read(track)
     if purge is None:
         needed = held.active_stage(name) is None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,12 @@ from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..tracking import TensorBoardLog, check_tensorboard_dir
-from .context import Sources
+from .context import Evaluated, Fitted, Record, Sources, StageContext, Trained
 from .fit import fit_features
 from .prepare import already_committed, check_classes, check_data, prepare, read_records
 from .record import StageResult, commit_stage, evaluate_stage, learned_result, record_stage
 from .resume import train_or_resume
-from .switch import answered, learn_frozen_track
+from .switch import answered, committed_frozen, frozen_track_of, learned_frozen, relay
 
 
 def learn_stage(
@@ -63,61 +63,103 @@ def learn_stage(
 
     The phases, in order: prepare (read the run and the data) -> the idempotence check -> check
     the data -> train or resume -> prototypes (and an analytic head's fit) -> evaluate -> record
-    -> commit.
+    -> commit. A switched run's frozen track (``switch.py``) learns the stage the same way once the
+    run's records are read, and commits just before the run does.
     """
     start = time.perf_counter()
     check_precision(precision, resolve_device(device))
     if tensorboard_dir is not None:
         check_tensorboard_dir(tensorboard_dir)
-    run = RunDir(run_dir)
-    # under torchrun only rank 0 locks and writes (the run, the event files); the others read the
-    # same committed state
     main = distributed.is_main()
+    options = _Options(train_overrides, device, ptm_weights, restart, precision, progress)
     with (
-        run.writer() if main else contextlib.nullcontext() as writer,
+        contextlib.ExitStack() as locks,
         TensorBoardLog(tensorboard_dir) if main and tensorboard_dir else contextlib.nullcontext() as tracker,
     ):
-        distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
-        sources = Sources(data_dir, eval_data_dir, data, eval_data, class_names)
-        records = read_records(run, sources, progress)
-        unchanged = already_committed(records)
-        if unchanged is not None:
-            return unchanged
-        check_classes(records.images, records.eval_images, records.learned)
-        frozen = None
-        if method_of(records.config).switches(records.config):  # the frozen track learns the stage first
-            frozen = learn_frozen_track(
-                records,
-                sources,
-                learn=learn_stage,
-                num_workers=(train_overrides or {}).get("num_workers"),
-                device=device,
-                ptm_weights=ptm_weights,
-                precision=precision,
-                progress=progress,
-            )
-        stage = prepare(
-            run,
-            writer,
-            records,
-            train_overrides=train_overrides,
-            device=device,
-            ptm_weights=ptm_weights,
-            precision=precision,
-            tracker=tracker,
-            progress=progress,
+        learned = _learn(
+            RunDir(run_dir), Sources(data_dir, eval_data_dir, data, eval_data, class_names), options, locks, tracker
         )
-        check_data(stage)
-        trained = train_or_resume(stage, restart=restart)
-        fitted = fit_features(stage)
-        evaluated = evaluate_stage(stage)
-        if frozen is not None:  # the run answers from the track the stage's forward transfer picks
-            evaluated = answered(fitted, evaluated, frozen)
-        record = record_stage(stage, trained, fitted, evaluated)
-        commit_stage(stage, record)
-        distributed.barrier()  # every rank returns only once the stage is committed
-        result = learned_result(stage, trained, fitted, evaluated, record, start=start)
+        if isinstance(learned, StageResult):
+            return learned
+        result = learned.commit(start)
         if tracker is not None:
             tracker.log_stage(result.stage, result.history)
             result = replace(result, tensorboard_dir=str(tracker.log_dir) if tracker.written else None)
     return result
+
+
+@dataclass(frozen=True)
+class _Options:
+    train_overrides: dict[str, Any] | None
+    device: str
+    ptm_weights: Path | None
+    restart: bool
+    precision: str
+    progress: ProgressFn | None
+
+
+@dataclass(frozen=True)
+class _Learned:
+    """A stage learned and recorded, not yet committed (with a switched run's frozen track's, which
+    commits just before it)."""
+
+    stage: StageContext
+    trained: Trained
+    fitted: Fitted
+    evaluated: Evaluated
+    record: Record
+    frozen: _Learned | None = None
+
+    def commit(self, start: float) -> StageResult:
+        if self.frozen is not None:
+            self.frozen.commit(start)
+        commit_stage(self.stage, self.record)
+        distributed.barrier()  # every rank returns only once the stage is committed
+        return learned_result(self.stage, self.trained, self.fitted, self.evaluated, self.record, start=start)
+
+
+def _learn(
+    run: RunDir, sources: Sources, options: _Options, locks: contextlib.ExitStack, tracker: TensorBoardLog | None
+) -> StageResult | _Learned:
+    """Every phase but the commit, under the run's lock (held by ``locks`` until the caller commits):
+    the committed stage's result if this data is already learned, else the stage to commit. A
+    switched run's frozen track learns the stage first (``switch.py``), holding its own lock too, and
+    commits only once this run's stage is recorded: a failure before leaves both tracks as they were."""
+    # under torchrun only rank 0 locks and writes (the run, the event files); the others read the
+    # same committed state
+    writer = locks.enter_context(run.writer()) if distributed.is_main() else None
+    distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
+    records = read_records(run, sources, options.progress)
+    unchanged = already_committed(records)
+    if unchanged is not None:
+        return unchanged
+    check_classes(records.images, records.eval_images, records.learned)
+    frozen = None
+    if method_of(records.config).switches(records.config):
+        overrides = options.train_overrides or {}
+        workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
+        own = replace(options, train_overrides=workers, restart=False, progress=relay(options.progress))
+        frozen = _learn(frozen_track_of(records), sources, own, locks, None)
+    stage = prepare(
+        run,
+        writer,
+        records,
+        train_overrides=options.train_overrides,
+        device=options.device,
+        ptm_weights=options.ptm_weights,
+        precision=options.precision,
+        tracker=tracker,
+        progress=options.progress,
+    )
+    check_data(stage)
+    trained = train_or_resume(stage, restart=options.restart)
+    fitted = fit_features(stage)
+    evaluated = evaluate_stage(stage)
+    if frozen is not None:  # the run answers from the track the stage's forward transfer picks
+        if isinstance(frozen, StageResult):  # committed by a call interrupted between the two commits
+            outcome = committed_frozen(frozen)
+        else:
+            outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
+        evaluated = answered(fitted, evaluated, outcome)
+    record = record_stage(stage, trained, fitted, evaluated)
+    return _Learned(stage, trained, fitted, evaluated, record, frozen if isinstance(frozen, _Learned) else None)

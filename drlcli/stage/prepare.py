@@ -18,7 +18,14 @@ from ..progress import Progress, ProgressFn
 from ..run import load as run_load
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
-from ..run.records import check_stage_meta, first_session_record, history_of, read_record, train_metrics
+from ..run.records import (
+    check_stage_meta,
+    first_session_record,
+    history_of,
+    read_record,
+    switch_record,
+    train_metrics,
+)
 from ..run.writer import RunWriter
 from ..tracking import TensorBoardLog
 from .context import Records, Sources, StageContext
@@ -169,5 +176,5 @@ def already_committed(records: Records) -> StageResult | None:
         precision=meta.get("precision", "fp32"),  # absent: committed before drl recorded it, in fp32
         training_skipped=train.get("skipped") is True,
         first_session=first_session_record(meta),
-        switch=meta.get("switch") if isinstance(meta.get("switch"), dict) else None,
+        switch=switch_record(meta),
     )

@@ -1,75 +1,92 @@
-"""learn-stage in a switched run (``Method.switches``, ``run/track.py``): the stage is
-learned first by the run's frozen track (the frozen default's own run, made at stage 1), then by
-the carried network; the stage's forward transfer picks the track the run answers from, and
-stage.json's ``switch`` says which, with both tracks' top-1 on the stage's evaluation."""
+"""learn-stage in a switched run (``Method.switches``, ``run/track.py``): the run's frozen track (the
+frozen default's own run, made at stage 1) learns the stage too, and commits it just before the
+run's own commit; the stage's forward transfer picks the track the run answers from, and
+stage.json's ``switch`` says which, with both tracks' top-1 on the stage's evaluation and the
+sha256 of the frozen track's stage record, which ties that track to the run."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import distributed
 from ..commands.init import run_record
-from ..config import RunConfig
 from ..errors import IntegrityError, RunStateError
-from ..progress import Progress, ProgressFn
+from ..metrics import AccuracyReport
+from ..progress import ProgressFn
+from ..run.directory import RunDir
 from ..run.files import init_files
+from ..run.layout import STAGE_META, sha256_bytes, stage_file
 from ..run.records import read_record
-from ..run.track import CARRIED, FROZEN, frozen_track
-from .context import Evaluated, Fitted, Records, Sources
+from ..run.track import CARRIED, FROZEN, answering, frozen_config, frozen_track, tied_track
+from .context import Evaluated, Fitted, Record, Records
 from .record import StageResult
 
 
-def frozen_config(config: RunConfig) -> RunConfig:
-    """The frozen track's config: the default ``drl`` with the run's seed, workers and "unknown" answer."""
-    own = config.to_dict()
-    train = {"seed": config.train.seed, "num_workers": config.train.num_workers}
-    return RunConfig.for_method("drl", {"train": train, "open_set": own["open_set"]})
+@dataclass(frozen=True)
+class FrozenStage:
+    """What the run's record takes of the frozen track's stage."""
+
+    report: AccuracyReport | None  # its evaluation
+    seconds: float  # its feature pass and fit
+    meta_sha256: str  # of its stage.json
 
 
-def learn_frozen_track(
-    records: Records,
-    sources: Sources,
-    *,
-    learn: Any,
-    num_workers: int | None,
-    device: str,
-    ptm_weights: Path | None,
-    precision: str,
-    progress: ProgressFn | None,
-) -> StageResult:
-    """The frozen track learns the stage (``learn``: ``learn_stage``), made first at the run's stage 1.
-    It holds the run's stages, or one more that an interrupted call committed: with the same data
-    that stage is reused, with other data refused (RunStateError) before anything is written."""
-    if distributed.is_main():  # the other ranks read what rank 0, holding the run's lock, checked or made
+def learned_frozen(record: Record, report: AccuracyReport | None, index: int) -> FrozenStage:
+    """The frozen track's stage as it is about to commit."""
+    meta = record.files[stage_file(index, STAGE_META)]
+    return FrozenStage(report, float(record.meta["metrics"]["learn_seconds"]), sha256_bytes(meta))
+
+
+def committed_frozen(result: StageResult) -> FrozenStage:
+    """The frozen track's stage an interrupted call committed (its next call reuses it)."""
+    track = RunDir(result.run_dir or "")
+    manifest = track.manifest()
+    seconds = track.stage_meta(result.stage, manifest)["metrics"].get("learn_seconds") or 0.0
+    return FrozenStage(result.eval, float(seconds), manifest["files"][stage_file(result.stage, STAGE_META)]["sha256"])
+
+
+def frozen_track_of(records: Records) -> RunDir:
+    """The run's frozen track, as this stage needs it (checked or made by rank 0, under the run's lock)."""
+    if distributed.is_main():
         _check_track(records)
     distributed.barrier()
+    return frozen_track(records.run)
 
-    def relay(event: Progress) -> None:
-        if progress is not None:
-            progress(replace(event, detail=f"frozen track: {event.detail}".strip()))
 
-    return learn(
-        frozen_track(records.run).path,
-        data_dir=sources.data_dir,
-        eval_data_dir=sources.eval_data_dir,
-        data=sources.data,
-        eval_data=sources.eval_data,
-        class_names=sources.class_names,
-        train_overrides=None if num_workers is None else {"num_workers": num_workers},
-        device=device,
-        ptm_weights=ptm_weights,
-        precision=precision,
-        progress=relay if progress is not None else None,
-    )
+def relay(progress: ProgressFn | None) -> ProgressFn | None:
+    """``progress``, each event marked as the frozen track's."""
+    if progress is None:
+        return None
+    return lambda event: progress(replace(event, detail=f"frozen track: {event.detail}".strip()))
+
+
+def answered(fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evaluated:
+    """The stage's evaluation as the run answers: the carried network's once the run's forward
+    transfer says adapting pays (stage.json ``carry.transfer``), else the frozen track's; with
+    stage.json's ``switch``: which, both tracks' top-1, the frozen track's seconds and record sha256."""
+    transfer = (fitted.carry or {}).get("transfer")
+    answer = CARRIED if transfer is not None and transfer["transfers"] else FROZEN
+    switch = {
+        "answers": answer,
+        "top1": {
+            CARRIED: evaluated.report.top1 if evaluated.report else None,
+            FROZEN: frozen.report.top1 if frozen.report else None,
+        },
+        "frozen_seconds": round(frozen.seconds, 3),
+        "frozen_stage_sha256": frozen.meta_sha256,
+    }
+    report = evaluated.report if answer == CARRIED else frozen.report
+    return replace(evaluated, report=report, switch=switch)
 
 
 def _check_track(records: Records) -> None:
     """The frozen track as this stage needs it: made at the run's stage 1, else holding the run's
-    stages or one more of this data (an interrupted call's), which its learn-stage then reuses."""
+    stages (its records tied to the run's) or one more of this data, committed by a call interrupted
+    between the two commits, which its learn-stage then reuses."""
     run, stages = records.run, len(records.metas)
+    answering(run, records.metas)  # the run's own switch records are what their counts say
     track = frozen_track(run, create=not stages)
     if not track.exists():
         if stages:
@@ -77,43 +94,26 @@ def _check_track(records: Records) -> None:
                 f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
             )
         _init_track(records, track)
-    manifest = track.manifest()
+    _, manifest = tied_track(run, records.manifest, records.metas, classes=False, ahead=True)
     held = [track.stage_meta(i, manifest) for i in track.stage_indices(manifest)]
     if len(held) == stages + 1:
         last = held[-1]
-        if (last.get("classes"), last.get("data_fingerprint")) != (
+        same = (last.get("classes"), last.get("data_fingerprint")) == (
             list(records.images.class_names),
             records.fingerprint,
-        ):
-            raise RunStateError(
-                f"the frozen track of run {run.path} holds a stage {stages + 1} of other data ({_names(last)}), from "
-                "an interrupted learn-stage: learn that data again first"
-            )
-    elif len(held) != stages:
-        raise IntegrityError(
-            f"the frozen track of run {run.path} holds {len(held)} stages, the run {stages}; restore the run from a backup"
         )
+        registered = (
+            (last.get("eval_data") or {}).get("fingerprint") if isinstance(last.get("eval_data"), dict) else None
+        )
+        given = records.eval_images.fingerprint() if records.eval_images is not None and records.eval_data_dir else None
+        if not same or registered != given:
+            raise RunStateError(
+                f"the frozen track of run {run.path} holds a stage {stages + 1} of other data ({_names(last)}), "
+                "committed by an interrupted learn-stage: learn that data again first, with the same --eval-data"
+            )
 
 
-def answered(fitted: Fitted, evaluated: Evaluated, frozen: StageResult) -> Evaluated:
-    """The stage's evaluation as the run answers: the carried network's once the run's forward
-    transfer says adapting pays (stage.json ``carry.transfer``), else the frozen track's; with
-    stage.json's ``switch``, which says which and both tracks' top-1."""
-    transfer = (fitted.carry or {}).get("transfer")
-    answer = CARRIED if transfer is not None and transfer["transfers"] else FROZEN
-    switch = {
-        "answers": answer,
-        "top1": {
-            CARRIED: evaluated.report.top1 if evaluated.report else None,
-            FROZEN: frozen.eval.top1 if frozen.eval else None,
-        },
-        "frozen_seconds": round(frozen.train_seconds, 3),  # the frozen track's feature pass and fit
-    }
-    report = evaluated.report if answer == CARRIED else frozen.eval
-    return replace(evaluated, report=report, switch=switch)
-
-
-def _init_track(records: Records, track: Any) -> None:
+def _init_track(records: Records, track: RunDir) -> None:
     """The frozen track's run directory: the run's PTM (its recorded place, seen from ``frozen/``, or
     its stored random weights) under the frozen default's config."""
     run = records.run
