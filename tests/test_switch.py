@@ -195,7 +195,7 @@ def test_a_frozen_track_that_is_a_link_or_missing_is_refused(switched, tmp_path,
 
 
 def test_an_interrupted_stage_in_the_frozen_track_is_reused_or_refused(switched, tmp_path, monkeypatch):
-    """The frozen track commits first: a call interrupted after it leaves the track one stage ahead,
+    """The frozen track commits just before the run: a call interrupted between the two leaves the track one stage ahead,
     which the next call with the same data reuses and one with other data refuses, changing nothing."""
     run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
     _transfers(monkeypatch, False)
@@ -210,6 +210,41 @@ def test_an_interrupted_stage_in_the_frozen_track_is_reused_or_refused(switched,
     result = learn_stage(run, data_dir=first, device="cpu")
     assert result.stage == 4 and result.switch["answers"] == "frozen"
     assert load_run(run, device="cpu").model.num_stages == 4 and verify(run).frozen_track["num_stages"] == 4
+
+
+def test_a_reader_waits_while_a_writer_may_be_between_the_two_commits(switched, tmp_path, monkeypatch):
+    """The tracks apart while another process holds the run's lock: the reader waits for the lock
+    (the writer's second commit) before it reports anything; with no writer it reports at once."""
+    import threading
+    import time
+
+    from drlcli.run.directory import RunDir
+
+    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
+    _transfers(monkeypatch, False)
+    learn_stage(
+        run / "frozen", data_dir=make_class_folders(tmp_path / "more", [20, 21], images_per_class=6), device="cpu"
+    )
+    held, release = threading.Event(), threading.Event()
+
+    def writer():
+        with RunDir(run).writer():
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    held.wait(10)
+    threading.Timer(1.0, release.set).start()
+    tick = time.monotonic()
+    with pytest.raises(RunStateError, match="interrupted between its two commits"):
+        load_run(run, device="cpu")
+    assert time.monotonic() - tick >= 0.9  # it waited for the writer
+    thread.join()
+    tick = time.monotonic()
+    with pytest.raises(RunStateError):
+        verify(run)
+    assert time.monotonic() - tick < 5
 
 
 def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):

@@ -20,11 +20,11 @@ from ..methods import Method, head_of, method_of
 from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, restore_model, stage_prefix, with_prefix
 from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
-from .directory import ListedFileGone, RunDir, StageRecord
+from .directory import RunDir, StageRecord
 from .forgotten import ForgetLog, active_classes, read_log
 from .layout import PTM_WEIGHTS
 from .records import check_stage_meta, non_finite, read_record
-from .track import FROZEN, answering, tied_track
+from .track import FROZEN, answering, settled, tied_track
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +145,17 @@ def _frozen_answers(
     metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
     for meta, index in zip(metas, run.stage_indices(manifest)):
         check_stage_meta(run, index, meta)
-    if not metas or answering(run, metas) != FROZEN:
+    if not metas:
         return None
-    track, _ = tied_track(run, manifest, metas)
+    answer = answering(run, metas)
+    track, _ = tied_track(run, manifest, metas)  # whichever track answers: the run's records hold both
+    if answer != FROZEN:
+        return None
     loaded = load_run(track.path, device=device, ptm_weights=ptm_weights)
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
     if loaded.model.class_names != [name for meta in metas for name in forgotten.active(meta)]:
-        raise ListedFileGone(f"the frozen track of run {run.path} changed while it was read; run the command again")
+        settled(run, manifest)  # a forget between its two commits, which moved the run meanwhile
+        raise IntegrityError(f"the frozen track of run {run.path} changed while it was read; run the command again")
     return replace(loaded, run=run, manifest=manifest, stage_metas=metas, forgotten=forgotten)
 
 

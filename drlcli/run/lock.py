@@ -67,6 +67,26 @@ def open_lock(path: Path) -> int:
     return fd
 
 
+def writer_active(run_path: Path) -> bool:
+    """Whether another process holds the run's writer lock now: probed with a shared lock taken and
+    dropped at once, never waited on (False where locks are not available)."""
+    if "fcntl" not in globals():
+        return False
+    try:
+        fd = storage.open_nofollow(run_path / LOCK, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops the probe's shared lock
+    return False
+
+
 def lock_info(lock_path: Path) -> dict[str, Any] | None:
     """What a drl lock file says (pid, host, start), {} when empty; None when it is not a drl lock."""
     try:

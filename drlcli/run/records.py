@@ -140,7 +140,10 @@ def switch_record(meta: dict[str, Any]) -> dict[str, Any] | None:
     scores = {k: top1.get(k) for k in ("carried", "frozen")}
     if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in scores.values()):
         return None
-    return {"answers": record["answers"], "top1": scores}
+    seconds, sha = record.get("frozen_seconds"), record.get("frozen_stage_sha256")
+    if not (isinstance(seconds, int | float) and not isinstance(seconds, bool) and isinstance(sha, str)):
+        return None
+    return {"answers": record["answers"], "top1": scores, "frozen_seconds": seconds, "frozen_stage_sha256": sha}
 
 
 def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:

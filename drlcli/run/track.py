@@ -6,7 +6,7 @@ new classes apart better than the frozen PTM, and from the frozen track until th
 transfer to measure). Both tracks learn every stage; the frozen one commits its stage just before
 the run commits its own, so it holds the run's stages or, for the moment between the two commits
 (or after a crash in it), one more. Each stage's ``switch`` record holds the sha256 of the frozen
-track's record of the stage: no other run can stand in for the frozen track."""
+track's record of the stage, so that no other run's stage records stand in for the track's."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .access import real_dir
 from .directory import ListedFileGone, RunDir
 from .forgotten import ForgetState, read_log
 from .layout import FROZEN_TRACK, STAGE_META, stage_file
+from .lock import writer_active
 from .records import check_stage_meta, read_record, transfer_record
 
 CARRIED, FROZEN = "carried", "frozen"
@@ -71,16 +72,36 @@ def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
     return method_of(config).switches(config)
 
 
+def _frozen_default(own: RunConfig, config: RunConfig) -> bool:
+    """Whether ``own`` is a frozen track's config for a run of ``config``: the method ``drl`` (which
+    never has a frozen track of its own), the run's seed and "unknown" answer options. The rest is
+    the default's as its release wrote it (a later release may change defaults)."""
+    return (
+        own.method == "drl"
+        and own.train.seed == config.train.seed
+        and own.to_dict()["open_set"] == config.to_dict()["open_set"]
+    )
+
+
 def tied_track(
-    run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]], *, classes: bool = True, ahead: bool = False
+    run: RunDir,
+    manifest: dict[str, Any],
+    metas: list[dict[str, Any]],
+    *,
+    classes: bool = True,
+    ahead: bool = False,
+    wait: bool = True,
 ) -> tuple[RunDir, dict[str, Any]]:
     """A switched run's frozen track and its manifest, checked against the run's records: the frozen
     default's config, each of the run's stages recorded there as the run's ``switch`` records say
     (sha256 of its stage.json), the same classes answered (unless not ``classes``). With ``ahead``
-    (learn-stage, under the run's lock) it may hold one more stage. Else the track one stage ahead (another process
-    is between the two commits, or a crash left it there): ``ListedFileGone`` once the run has moved
-    on meanwhile (``RunDir.read_generation`` reads the newer generation), else RunStateError; any
-    other mismatch: IntegrityError."""
+    (learn-stage, under the run's lock) it may hold one more stage. Else the track one stage ahead,
+    or answering for other classes, is what another process between its two commits leaves for a
+    moment: with ``wait`` (a reader, not holding the run's lock) this waits while a writer holds the
+    lock (at most a minute) and raises ``ListedFileGone`` once the run has moved on
+    (``RunDir.read_generation`` then reads the newer generation); else (a crash between the two
+    commits) RunStateError or IntegrityError naming the command that completes it; any other
+    mismatch: IntegrityError."""
     track = frozen_track(run)
     if not track.exists():
         raise IntegrityError(
@@ -88,7 +109,7 @@ def tied_track(
         )
     held = track.manifest()
     (record, config), (own_record, own) = read_record(run, manifest), read_record(track, held)
-    if own != frozen_config(config) or own_record["ptm"]["sha256"] != record["ptm"]["sha256"]:
+    if not _frozen_default(own, config) or own_record["ptm"]["sha256"] != record["ptm"]["sha256"]:
         raise IntegrityError(
             f"{track.path} is not the frozen track of run {run.path} (another config or PTM); restore the run "
             "from a backup"
@@ -114,9 +135,8 @@ def tied_track(
             f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"
         )
     if (len(indices) > len(metas) and not ahead) or theirs != ours:
-        time.sleep(0.2)  # another process may be between the two commits
-        if run.manifest()["generation"] != manifest["generation"]:
-            raise ListedFileGone(f"run {run.path} changed while it was read")
+        if wait:
+            settled(run, manifest)
         if len(indices) > len(metas):
             raise RunStateError(
                 f"the frozen track of run {run.path} holds a stage {len(metas) + 1} the run has not committed (a "
@@ -128,6 +148,19 @@ def tied_track(
             "restore was interrupted; run the same `drl forget` (or `drl forget --restore`) again"
         )
     return track, held
+
+
+def settled(run: RunDir, manifest: dict[str, Any], *, limit: float = 60.0) -> None:
+    """For a reader that found the tracks apart: wait while another process holds the run's writer
+    lock (it may be between its two commits), then ``ListedFileGone`` if the run's generation moved
+    past ``manifest`` (``RunDir.read_generation`` reads again), else return."""
+    deadline = time.monotonic() + limit
+    while True:
+        if run.manifest()["generation"] != manifest["generation"]:
+            raise ListedFileGone(f"run {run.path} changed while it was read; run the command again")
+        if not writer_active(run.path) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _active(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]]) -> list[str]:
@@ -143,7 +176,7 @@ def on_frozen_track(state: ForgetState, name: str, purge: bool | None, apply: Ca
         return
     metas = [state.metas[i] for i in state.indices]
     answering(state.run, metas)
-    track, _ = tied_track(state.run, state.manifest, metas, classes=False)
+    track, _ = tied_track(state.run, state.manifest, metas, classes=False, wait=False)
     held = ForgetState.read(track)
     if purge is None:
         needed = held.active_stage(name) is None

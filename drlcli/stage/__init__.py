@@ -104,16 +104,25 @@ class _Learned:
     commits just before it)."""
 
     stage: StageContext
-    trained: Trained
-    fitted: Fitted
-    evaluated: Evaluated
+    trained: Trained | None  # None, with fitted and evaluated: slim()
+    fitted: Fitted | None
+    evaluated: Evaluated | None
     record: Record
     frozen: _Learned | None = None
 
-    def commit(self, start: float) -> StageResult:
+    def slim(self) -> _Learned:
+        """What the commit needs alone: the model and the tensors read to learn dropped, so that a
+        switched run's frozen track does not hold them while the run itself learns."""
+        loaded = replace(self.stage.loaded, model=None, stage_tensors=[], stage_totals=[])
+        return replace(self, stage=replace(self.stage, loaded=loaded), trained=None, fitted=None, evaluated=None)
+
+    def commit(self, start: float) -> StageResult | None:
         if self.frozen is not None:
             self.frozen.commit(start)
         commit_stage(self.stage, self.record)
+        if self.fitted is None:  # slim(): the frozen track's, whose result nobody reads
+            distributed.barrier()
+            return None
         distributed.barrier()  # every rank returns only once the stage is committed
         return learned_result(self.stage, self.trained, self.fitted, self.evaluated, self.record, start=start)
 
@@ -134,12 +143,18 @@ def _learn(
     if unchanged is not None:
         return unchanged
     check_classes(records.images, records.eval_images, records.learned)
-    frozen = None
+    frozen = outcome = None
     if method_of(records.config).switches(records.config):
+        records.config.with_train(**(options.train_overrides or {}))  # a bad option, before either track learns
         overrides = options.train_overrides or {}
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
         own = replace(options, train_overrides=workers, restart=False, progress=relay(options.progress))
         frozen = _learn(frozen_track_of(records), sources, own, locks, None)
+        if isinstance(frozen, StageResult):  # committed by a call interrupted between the two commits
+            outcome, frozen = committed_frozen(frozen), None
+        else:
+            outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
+            frozen = frozen.slim()
     stage = prepare(
         run,
         writer,
@@ -155,11 +170,7 @@ def _learn(
     trained = train_or_resume(stage, restart=options.restart)
     fitted = fit_features(stage)
     evaluated = evaluate_stage(stage)
-    if frozen is not None:  # the run answers from the track the stage's forward transfer picks
-        if isinstance(frozen, StageResult):  # committed by a call interrupted between the two commits
-            outcome = committed_frozen(frozen)
-        else:
-            outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
+    if outcome is not None:  # the run answers from the track the stage's forward transfer picks
         evaluated = answered(fitted, evaluated, outcome)
     record = record_stage(stage, trained, fitted, evaluated)
-    return _Learned(stage, trained, fitted, evaluated, record, frozen if isinstance(frozen, _Learned) else None)
+    return _Learned(stage, trained, fitted, evaluated, record, frozen)

@@ -94,7 +94,7 @@ def _check_track(records: Records) -> None:
                 f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
             )
         _init_track(records, track)
-    _, manifest = tied_track(run, records.manifest, records.metas, classes=False, ahead=True)
+    _, manifest = tied_track(run, records.manifest, records.metas, classes=False, ahead=True, wait=False)
     held = [track.stage_meta(i, manifest) for i in track.stage_indices(manifest)]
     if len(held) == stages + 1:
         last = held[-1]
