@@ -106,7 +106,7 @@ def _stage_bytes(loaded: LoadedRun, config: RunConfig) -> list[int]:
     sizes = [run.stage_bytes(i, manifest) for i in run.stage_indices(manifest)]
     if not method_of(config).switches(config):
         return sizes
-    track, held = tied_track(run, manifest, loaded.stage_metas, classes=False)
+    track, held, _ = tied_track(run, manifest, loaded.stage_metas, classes=False)
     return [size + track.stage_bytes(i, held) for size, i in zip(sizes, run.stage_indices(manifest), strict=True)]
 
 

@@ -10,7 +10,7 @@ from ..run.directory import RunDir
 from ..run.forgotten import read_log
 from ..run.layout import TOTALS
 from ..run.records import (
-    check_stage_meta,
+    checked_metas,
     first_session_record,
     history_of,
     read_record,
@@ -18,7 +18,7 @@ from ..run.records import (
     train_metrics,
     transfer_record,
 )
-from ..run.track import answering, frozen_track, switched, tied_track
+from ..run.track import frozen_track, switched, tied_track
 
 
 def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
@@ -35,9 +35,7 @@ def info(run_dir: Path | str) -> dict[str, Any]:
 
 def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
     record, _ = read_record(run, manifest)
-    stages, metas = [], [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
-    for index, meta in zip(run.stage_indices(manifest), metas):
-        check_stage_meta(run, index, meta)
+    stages, metas = [], checked_metas(run, manifest)
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
     total_bytes = run.size_bytes(manifest)
     cum_bytes = cum_classes = trained_params = solved_params = 0
@@ -113,8 +111,7 @@ def _frozen_track(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, A
         return None
     if not metas:
         return {"run_dir": str(frozen_track(run).path), "num_stages": 0, "total_bytes": 0, "answers": None}
-    answers = answering(run, metas)
-    track, held = tied_track(run, manifest, metas)
+    track, held, answers = tied_track(run, manifest, metas)
     return {
         "run_dir": str(track.path),
         "num_stages": len(held["stages"]),

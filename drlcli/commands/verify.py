@@ -11,7 +11,8 @@ from ..errors import IntegrityError
 from ..progress import Progress, ProgressFn
 from ..run import forgotten
 from ..run.directory import RunDir
-from ..run.track import answering, switched, tied_track
+from ..run.records import checked_metas
+from ..run.track import switched, tied_track
 from ..stage.resume import checkpoint_meta_ok
 
 
@@ -65,9 +66,8 @@ def _frozen_track(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | 
     tied to the run's, and which track the run answers from as its records say."""
     if not switched(run, manifest):
         return None
-    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
-    answers = answering(run, metas)
+    metas = checked_metas(run, manifest)
     if not metas:
         return None
-    track, _ = tied_track(run, manifest, metas)
+    track, _, answers = tied_track(run, manifest, metas)
     return {**verify(track.path, progress=progress).to_dict(), "answers": answers}

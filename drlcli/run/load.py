@@ -23,8 +23,8 @@ from ..ptm.backbone import PTMSource
 from .directory import RunDir, StageRecord
 from .forgotten import ForgetLog, active_classes, read_log
 from .layout import PTM_WEIGHTS
-from .records import check_stage_meta, non_finite, read_record
-from .track import FROZEN, answering, settled, tied_track
+from .records import check_stage_meta, checked_metas, non_finite, read_record
+from .track import FROZEN, settled, tied_track
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +142,10 @@ def _frozen_answers(
 ) -> LoadedRun | None:
     """A switched run's frozen track, loaded, when the run answers from it after its newest stage (None:
     from the carried network), checked to be the run's (``track.tied_track``)."""
-    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
-    for meta, index in zip(metas, run.stage_indices(manifest)):
-        check_stage_meta(run, index, meta)
+    metas = checked_metas(run, manifest)
     if not metas:
         return None
-    answer = answering(run, metas)
-    track, _ = tied_track(run, manifest, metas)  # whichever track answers: the run's records hold both
+    track, _, answer = tied_track(run, manifest, metas)  # whichever track answers: the run's records hold both
     if answer != FROZEN:
         return None
     loaded = load_run(track.path, device=device, ptm_weights=ptm_weights)

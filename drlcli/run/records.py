@@ -43,6 +43,14 @@ _STAGE_META_TYPES = {
 }
 
 
+def checked_metas(run: RunDir, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every committed stage's stage.json, in stage order, each checked (``check_stage_meta``)."""
+    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
+    for index, meta in zip(run.stage_indices(manifest), metas):
+        check_stage_meta(run, index, meta)
+    return metas
+
+
 def check_stage_meta(run: RunDir, index: int, meta: dict[str, Any]) -> None:
     """The fields of a stage's metadata that drl reads have the types it writes; else IntegrityError."""
     problem = _stage_meta_problem(index, meta)

@@ -27,7 +27,6 @@ from .lock import writer_active
 from .records import check_stage_meta, read_record, transfer_record
 
 CARRIED, FROZEN = "carried", "frozen"
-TRACKS = (CARRIED, FROZEN)
 
 
 def frozen_track(run: RunDir, *, create: bool = False) -> RunDir:
@@ -91,8 +90,9 @@ def tied_track(
     classes: bool = True,
     ahead: bool = False,
     wait: bool = True,
-) -> tuple[RunDir, dict[str, Any]]:
-    """A switched run's frozen track and its manifest, checked against the run's records: the frozen
+) -> tuple[RunDir, dict[str, Any], str]:
+    """A switched run's frozen track, its manifest and the track the run answers from (``answering``,
+    which checks the run's switch records), the frozen track checked against the run's records: the frozen
     default's config, each of the run's stages recorded there as the run's ``switch`` records say
     (sha256 of its stage.json), the same classes answered (unless not ``classes``). With ``ahead``
     (learn-stage, under the run's lock) it may hold one more stage. Else the track one stage ahead,
@@ -102,6 +102,7 @@ def tied_track(
     (``RunDir.read_generation`` then reads the newer generation); else (a crash between the two
     commits) RunStateError or IntegrityError naming the command that completes it; any other
     mismatch: IntegrityError."""
+    answer = answering(run, metas)
     track = frozen_track(run)
     if not track.exists():
         raise IntegrityError(
@@ -147,7 +148,7 @@ def tied_track(
             f"the frozen track of run {run.path} answers for other classes ({', '.join(differ[:5])}): a forget or "
             "restore was interrupted; run the same `drl forget` (or `drl forget --restore`) again"
         )
-    return track, held
+    return track, held, answer
 
 
 def settled(run: RunDir, manifest: dict[str, Any], *, limit: float = 60.0) -> None:
@@ -175,8 +176,7 @@ def on_frozen_track(state: ForgetState, name: str, purge: bool | None, apply: Ca
     if not state.indices or not switched(state.run, state.manifest):
         return
     metas = [state.metas[i] for i in state.indices]
-    answering(state.run, metas)
-    track, _ = tied_track(state.run, state.manifest, metas, classes=False, wait=False)
+    track, _, _ = tied_track(state.run, state.manifest, metas, classes=False, wait=False)
     held = ForgetState.read(track)
     if purge is None:
         needed = held.active_stage(name) is None

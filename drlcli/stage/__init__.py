@@ -104,25 +104,19 @@ class _Learned:
     commits just before it)."""
 
     stage: StageContext
-    trained: Trained | None  # None, with fitted and evaluated: slim()
-    fitted: Fitted | None
-    evaluated: Evaluated | None
+    trained: Trained
+    fitted: Fitted
+    evaluated: Evaluated
     record: Record
-    frozen: _Learned | None = None
+    # a switched run's frozen track's stage and record, its model and the tensors it read to learn
+    # dropped, so that it does not hold them while the run itself learns
+    frozen: tuple[StageContext, Record] | None = None
 
-    def slim(self) -> _Learned:
-        """What the commit needs alone: the model and the tensors read to learn dropped, so that a
-        switched run's frozen track does not hold them while the run itself learns."""
-        loaded = replace(self.stage.loaded, model=None, stage_tensors=[], stage_totals=[])
-        return replace(self, stage=replace(self.stage, loaded=loaded), trained=None, fitted=None, evaluated=None)
-
-    def commit(self, start: float) -> StageResult | None:
+    def commit(self, start: float) -> StageResult:
         if self.frozen is not None:
-            self.frozen.commit(start)
-        commit_stage(self.stage, self.record)
-        if self.fitted is None:  # slim(): the frozen track's, whose result nobody reads
+            commit_stage(*self.frozen)
             distributed.barrier()
-            return None
+        commit_stage(self.stage, self.record)
         distributed.barrier()  # every rank returns only once the stage is committed
         return learned_result(self.stage, self.trained, self.fitted, self.evaluated, self.record, start=start)
 
@@ -145,8 +139,8 @@ def _learn(
     check_classes(records.images, records.eval_images, records.learned)
     frozen = outcome = None
     if method_of(records.config).switches(records.config):
-        records.config.with_train(**(options.train_overrides or {}))  # a bad option, before either track learns
         overrides = options.train_overrides or {}
+        records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
         own = replace(options, train_overrides=workers, restart=False, progress=relay(options.progress))
         frozen = _learn(frozen_track_of(records), sources, own, locks, None)
@@ -154,7 +148,8 @@ def _learn(
             outcome, frozen = committed_frozen(frozen), None
         else:
             outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
-            frozen = frozen.slim()
+            loaded = replace(frozen.stage.loaded, model=None, stage_tensors=[], stage_totals=[])
+            frozen = (replace(frozen.stage, loaded=loaded), frozen.record)
     stage = prepare(
         run,
         writer,

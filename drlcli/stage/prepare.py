@@ -19,7 +19,7 @@ from ..run import load as run_load
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
 from ..run.records import (
-    check_stage_meta,
+    checked_metas,
     first_session_record,
     history_of,
     read_record,
@@ -40,9 +40,7 @@ def read_records(run: RunDir, data: Sources, progress: ProgressFn | None) -> Rec
         progress(Progress("read", 0, 0, "the run's records and the data folders"))
     manifest = run.manifest()
     _, config = read_record(run, manifest)
-    metas = [run.stage_meta(i, manifest) for i in run.stage_indices(manifest)]
-    for index, meta in zip(run.stage_indices(manifest), metas):
-        check_stage_meta(run, index, meta)
+    metas = checked_metas(run, manifest)
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
     check_class_names_use(data.class_names, data.data, data.eval_data)
     images = labelled_images(data.data_dir, data.data, data.class_names, what="data")

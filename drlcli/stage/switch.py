@@ -12,14 +12,14 @@ from typing import Any
 
 from .. import distributed
 from ..commands.init import run_record
-from ..errors import IntegrityError, RunStateError
+from ..errors import RunStateError
 from ..metrics import AccuracyReport
 from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..run.files import init_files
 from ..run.layout import STAGE_META, sha256_bytes, stage_file
 from ..run.records import read_record
-from ..run.track import CARRIED, FROZEN, answering, frozen_config, frozen_track, tied_track
+from ..run.track import CARRIED, FROZEN, frozen_config, frozen_track, tied_track
 from .context import Evaluated, Fitted, Record, Records
 from .record import StageResult
 
@@ -86,15 +86,10 @@ def _check_track(records: Records) -> None:
     stages (its records tied to the run's) or one more of this data, committed by a call interrupted
     between the two commits, which its learn-stage then reuses."""
     run, stages = records.run, len(records.metas)
-    answering(run, records.metas)  # the run's own switch records are what their counts say
     track = frozen_track(run, create=not stages)
-    if not track.exists():
-        if stages:
-            raise IntegrityError(
-                f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
-            )
+    if not stages and not track.exists():
         _init_track(records, track)
-    _, manifest = tied_track(run, records.manifest, records.metas, classes=False, ahead=True, wait=False)
+    _, manifest, _ = tied_track(run, records.manifest, records.metas, classes=False, ahead=True, wait=False)
     held = [track.stage_meta(i, manifest) for i in track.stage_indices(manifest)]
     if len(held) == stages + 1:
         last = held[-1]
