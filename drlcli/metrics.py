@@ -132,7 +132,9 @@ def _mean(values: list[float]) -> float | None:
 # The run's counts so far say that adapting transfers when better - worse is above chance (McNemar's
 # one-sided test at 5 %) and at least ``GAIN`` % of the images compared. On the research replays the
 # sketches gain 3 to 5 % from stage 2 or 3 on, the photos of Caltech-101 0.2 % (where carrying cost
-# 0.7 to 1 A_T); docs/research/adaptation-bounds.md, fourteenth round.
+# 0.7 to 1 A_T); docs/research/adaptation-bounds.md, fourteenth round. They say that adapting stalls
+# when even the gain's one-sided upper bound is under ``GAIN`` (a paused switched run,
+# ``first_session.pause``, then trains no further stage while they say so).
 
 Z = 1.645  # one-sided 5 %
 GAIN = 1.0  # % of the images compared
@@ -157,12 +159,33 @@ class Transfer:
         lead = self.better - self.worse
         return self.images > 0 and lead > Z * (self.better + self.worse) ** 0.5 and self.gain >= GAIN
 
+    @property
+    def ceiling(self) -> float:
+        """The gain's one-sided upper bound at 5 %, in % of the images compared (one more image that
+        differs in the spread, so that a few images of which none differs do not bound it at 0)."""
+        if not self.images:
+            return 100.0
+        lead = self.better - self.worse
+        return 100.0 * (lead + Z * (self.better + self.worse + 1) ** 0.5) / self.images
+
+    @property
+    def stalls(self) -> bool:
+        """Adapting cannot reach the floor here: even the gain's upper bound is under ``GAIN``."""
+        return self.ceiling < GAIN
+
     def to_dict(self) -> dict[str, int]:
         return {"better": self.better, "worse": self.worse, "images": self.images}
 
     def record(self, run: Transfer) -> dict[str, Any]:
         """stage.json's ``carry.transfer``: this stage's counts, the run's so far and what those say."""
-        return {**self.to_dict(), "run": run.to_dict(), "gain": round(run.gain, 3), "transfers": run.transfers}
+        return {
+            **self.to_dict(),
+            "run": run.to_dict(),
+            "gain": round(run.gain, 3),
+            "ceiling": round(run.ceiling, 3),
+            "transfers": run.transfers,
+            "stalls": run.stalls,
+        }
 
     @classmethod
     def from_dict(cls, d: Any) -> Transfer:

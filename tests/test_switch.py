@@ -36,9 +36,10 @@ def _learn(run, folders):
     return [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in folders]
 
 
-def _transfers(monkeypatch, value: bool) -> None:
+def _transfers(monkeypatch, value: bool, stalls: bool = False) -> None:
     """What the run's forward transfer says, whatever the tiny random PTM's counts are."""
     monkeypatch.setattr(Transfer, "transfers", property(lambda self: value and self.images > 0))
+    monkeypatch.setattr(Transfer, "stalls", property(lambda self: stalls and self.images > 0))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def switched(tmp_path_factory, stage_folders):
     config = RunConfig.for_method("drl", {"train": {"seed": 3}})
     init_run(default, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     with pytest.MonkeyPatch.context() as patch:
-        _transfers(patch, False)
+        _transfers(patch, False)  # and never stalls: the carried network trains every stage
         results = _learn(run, stage_folders)
     return run, default, results, _learn(default, stage_folders)
 
@@ -59,9 +60,30 @@ def test_the_preset_is_the_carried_schedule_with_the_switch():
     switched = RunConfig.for_method("ranpac", preset="switched").to_dict()
     carried = RunConfig.for_method("ranpac", preset="carried").to_dict()
     assert switched["first_session"].pop("switch") == "transfer" and carried["first_session"].pop("switch") == "none"
+    assert switched["first_session"].pop("pause") == "transfer" and carried["first_session"].pop("pause") == "none"
     assert switched == carried
     with pytest.raises(UsageError, match="set first_session.stages all"):
         RunConfig.for_method("ranpac", {"first_session": {"peft": "adaptformer", "switch": "transfer"}})
+    with pytest.raises(UsageError, match="set first_session.switch transfer"):
+        RunConfig.for_method("ranpac", {"first_session": {"pause": "transfer"}}, preset="carried")
+
+
+@pytest.mark.parametrize(
+    ("counts", "stalls"),
+    [
+        ((0, 0, 0), False),  # nothing compared yet
+        ((0, 0, 60), False),  # two photo classes: too few images to bound the gain under 1 %
+        ((0, 0, 722), True),  # the photos' stage 2 in the fourteenth round's replay
+        ((3, 0, 325), False),
+        ((3, 0, 1590), True),  # the photos' stages 2-4
+        ((13, 3, 310), False),  # the sketches' stage 2 (order 1995)
+        ((1, 9, 400), True),  # adapting costs
+    ],
+)
+def test_adapting_stalls_when_even_the_gains_upper_bound_is_under_the_floor(counts, stalls):
+    transfer = Transfer(*counts)
+    assert transfer.stalls is stalls and not (stalls and transfer.transfers)
+    assert transfer.ceiling >= transfer.gain
 
 
 def test_until_adapting_transfers_the_run_answers_as_the_frozen_default(switched, stage_folders):
@@ -122,6 +144,44 @@ def test_once_adapting_transfers_the_carried_network_answers(tmp_path, stage_fol
     assert evaluate(run, all_seen=True, device="cpu").report.top1 == results[1].eval.top1
     export_run(run, tmp_path / "model.drl")
     assert type(load_model(tmp_path / "model.drl").network).__name__ == "FirstSessionNetwork"
+
+
+@pytest.mark.parametrize("pause", ["transfer", "none"])
+def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stood(
+    tmp_path, stage_folders, monkeypatch, pause
+):
+    run = tmp_path / "run"
+    config = RunConfig.for_method("ranpac", {**SMALL, "first_session": {"pause": pause}}, preset="switched")
+    assert config.first_session.switch == "transfer" and config.first_session.stages == "all"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    _transfers(monkeypatch, False, stalls=True)
+    results = _learn(run, stage_folders[:2])
+    sets = [{k: v.clone() for k, v in _carried_set(run).items()}]
+    results.append(_learn(run, stage_folders[2:])[0])
+    sets.append(_carried_set(run))
+    paused = pause == "transfer"
+    # stage 2 trains: stage 1 measured no transfer; stage 2's says adapting stalls, so stage 3 pauses
+    assert [bool(r.epoch_losses) for r in results] == [True, True, not paused]
+    assert results[2].carry["transfer"]["stalls"] and bool(results[2].carry.get("paused")) is paused
+    assert all(torch.equal(sets[0][k], sets[1][k]) for k in sets[0]) is paused
+    assert results[2].switch["answers"] == "frozen" and results[2].switch["top1"]["carried"] is not None
+    meta = load_run(run, device="cpu").stage_metas[2]
+    assert (meta["metrics"]["train"].get("paused") is True) is paused and meta["carry"]["move"] >= 0
+    shown = info(run)
+    assert [s["paused"] for s in shown["stages"]] == [False, False, paused]
+    assert verify(run).frozen_track["num_stages"] == 3
+    from drlcli.cli import render
+
+    text = render.learn_stage(results[2].to_dict())
+    assert ("the carried network was not trained" in text) is paused
+    assert "even its upper bound" in text
+
+
+def _carried_set(run: Path) -> dict[str, torch.Tensor]:
+    """The carried network's adapter set, as the run's newest stage holds it."""
+    network = load_run(run, device="cpu", scoring=False).model.network
+    assert type(network).__name__ == "FirstSessionNetwork"
+    return network.stages[0].state_dict()
 
 
 def _rewrite_meta(run: Path, index: int, change) -> None:

@@ -12,6 +12,7 @@ import shlex
 from typing import Any
 
 from .. import jsonio
+from ..metrics import GAIN
 from .output import printable_data
 
 
@@ -67,6 +68,11 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     ]
     lines += [f"stage {s['stage']}: " + transfer_line(s["transfer"]) for s in stages if s.get("transfer")]
     lines += [f"stage {s['stage']}: " + switch_line(s["switch"]) for s in stages if s.get("switch")]
+    lines += [
+        f"stage {s['stage']}: the carried network was not trained (the run's forward transfer said adapting stalls)"
+        for s in stages
+        if s.get("paused")
+    ]
     if any(s.get("holds_totals") for s in stages):
         lines.append(
             "+ with the run's totals (what the next stage reads: W and the sums so far, or a carried run's "
@@ -90,11 +96,16 @@ def first_session_line(d: dict[str, Any]) -> str:
 
 def transfer_line(d: dict[str, Any]) -> str:
     """A carried stage's forward transfer (``metrics.Transfer``), for people."""
-    verdict = (
-        "adapting transfers to new classes here"
-        if d["transfers"]
-        else "adapting does not transfer to new classes here yet (the default `drl`, on the frozen PTM, may answer as well)"
-    )
+    if d["transfers"]:
+        verdict = "adapting transfers to new classes here"
+    elif d.get("stalls"):
+        verdict = (
+            f"adapting does not transfer to new classes here: even its upper bound, {d['ceiling']:+.1f} %, is under "
+            f"the {GAIN:g} % a switch needs (a switched run with first_session.pause transfer trains its carried network "
+            "no further while that holds)"
+        )
+    else:
+        verdict = "adapting does not transfer to new classes here yet (the default `drl`, on the frozen PTM, may answer as well)"
     return (
         f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
         f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; "
@@ -150,6 +161,11 @@ def learn_stage(r: dict[str, Any]) -> str:
             f"{r['num_params']:,} head parameters solved); no stage adapters: "
             + (r.get("skipped_because") or "nothing trained")
         )
+    elif (r.get("carry") or {}).get("paused"):  # a switched run's carried network, kept as it stood
+        lines.append(
+            f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s); the carried "
+            "network was not trained: the run's forward transfer so far says adapting stalls here"
+        )
     else:
         lines.append(
             f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s, {r['num_params']:,} "
@@ -160,12 +176,18 @@ def learn_stage(r: dict[str, Any]) -> str:
         lines.append(first_session_line(r["first_session"]))
     if r.get("carry"):  # a carried run's stage after the first
         c = r["carry"]
-        lines.append(
-            f"carried {c['classes']} earlier classes: the adapters moved this stage's images by {c['move']:.2g} "
-            f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image "
-            f"({c['seconds']:.1f}s)"
-            + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
-        )
+        if c.get("paused"):
+            lines.append(
+                f"carried {c['classes']} earlier classes as they stood: the adapters did not move, nor did their "
+                f"class Gaussians (drawn {c['draws']} times per image, {c['seconds']:.1f}s)"
+            )
+        else:
+            lines.append(
+                f"carried {c['classes']} earlier classes: the adapters moved this stage's images by {c['move']:.2g} "
+                f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image "
+                f"({c['seconds']:.1f}s)"
+                + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
+            )
         if c.get("transfer"):
             lines.append(transfer_line(c["transfer"]))
     if r.get("switch"):

@@ -62,6 +62,8 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "num_params": meta["num_params"],  # learned in this stage (the PTM is frozen)
                 # no stage network: nothing the run answers would read it (train.skip_unread)
                 "untrained": train_metrics(meta).get("skipped") is True,
+                # a switched run's carried network, kept as it stood: its forward transfer stalled (first_session.pause)
+                "paused": train_metrics(meta).get("paused") is True,
                 # stage 1 of a run with first_session.decide: both held-out scores and what was kept
                 "first_session": first_session_record(meta),
                 # a carried run's stage after the first: does adapting transfer to classes it never trained on

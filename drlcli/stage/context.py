@@ -12,11 +12,12 @@ import torch
 
 from ..config import RunConfig
 from ..data import LabelledImages
+from ..errors import IntegrityError
 from ..heads import HeadFit
 from ..heads.openset.calibrate import Calibration
 from ..heads.openset.rmd import Moments
 from ..methods import Method, stage_is_read
-from ..metrics import AccuracyReport
+from ..metrics import AccuracyReport, Transfer
 from ..model import IncrementalModel
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
@@ -69,6 +70,24 @@ class StageContext:
         return self.config.train.skip_unread and not stage_is_read(self.config, self.index)
 
     @property
+    def paused(self) -> bool:
+        """A switched run's carried network does not train this stage (``Method.pauses``): the run's
+        forward transfer so far says adapting stalls here; the head is fitted on the network as it stands."""
+        return self.index > 1 and self.method.pauses(self.config) and self.earlier_transfer().stalls
+
+    def earlier_transfer(self) -> Transfer:
+        """A carried run's forward-transfer counts so far, from its newest stage's record (zero for a
+        stage 1, or a record from before them); counts that cannot be are an IntegrityError."""
+        carry = self.loaded.stage_metas[-1].get("carry") if self.loaded.stage_metas else None
+        try:
+            before = carry.get("transfer") if isinstance(carry, dict) else None
+            if before is not None and not isinstance(before, dict):
+                raise ValueError("carry.transfer must be a mapping")
+            return Transfer.from_dict(before["run"]) if before else Transfer(0, 0, 0)
+        except (KeyError, ValueError) as exc:
+            raise IntegrityError(f"the run's last stage record does not fit ({exc}); restore it from a backup") from exc
+
+    @property
     def skip_reason(self) -> str:
         """Why an untrained stage has no network, for people (``untrained``)."""
         limit = self.method.trained_stages(self.config)
@@ -92,6 +111,7 @@ class Trained:
     result: TrainResult | None  # None: the method trains nothing, or the stage was not trained
     resumed_from: int | None  # the epoch an interrupted call's checkpoint had reached
     skipped: bool = False  # no stage network was made: nothing reads its subspace (train.skip_unread)
+    paused: bool = False  # a switched run's carried network, not trained this stage (``StageContext.paused``)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from ..metrics import measure
 from ..model import class_means, embed_images
 from .context import Fitted, StageContext
 from .first_session import Decision, decide, deciding
-from .prepare import earlier_transfer
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +76,11 @@ def _carry(
     """A carried run's stage (``Method.carries_network``): the head carries the earlier classes
     (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began, and the
     same images' rmd inputs before and after move ``earlier_rmd``, the earlier classes' moments of
-    the "unknown" answer (``openset.rmd.carried_moments``). Under torchrun each process passes its shard, and
-    the first carries from every image (the maps and the class Gaussians need them all) and hands
-    the others what it carried."""
-    network, layout, loaded = stage.model.network, _layout(stage, head), stage.loaded
+    the "unknown" answer (``openset.rmd.carried_moments``). A paused stage (``StageContext.paused``) did not
+    train the network: nothing moved, and there is no "before" pass. Under torchrun each process passes
+    its shard, and the first carries from every image (the maps and the class Gaussians need them all)
+    and hands the others what it carried."""
+    network, layout, loaded, paused = stage.model.network, _layout(stage, head), stage.loaded, stage.paused
     earlier = (loaded.stage_tensors, loaded.stage_totals[-1]) if loaded.stage_metas else None
     began: list[tuple[torch.Tensor, torch.Tensor]] = []  # (f_0, rmd inputs) as the stage began, once run
 
@@ -104,7 +104,7 @@ def _carry(
         frozen = frozen_f0() if earlier is not None else None
         if distributed.world_size() > 1:
             feats, rmd_feats, labels = _in_image_order(shard, feats, rmd_feats, labels)
-            if earlier is not None:
+            if earlier is not None and not paused:
                 start, rmd_rows = _in_image_order(shard, *before())
                 began.append((start[:, 0], rmd_rows))
         result = None
@@ -117,14 +117,16 @@ def _carry(
                 stage_index=stage.index,
                 earlier=earlier,
                 earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
-                before=head_rows if start is None else (lambda: start),
+                before=None if paused else head_rows if start is None else (lambda: start),
             )
             moved = None
             if earlier_rmd is not None and began and step.meta is not None:
                 moved, move = carried_moments(earlier_rmd, *began[0], rmd_feats, step.meta["map_lambda"])
                 step = replace(step, meta={**step.meta, "unknown_move": round(move, 6)})
-            if frozen is not None and began and step.meta is not None:
-                step = replace(step, meta={**step.meta, "transfer": _transfer(stage, began[0][0], frozen, labels)})
+            adapted = feats[:, 0] if paused else began[0][0] if began else None  # f_0 as the stage began
+            if frozen is not None and adapted is not None and step.meta is not None:
+                transfer = _transfer(stage, adapted, frozen, labels)
+                step = replace(step, meta={**step.meta, "transfer": transfer, **({"paused": True} if paused else {})})
             result = (step, moved)
         return distributed.broadcast_object(result)
     finally:
@@ -136,7 +138,7 @@ def _transfer(stage: StageContext, adapted: torch.Tensor, frozen: torch.Tensor, 
     """stage.json's ``carry.transfer``: the stage's forward-transfer counts (``metrics.Transfer``), the
     run's so far (this stage's and those in the newest earlier stage's record), and what they say."""
     own = measure(adapted, frozen, labels)
-    return own.record(own + earlier_transfer(stage))
+    return own.record(own + stage.earlier_transfer())
 
 
 def _in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from ..data import LabelledImages, refuse_near_duplicates, validate_images
-from ..errors import DataError, IntegrityError, UsageError
+from ..errors import DataError, UsageError
 from ..evaluation import check_class_names_use, labelled_images
 from ..methods import method_of
-from ..metrics import AccuracyReport, Transfer
+from ..metrics import AccuracyReport
 from ..progress import Progress, ProgressFn
 from ..run import load as run_load
 from ..run.directory import RunDir
@@ -96,21 +96,8 @@ def prepare(
         progress=progress,
     )
     if stage.method.carries_network(stage.config) and loaded.stage_metas:
-        earlier_transfer(stage)  # a crafted record stops the call before any training
+        stage.earlier_transfer()  # a crafted record stops the call before any training
     return stage
-
-
-def earlier_transfer(stage: StageContext) -> Transfer:
-    """A carried run's forward-transfer counts so far, from its newest stage's record (zero for a
-    stage 1, or a record from before them); counts that cannot be are an IntegrityError."""
-    carry = stage.loaded.stage_metas[-1].get("carry") if stage.loaded.stage_metas else None
-    try:
-        before = carry.get("transfer") if isinstance(carry, dict) else None
-        if before is not None and not isinstance(before, dict):
-            raise ValueError("carry.transfer must be a mapping")
-        return Transfer.from_dict(before["run"]) if before else Transfer(0, 0, 0)
-    except (KeyError, ValueError) as exc:
-        raise IntegrityError(f"the run's last stage record does not fit ({exc}); restore it from a backup") from exc
 
 
 def check_data(stage: StageContext) -> None:

@@ -34,6 +34,9 @@ def train_or_resume(stage: StageContext, *, restart: bool) -> Trained:
     if stage.untrained:  # no stage network at all: neither trained, nor computed, nor stored
         log.debug("stage %d has no network: nothing the run answers reads its subspace", stage.index)
         return Trained(None, None, skipped=True)
+    if stage.paused:  # a switched run's carried network, while adapting stalls here: not trained
+        log.debug("stage %d: the carried network stays as it is (its forward transfer stalls)", stage.index)
+        return Trained(None, None, paused=True)
     network, train = stage.model.network, stage.config.train
     network.new_stage(seed=train.seed + stage.index)
     key = _checkpoint_key(

@@ -49,7 +49,7 @@ def carry_stage(
     stage_index: int,
     earlier: tuple[list[dict[str, Tensor]], dict[str, Tensor]] | None,
     earlier_classes: int,
-    before: Callable[[], Tensor],
+    before: Callable[[], Tensor] | None,
 ) -> CarryStep:
     """A carried run's stage (``Method.carries_network``): ``feats`` (N, S', d) are the head's rows of
     the stage's images through the trained network, in image order, ``labels`` local. Its own
@@ -57,7 +57,8 @@ def carry_stage(
     its newest totals, holding ``earlier_classes`` classes), ``before()`` gives the same images'
     rows through the network as the stage began: one ridge map per head token from those to these,
     the earlier Gaussians moved by the maps, and the head's sums over them drawn (the earlier
-    classes for ``fit_stage``). A crafted or damaged carry is an IntegrityError."""
+    classes for ``fit_stage``). ``before`` None: the stage did not train the network (a paused
+    switched run), so the Gaussians stay where they are. A crafted or damaged carry is an IntegrityError."""
     tick = time.perf_counter()
     cfg = config.ranpac
     width = feats.shape[-1] * (cfg.subspaces + layout**2)
@@ -82,8 +83,11 @@ def carry_stage(
     except (KeyError, ValueError) as exc:
         raise IntegrityError(f"the run's carried classes do not fit ({exc}); restore it from a backup") from exc
     lam = float(totals[LAMBDA]) if LAMBDA in totals else None
-    maps = TokenMaps.fit(_tokens(before(), width, layout), tokens, cfg.carry_lambda)
-    moved = old.moved(maps)
+    if before is None:
+        moved, move = old, 0.0
+    else:
+        maps = TokenMaps.fit(_tokens(before(), width, layout), tokens, cfg.carry_lambda)
+        moved, move = old.moved(maps), maps.move
     sums = expected_sums(
         moved,
         parts,
@@ -93,7 +97,7 @@ def carry_stage(
         generator=torch.Generator().manual_seed(config.train.seed + stage_index),
     )
     meta = {
-        "move": round(maps.move, 6),  # the stage's images' relative squared move: what the maps follow
+        "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow
         "map_lambda": cfg.carry_lambda,
         "draws": cfg.carry_draws,
         "classes": len(old),

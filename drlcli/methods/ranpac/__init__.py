@@ -37,6 +37,12 @@ def switches(config: RunConfig) -> bool:
     return carries(config) and config.first_session.switch == "transfer"
 
 
+def pauses(config: RunConfig) -> bool:
+    """Whether a switched run trains its carried network only while the forward transfer could still
+    pay (``first_session.pause transfer``)."""
+    return switches(config) and config.first_session.pause == "transfer"
+
+
 def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
     if not adapts(config):
         return build_ipa(ptm, config)  # the bare PTM pass: an IPA network that never gets a stage
@@ -56,6 +62,10 @@ def rules(config: RunConfig) -> None:
     elif config.first_session.switch != "none":
         raise UsageError(
             "first_session.switch picks between a carried run and the frozen PTM: set first_session.stages all"
+        )
+    if config.first_session.pause != "none" and config.first_session.switch != "transfer":
+        raise UsageError(
+            "first_session.pause stops training a network the frozen track answers for: set first_session.switch transfer"
         )
     if adapts(config) and config.train.kd_weight:
         raise UsageError(
@@ -95,11 +105,16 @@ METHOD = Method(
         "published": {"first_session": {"peft": "adaptformer"}},
         "carried": CARRIED,
         # the carried schedule, answering from the frozen default (the run's frozen track) until the
-        # run's forward transfer says adapting pays (adaptation-bounds.md, fourteenth round)
-        "switched": {**CARRIED, "first_session": {**CARRIED["first_session"], "switch": "transfer"}},
+        # run's forward transfer says adapting pays (adaptation-bounds.md, fourteenth round), the carried
+        # network trained only while it could (sixteenth round)
+        "switched": {
+            **CARRIED,
+            "first_session": {**CARRIED["first_session"], "switch": "transfer", "pause": "transfer"},
+        },
     },
     trained_stages=lambda config: None if carries(config) else 1 if adapts(config) else 0,
     decides_first_stage=lambda config: adapts(config) and config.first_session.decide,
     carries_network=carries,
     switches=switches,
+    pauses=pauses,
 )

@@ -36,3 +36,7 @@ class FirstSessionConfig:
     # which the run's forward transfer (``metrics.Transfer``) says adapting tells new classes apart
     # better than the frozen PTM; "none" always answers from the carried network
     switch: str = option("none", choices=("none", "transfer"))
+    # drl's extension (issue 32), with switch "transfer" only: "transfer" trains the carried network
+    # at a stage only while the run's forward transfer so far could still reach the switch's floor
+    # (``metrics.Transfer.stalls``); a paused stage fits the head on the network as it stands
+    pause: str = option("none", choices=("none", "transfer"))
