@@ -277,10 +277,9 @@ def test_a_reopened_set_learns_again_held_near_where_it_began(images):
     _, feature, term = network.forward_train(images)
     assert term.item() == 0.0  # nothing moved yet
     with torch.no_grad():
+        before = network(images, layout=2)  # the set as the stage began
         stage.up.add_(0.1)
         began = network(images, layout=2)
-        with network.starting():
-            before = network(images, layout=2)
         assert not torch.allclose(began, before)
     _, _, term = network.forward_train(images)
     after_tokens, start_tokens = began[:, [0, 2, 3, 4, 5]], before[:, [0, 2, 3, 4, 5]]

@@ -155,20 +155,20 @@ def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stoo
     assert config.first_session.switch == "transfer" and config.first_session.stages == "all"
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     _transfers(monkeypatch, False, stalls=True)
-    results = _learn(run, stage_folders[:2])
+    results = _learn(run, stage_folders[:1])
     sets = [{k: v.clone() for k, v in _carried_set(run).items()}]
-    results.append(_learn(run, stage_folders[2:])[0])
+    results += _learn(run, stage_folders[1:])
     sets.append(_carried_set(run))
     paused = pause == "transfer"
-    # stage 2 trains: stage 1 measured no transfer; stage 2's says adapting stalls, so stage 3 pauses
-    assert [bool(r.epoch_losses) for r in results] == [True, True, not paused]
-    assert results[2].carry["transfer"]["stalls"] and bool(results[2].carry.get("paused")) is paused
+    # stage 2's own forward transfer already says adapting stalls: from it on, no stage trains
+    assert [bool(r.epoch_losses) for r in results] == [True, not paused, not paused]
+    assert all(r.carry["transfer"]["stalls"] and bool(r.carry.get("paused")) is paused for r in results[1:])
     assert all(torch.equal(sets[0][k], sets[1][k]) for k in sets[0]) is paused
     assert results[2].switch["answers"] == "frozen" and results[2].switch["top1"]["carried"] is not None
     meta = load_run(run, device="cpu").stage_metas[2]
-    assert (meta["metrics"]["train"].get("paused") is True) is paused and meta["carry"]["move"] >= 0
+    assert (meta["metrics"]["train"].get("paused") is True) is paused and (meta["carry"]["move"] == 0) is paused
     shown = info(run)
-    assert [s["paused"] for s in shown["stages"]] == [False, False, paused]
+    assert [s["paused"] for s in shown["stages"]] == [False, paused, paused]
     assert verify(run).frozen_track["num_stages"] == 3
     from drlcli.cli import render
 

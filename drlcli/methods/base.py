@@ -101,6 +101,6 @@ class Method:
     # a carried run that also keeps the frozen default's run beside it (its frozen track,
     # ``run/track.py``) and answers from the track the stage's forward transfer picks
     switches: Callable[[RunConfig], bool] = lambda config: False
-    # a switched run whose carried network trains a stage only while the run's forward transfer so far
-    # could still reach the floor (``StageContext.paused``)
+    # a switched run whose carried network trains a stage only while the run's forward transfer so far,
+    # the stage's own included, could still reach the floor (``stage.context.Began``)
     pauses: Callable[[RunConfig], bool] = lambda config: False

@@ -21,7 +21,7 @@ from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..tracking import TensorBoardLog, check_tensorboard_dir
 from .context import Evaluated, Fitted, Record, Sources, StageContext, Trained
-from .fit import fit_features
+from .fit import carried_start, fit_features
 from .prepare import already_committed, check_classes, check_data, prepare, read_records
 from .record import StageResult, commit_stage, evaluate_stage, learned_result, record_stage
 from .resume import train_or_resume
@@ -162,8 +162,9 @@ def _learn(
         progress=options.progress,
     )
     check_data(stage)
-    trained = train_or_resume(stage, restart=options.restart)
-    fitted = fit_features(stage)
+    began = carried_start(stage)  # a carried run's stage after the first: its forward transfer, before training
+    trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
+    fitted = fit_features(stage, began)
     evaluated = evaluate_stage(stage)
     if outcome is not None:  # the run answers from the track the stage's forward transfer picks
         evaluated = answered(fitted, evaluated, outcome)

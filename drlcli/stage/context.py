@@ -69,12 +69,6 @@ class StageContext:
             return self.index > limit
         return self.config.train.skip_unread and not stage_is_read(self.config, self.index)
 
-    @property
-    def paused(self) -> bool:
-        """A switched run's carried network does not train this stage (``Method.pauses``): the run's
-        forward transfer so far says adapting stalls here; the head is fitted on the network as it stands."""
-        return self.index > 1 and self.method.pauses(self.config) and self.earlier_transfer().stalls
-
     def earlier_transfer(self) -> Transfer:
         """A carried run's forward-transfer counts so far, from its newest stage's record (zero for a
         stage 1, or a record from before them); counts that cannot be are an IntegrityError."""
@@ -111,7 +105,21 @@ class Trained:
     result: TrainResult | None  # None: the method trains nothing, or the stage was not trained
     resumed_from: int | None  # the epoch an interrupted call's checkpoint had reached
     skipped: bool = False  # no stage network was made: nothing reads its subspace (train.skip_unread)
-    paused: bool = False  # a switched run's carried network, not trained this stage (``StageContext.paused``)
+    paused: bool = False  # a switched run's carried network, not trained this stage (``Began.paused``)
+
+
+@dataclass(frozen=True)
+class Began:
+    """A carried run's stage after the first, as it begins (``fit.carried_start``): every image's head
+    rows and rmd inputs through the network as the stage begins, in the stage's image order, and the
+    stage's forward transfer, stage.json's ``carry.transfer``. ``paused``: a switched run that pauses
+    (``Method.pauses``) and whose transfer so far, this stage's included, says adapting stalls does
+    not train the network this stage."""
+
+    rows: torch.Tensor  # (N, S', d)
+    rmd_rows: torch.Tensor  # (N, ...) the "unknown" answer's inputs
+    transfer: dict[str, Any]
+    paused: bool
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,18 @@ from ..heads.openset.rmd import Moments, carried_moments, split_probe
 from ..methods import head_of, stages_read
 from ..metrics import measure
 from ..model import class_means, embed_images
-from .context import Fitted, StageContext
+from .context import Began, Fitted, StageContext
 from .first_session import Decision, decide, deciding
 
 log = logging.getLogger(__name__)
 
 
-def fit_features(stage: StageContext) -> Fitted:
+def fit_features(stage: StageContext, began: Began | None = None) -> Fitted:
     """One pass over the stage's images: the new classes' prototypes in every subspace (their mean
     feature), the "unknown" answer's calibration, and the run's analytic head (if it has one) fitted
     on the same features. A run that trains no stage nothing reads (``train.skip_unread``) computes
-    no such subspace either: its prototype rows there are zero, and nothing scores with them."""
+    no such subspace either: its prototype rows there are zero, and nothing scores with them. A carried
+    run's stage after the first carries the earlier classes from ``began`` (``carried_start``)."""
     tick = time.perf_counter()
     model, head = stage.model, head_of(stage.config)
     shard = distributed.shard(len(stage.images))
@@ -36,8 +37,7 @@ def fit_features(stage: StageContext) -> Fitted:
     old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
     if old_rmd is None and stage.index == 1:
         old_rmd = (Moments.empty(model.rmd_width), torch.zeros(0))
-    # the probe block's class token, while the run's rmd statistics are calibrated with it
-    probes = (model.open_set_probe,) if old_rmd is not None and model.open_set_probe is not None else ()
+    probes = _probes(stage)
     feats, labels = _embed(stage, shard, computed, _layout(stage, head), probes)
     feats, rmd_feats = split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
     decision = None
@@ -46,7 +46,7 @@ def fit_features(stage: StageContext) -> Fitted:
     carry = None
     if stage.method.carries_network(stage.config) and head is not None:
         earlier_rmd = old_rmd[0] if old_rmd is not None and len(old_rmd[0].counts) else None
-        carry, moved = _carry(stage, head, feats, rmd_feats, labels, shard, computed, probes, earlier_rmd)
+        carry, moved = _carry(stage, head, feats, rmd_feats, labels, shard, began, earlier_rmd)
         if moved is not None:  # the earlier classes' rmd moments, moved with the network
             old_rmd = (moved, old_rmd[1])
     _add_prototypes(stage, feats, labels, computed)
@@ -62,6 +62,27 @@ def fit_features(stage: StageContext) -> Fitted:
     return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick, decision, carry.meta if carry else None)
 
 
+def carried_start(stage: StageContext) -> Began | None:
+    """A carried run's stage after the first, before it trains (None for any other stage): the head's
+    rows and the rmd inputs of the stage's images through the network as the stage begins, and their
+    f_0 through the frozen PTM, which give the stage's forward transfer (``metrics.Transfer``) and,
+    in a run that pauses (``Method.pauses``), whether the stage trains the network at all. Every
+    process ends with every image's rows, in the stage's image order."""
+    head = head_of(stage.config)
+    if head is None or not stage.method.carries_network(stage.config) or not stage.loaded.stage_metas:
+        return None
+    shard, network, probes = distributed.shard(len(stage.images)), stage.model.network, _probes(stage)
+    rows, labels = _embed(stage, shard, None, _layout(stage, head), probes, phase="carry")
+    with network.bare():  # progress: "transfer", the stage's images through the frozen PTM
+        bare, _ = _embed(stage, shard, None, 0, (), phase="transfer")
+    rows, rmd_rows = split_probe(rows, len(probes), stage.model.probe_weight)
+    if distributed.world_size() > 1:
+        rows, rmd_rows, bare, labels = _in_image_order(shard, rows, rmd_rows, bare, labels)
+    own = measure(rows[:, 0], bare[:, 0], labels)
+    run = own + stage.earlier_transfer()
+    return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), stage.method.pauses(stage.config) and run.stalls)
+
+
 def _carry(
     stage: StageContext,
     head: Head,
@@ -69,76 +90,46 @@ def _carry(
     rmd_feats: torch.Tensor,
     labels: torch.Tensor,
     shard: list[int] | None,
-    computed: int | None,
-    probes: tuple[int, ...],
+    began: Began | None,
     earlier_rmd: Moments | None,
 ) -> tuple[Any, Moments | None]:
     """A carried run's stage (``Method.carries_network``): the head carries the earlier classes
-    (``AnalyticHead.carry_stage``); the "before" pass runs the network as the stage began, and the
-    same images' rmd inputs before and after move ``earlier_rmd``, the earlier classes' moments of
-    the "unknown" answer (``openset.rmd.carried_moments``). A paused stage (``StageContext.paused``) did not
-    train the network: nothing moved, and there is no "before" pass. Under torchrun each process passes
-    its shard, and the first carries from every image (the maps and the class Gaussians need them all)
-    and hands the others what it carried."""
-    network, layout, loaded, paused = stage.model.network, _layout(stage, head), stage.loaded, stage.paused
+    (``AnalyticHead.carry_stage``) from ``began``'s rows (the network as the stage began) to these, and
+    the same images' rmd inputs before and after move ``earlier_rmd``, the earlier classes' moments of
+    the "unknown" answer (``openset.rmd.carried_moments``); a paused stage did not train the network, so
+    nothing moved. Under torchrun each process passes its shard, and the first carries from every
+    image (the maps and the class Gaussians need them all) and hands the others what it carried."""
+    loaded, network = stage.loaded, stage.model.network
     earlier = (loaded.stage_tensors, loaded.stage_totals[-1]) if loaded.stage_metas else None
-    began: list[tuple[torch.Tensor, torch.Tensor]] = []  # (f_0, rmd inputs) as the stage began, once run
-
-    def before() -> tuple[torch.Tensor, torch.Tensor]:
-        with network.starting():  # progress: "carry", the stage's images through the set as it began
-            start, _ = _embed(stage, shard, computed, layout, probes, phase="carry")
-        return split_probe(start, len(probes), stage.model.probe_weight)
-
-    def head_rows() -> torch.Tensor:
-        rows, rmd_rows = before()
-        began.append((rows[:, 0], rmd_rows))
-        return rows
-
-    def frozen_f0() -> torch.Tensor:
-        with network.bare():  # progress: "transfer", the stage's images through the frozen PTM
-            bare, _ = _embed(stage, shard, computed, 0, (), phase="transfer")
-        return _in_image_order(shard, bare[:, 0])[0] if distributed.world_size() > 1 else bare[:, 0]
-
+    moves = began is not None and not began.paused
     try:
-        start = None  # under torchrun: every image's rows as the stage began
-        frozen = frozen_f0() if earlier is not None else None
         if distributed.world_size() > 1:
             feats, rmd_feats, labels = _in_image_order(shard, feats, rmd_feats, labels)
-            if earlier is not None and not paused:
-                start, rmd_rows = _in_image_order(shard, *before())
-                began.append((start[:, 0], rmd_rows))
         result = None
         if distributed.is_main():
             step = head.load().carry_stage(
                 stage.config,
                 feats,
                 labels,
-                layout=layout,
+                layout=_layout(stage, head),
                 stage_index=stage.index,
                 earlier=earlier,
                 earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
-                before=None if paused else head_rows if start is None else (lambda: start),
+                before=(lambda: began.rows) if moves else None,
             )
             moved = None
-            if earlier_rmd is not None and began and step.meta is not None:
-                moved, move = carried_moments(earlier_rmd, *began[0], rmd_feats, step.meta["map_lambda"])
-                step = replace(step, meta={**step.meta, "unknown_move": round(move, 6)})
-            adapted = feats[:, 0] if paused else began[0][0] if began else None  # f_0 as the stage began
-            if frozen is not None and adapted is not None and step.meta is not None:
-                transfer = _transfer(stage, adapted, frozen, labels)
-                step = replace(step, meta={**step.meta, "transfer": transfer, **({"paused": True} if paused else {})})
+            if began is not None and step.meta is not None:
+                if earlier_rmd is not None and moves:
+                    moved, move = carried_moments(
+                        earlier_rmd, began.rows[:, 0], began.rmd_rows, rmd_feats, step.meta["map_lambda"]
+                    )
+                    step = replace(step, meta={**step.meta, "unknown_move": round(move, 6)})
+                paused = {"paused": True} if began.paused else {}
+                step = replace(step, meta={**step.meta, "transfer": began.transfer, **paused})
             result = (step, moved)
         return distributed.broadcast_object(result)
     finally:
-        if stage.index > 1:
-            network.drop_start()
-
-
-def _transfer(stage: StageContext, adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> dict:
-    """stage.json's ``carry.transfer``: the stage's forward-transfer counts (``metrics.Transfer``), the
-    run's so far (this stage's and those in the newest earlier stage's record), and what they say."""
-    own = measure(adapted, frozen, labels)
-    return own.record(own + stage.earlier_transfer())
+        network.drop_start()
 
 
 def _in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:
@@ -194,6 +185,13 @@ def _first_session(
         return feats, rmd_feats, decision
     network.drop_adapters()
     return frozen, frozen_rmd, decision
+
+
+def _probes(stage: StageContext) -> tuple[int, ...]:
+    """The probe block's class token, while the run's rmd statistics are calibrated with it."""
+    model = stage.model
+    calibrated = model.unknown_rmd is not None or stage.index == 1
+    return (model.open_set_probe,) if calibrated and model.open_set_probe is not None else ()
 
 
 def _layout(stage: StageContext, head: Head | None) -> int:

@@ -197,7 +197,7 @@ def _train_metrics(trained: Trained, fitted: Fitted) -> dict[str, Any] | None:
         metrics = {"seconds": fitted.seconds} if fitted.fit is not None else None
     if trained.skipped:
         metrics = {**(metrics or {}), "skipped": True}
-    if trained.paused:  # a switched run's carried network, kept as it stood (``StageContext.paused``)
+    if trained.paused:  # a switched run's carried network, kept as it stood (``Began.paused``)
         metrics = {**(metrics or {}), "paused": True}
     return metrics
 

@@ -26,15 +26,16 @@ from .train_state import TrainState
 log = logging.getLogger(__name__)
 
 
-def train_or_resume(stage: StageContext, *, restart: bool) -> Trained:
+def train_or_resume(stage: StageContext, *, restart: bool, paused: bool = False) -> Trained:
     """A trained method's new stage: trained, from the last epoch checkpoint when one fits. Each
-    finished epoch is checkpointed (rank 0); a diverged training leaves no checkpoint behind."""
+    finished epoch is checkpointed (rank 0); a diverged training leaves no checkpoint behind.
+    ``paused``: a switched run's carried network, kept as it stands this stage (``Began.paused``)."""
     if not stage.method.trains:
         return Trained(None, None)
     if stage.untrained:  # no stage network at all: neither trained, nor computed, nor stored
         log.debug("stage %d has no network: nothing the run answers reads its subspace", stage.index)
         return Trained(None, None, skipped=True)
-    if stage.paused:  # a switched run's carried network, while adapting stalls here: not trained
+    if paused:  # a switched run's carried network, while adapting stalls here: not trained
         log.debug("stage %d: the carried network stays as it is (its forward transfer stalls)", stage.index)
         return Trained(None, None, paused=True)
     network, train = stage.model.network, stage.config.train

@@ -92,12 +92,6 @@ class FirstSessionNetwork(nn.Module):
         """The frozen PTM without stage 1's adapters, for the block (``first_session.decide``)."""
         return self._swapped([])
 
-    def starting(self) -> contextlib.AbstractContextManager[None]:
-        """The set as the stage began in place of the trained one (a carried run's "before" pass)."""
-        if self.start is None:
-            raise ValueError("no stage has reopened the adapter set")
-        return self._swapped([self.start])
-
     def drop_start(self) -> None:
         self.__dict__["start"] = None
 
