@@ -183,6 +183,7 @@ class Transfer:
             "run": run.to_dict(),
             "gain": round(run.gain, 3),
             "ceiling": round(run.ceiling, 3),
+            "floor": GAIN,
             "transfers": run.transfers,
             "stalls": run.stalls,
         }

@@ -12,7 +12,6 @@ import shlex
 from typing import Any
 
 from .. import jsonio
-from ..metrics import GAIN
 from .output import printable_data
 
 
@@ -101,7 +100,7 @@ def transfer_line(d: dict[str, Any]) -> str:
     elif d.get("stalls"):
         verdict = (
             f"adapting does not transfer to new classes here: even its upper bound, {d['ceiling']:+.1f} %, is under "
-            f"the {GAIN:g} % a switch needs (a switched run with first_session.pause transfer trains its carried network "
+            f"the {d['floor']:g} % a switch needs (a switched run with first_session.pause transfer trains its carried network "
             "no further while that holds)"
         )
     else:
