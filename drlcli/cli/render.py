@@ -104,7 +104,10 @@ def transfer_line(d: dict[str, Any]) -> str:
             "no further while that holds)"
         )
     else:
-        verdict = "adapting does not transfer to new classes here yet (the default `drl`, on the frozen PTM, may answer as well)"
+        verdict = (
+            f"adapting does not transfer to new classes here yet (its upper bound is {d['ceiling']:+.1f} %; the "
+            "default `drl`, on the frozen PTM, may answer as well)"
+        )
     return (
         f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
         f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; "
