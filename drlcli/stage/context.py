@@ -120,6 +120,7 @@ class Began:
     rmd_rows: torch.Tensor  # (N, ...) the "unknown" answer's inputs
     transfer: dict[str, Any]
     paused: bool
+    seconds: float  # its two passes, counted in the stage's feature-phase seconds (``Fitted.seconds``)
 
 
 @dataclass(frozen=True)

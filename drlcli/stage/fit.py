@@ -59,7 +59,8 @@ def fit_features(stage: StageContext, began: Began | None = None) -> Fitted:
         fit = _fit_head(stage, head, feats, labels, shard, carry)
     if carry is not None and fit is not None:
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
-    return Fitted(fit, calibration, bias, rmd, time.perf_counter() - tick, decision, carry.meta if carry else None)
+    seconds = time.perf_counter() - tick + (began.seconds if began is not None else 0.0)  # its passes count too
+    return Fitted(fit, calibration, bias, rmd, seconds, decision, carry.meta if carry else None)
 
 
 def carried_start(stage: StageContext) -> Began | None:
@@ -71,6 +72,7 @@ def carried_start(stage: StageContext) -> Began | None:
     head = head_of(stage.config)
     if head is None or not stage.method.carries_network(stage.config) or not stage.loaded.stage_metas:
         return None
+    tick = time.perf_counter()
     shard, network, probes = distributed.shard(len(stage.images)), stage.model.network, _probes(stage)
     rows, labels = _embed(stage, shard, None, _layout(stage, head), probes, phase="carry")
     with network.bare():  # progress: "transfer", the stage's images through the frozen PTM
@@ -80,7 +82,8 @@ def carried_start(stage: StageContext) -> Began | None:
         rows, rmd_rows, bare, labels = _in_image_order(shard, rows, rmd_rows, bare, labels)
     own = measure(rows[:, 0], bare[:, 0], labels)
     run = own + stage.earlier_transfer()
-    return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), stage.method.pauses(stage.config) and run.stalls)
+    paused = stage.method.pauses(stage.config) and run.stalls
+    return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick)
 
 
 def _carry(
