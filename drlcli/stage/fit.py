@@ -118,7 +118,7 @@ def _carry(
                 stage_index=stage.index,
                 earlier=earlier,
                 earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
-                before=(lambda: began.rows) if moves else None,
+                before=began.rows if moves else None,
             )
             moved = None
             if began is not None and step.meta is not None:

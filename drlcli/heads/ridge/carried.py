@@ -5,7 +5,6 @@ through the network as the stage began; it reads no file and runs no network its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,12 +48,12 @@ def carry_stage(
     stage_index: int,
     earlier: tuple[list[dict[str, Tensor]], dict[str, Tensor]] | None,
     earlier_classes: int,
-    before: Callable[[], Tensor] | None,
+    before: Tensor | None,
 ) -> CarryStep:
     """A carried run's stage (``Method.carries_network``): ``feats`` (N, S', d) are the head's rows of
     the stage's images through the trained network, in image order, ``labels`` local. Its own
     classes' Gaussians are taken from them. After stage 1 (``earlier``: the run's stage tensors and
-    its newest totals, holding ``earlier_classes`` classes), ``before()`` gives the same images'
+    its newest totals, holding ``earlier_classes`` classes), ``before`` holds the same images'
     rows through the network as the stage began: one ridge map per head token from those to these,
     the earlier Gaussians moved by the maps, and the head's sums over them drawn (the earlier
     classes for ``fit_stage``). ``before`` None: the stage did not train the network (a paused
@@ -86,7 +85,7 @@ def carry_stage(
     if before is None:
         moved, move = old, 0.0
     else:
-        maps = TokenMaps.fit(_tokens(before(), width, layout), tokens, cfg.carry_lambda)
+        maps = TokenMaps.fit(_tokens(before, width, layout), tokens, cfg.carry_lambda)
         moved, move = old.moved(maps), maps.move
     sums = expected_sums(
         moved,
