@@ -237,6 +237,43 @@ def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypat
         carry.expected_sums(gaussians, parts[:1], generator=torch.Generator(), **kwargs)
 
 
+@pytest.mark.gpu
+def test_expected_sums_on_cuda_are_the_cpu_sums():
+    """The sums are taken on the run's device from the same CPU draws: equal to float64 rounding,
+    returned on the CPU, the Gaussians handed in left where they were."""
+    from drlcli.heads.ridge.carry import expected_sums
+
+    gaussians = ClassGaussians.of(_classes(sizes=(12, 9)), rank=3)
+    gaussians = gaussians.moved(TokenMaps.fit(*_planted(n=60)[:2], lam=1.0))  # a group's linear map too
+    parts = torch.tensor([[10, 2], [7, 2]])
+    kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=50)
+    cpu = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(4), **kwargs)
+    gpu = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(4), device="cuda", **kwargs)
+    assert gaussians.means.device.type == "cpu"
+    for name in ("gram_fit", "gram_val", "q_fit", "q_val"):
+        a, b = getattr(gpu.statistics, name), getattr(cpu.statistics, name)
+        assert a.device.type == "cpu" and torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
+    for a, b in ((gpu.x_means, cpu.x_means), (gpu.x_covariances, cpu.x_covariances), (gpu.scatter, cpu.scatter)):
+        assert a.device.type == "cpu" and torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_expected_sums_leave_the_counts_of_the_gaussians_handed_in_alone():
+    from drlcli.heads.ridge.carry import expected_sums
+
+    gaussians = ClassGaussians.of(_classes(sizes=(5, 4)), rank=2)
+    sums = expected_sums(
+        gaussians,
+        torch.tensor([[4, 1], [3, 1]]),
+        projection=_head_parts(),
+        layout_cells=S - 1,
+        draws=2,
+        generator=torch.Generator().manual_seed(0),
+        device="cpu",
+    )
+    sums.counts[0] = 99
+    assert gaussians.counts.tolist() == [5, 4]
+
+
 def _fit(earlier, feats, labels, config, stage_index, carries=False):
     from drlcli.heads.ridge.fit import fit_stage
 

@@ -119,6 +119,7 @@ def _carry(
                 earlier=earlier,
                 earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
                 before=began.rows if moves else None,
+                device=stage.model.device,
             )
             moved = None
             if began is not None and step.meta is not None:

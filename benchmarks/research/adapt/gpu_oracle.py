@@ -275,6 +275,20 @@ def draw(args) -> None:
     print(f"drew {len(jobs)} sketches from {args.src} in {time.time() - tick:.0f}s", flush=True)
 
 
+def lists(args) -> None:
+    """train.txt and test.txt beside both drawn trees, so the tool's own ``drl benchmark --val-fraction``
+    reads them: the bundles hold the training images only, and a validation run never reads test.txt
+    (it holds out part of train), so test.txt repeats train.txt. The sketches are checked first."""
+    manifest = json.loads(args.manifest.read_text())
+    check(manifest, args.sketches)
+    check(manifest, args.photos, "photos")
+    for images, rels in ((args.sketches, manifest["sha256"]), (args.photos, manifest["photo_sha256"])):
+        text = "".join(f"{r}\n" for r in sorted(rels))
+        for name in ("train.txt", "test.txt"):
+            (images / name).write_text(text)
+        print(f"{images}: {len(rels)} images listed", flush=True)
+
+
 def check(manifest: dict, images: Path, kind: str = "sketches") -> None:
     root = images / "101_ObjectCategories"
     sums = manifest["sha256"] if kind == "sketches" else manifest["photo_sha256"]
@@ -520,6 +534,10 @@ def main() -> None:
     d = sub.add_parser("draw")
     d.add_argument("--src", type=Path, required=True)
     d.add_argument("--dst", type=Path, default=Path("/tmp/sketch"))
+    lst = sub.add_parser("lists")
+    lst.add_argument("--manifest", type=Path, required=True)
+    lst.add_argument("--sketches", type=Path, default=Path("/tmp/sketch"))
+    lst.add_argument("--photos", type=Path, default=Path("/tmp/photo"))
     t = sub.add_parser("train")
     t.add_argument("--experiments", default=",".join(EXPERIMENTS))
     t.add_argument("--max-images", type=int, default=0, help="a smoke test: embed the first N images")
@@ -543,7 +561,7 @@ def main() -> None:
         q.add_argument("--workers", type=int, default=14)
         q.add_argument("--epochs", type=int, default=0, help="a smoke test: this many epochs everywhere")
     args = parser.parse_args()
-    {"pack": pack, "draw": draw, "train": train, "staged": staged}[args.command](args)
+    {"pack": pack, "draw": draw, "lists": lists, "train": train, "staged": staged}[args.command](args)
 
 
 if __name__ == "__main__":

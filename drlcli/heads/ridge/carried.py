@@ -49,6 +49,7 @@ def carry_stage(
     earlier: tuple[list[dict[str, Tensor]], dict[str, Tensor]] | None,
     earlier_classes: int,
     before: Tensor | None,
+    device: torch.device | str = "cpu",
 ) -> CarryStep:
     """A carried run's stage (``Method.carries_network``): ``feats`` (N, S', d) are the head's rows of
     the stage's images through the trained network, in image order, ``labels`` local. Its own
@@ -57,7 +58,8 @@ def carry_stage(
     rows through the network as the stage began: one ridge map per head token from those to these,
     the earlier Gaussians moved by the maps, and the head's sums over them drawn (the earlier
     classes for ``fit_stage``). ``before`` None: the stage did not train the network (a paused
-    switched run), so the Gaussians stay where they are. A crafted or damaged carry is an IntegrityError."""
+    switched run), so the Gaussians stay where they are. The drawn sums are taken on ``device`` (the
+    run's). A crafted or damaged carry is an IntegrityError."""
     tick = time.perf_counter()
     cfg = config.ranpac
     width = feats.shape[-1] * (cfg.subspaces + layout**2)
@@ -94,6 +96,7 @@ def carry_stage(
         layout_cells=layout**2,
         draws=cfg.carry_draws,
         generator=torch.Generator().manual_seed(config.train.seed + stage_index),
+        device=device,
     )
     meta = {
         "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow

@@ -149,12 +149,17 @@ class ClassGaussians:
         steps = [torch.stack([lin[t] + lin[t] @ maps.linear[t] for t in range(self.tokens[0])]) for lin in linears]
         return replace(self, means=means, factors=factors, groups=groups, linears=torch.stack(steps))
 
+    def to(self, device: torch.device | str) -> ClassGaussians:
+        """The same Gaussians with every tensor on ``device``."""
+        return replace(self, **{f: getattr(self, f).to(device) for f in _FIELDS.values()})
+
     def draw(self, c: int, number: int, generator: torch.Generator) -> Tensor:
-        """``number`` draws (number, S, d) of class ``c``, from ``generator``."""
-        dtype = self.means.dtype
+        """``number`` draws (number, S, d) of class ``c``, from ``generator`` (a CPU generator: the
+        same numbers on every device), on the Gaussians' device."""
+        dtype, device = self.means.dtype, self.means.device
         factor = self.factors[c, : int(self.ranks[c])].flatten(1)
-        z = torch.randn(number, len(factor), generator=generator, dtype=dtype)
-        noise = torch.randn(number, *self.tokens, generator=generator, dtype=dtype) * float(self.spreads[c])
+        z = torch.randn(number, len(factor), generator=generator, dtype=dtype).to(device)
+        noise = torch.randn(number, *self.tokens, generator=generator, dtype=dtype).to(device) * float(self.spreads[c])
         if int(self.groups[c]) >= 0:
             noise = torch.einsum("nsd,sde->nse", noise, self.linears[int(self.groups[c])])
         return (self.means[c].flatten() + z @ factor).view(number, *self.tokens) + noise
@@ -272,28 +277,33 @@ def expected_sums(
     layout_cells: int,
     draws: int,
     generator: torch.Generator,
+    device: torch.device | str = "cpu",
 ) -> DrawnSums:
     """Each class's expected contribution to the ridge's sums from ``draws`` · n_c draws of it:
     Q_part = n_part · E[φ], G_part = Σ n_part · E[φ φᵀ], with φ = ReLU(h R) of the drawn tokens
     (``head_input``, ``projection`` R (S·d or the head's input width, M)); ``parts`` (C, 2) the
-    class's fit and held-out image counts. In STAT_DTYPE; classes in order, from one ``generator``."""
+    class's fit and held-out image counts. In STAT_DTYPE; classes in order, from one ``generator``
+    (on the CPU: the same draws on every device). The sums are taken on ``device`` (the run's: the
+    M x M products are most of a carried stage's time on a CPU) and returned on the CPU."""
     if parts.shape != (len(gaussians), 2):
         raise ValueError(f"parts must be (classes, 2) = ({len(gaussians)}, 2), not {tuple(parts.shape)}")
     if draws < 1:
         raise ValueError(f"draws must be at least 1, not {draws}")
+    gaussians, projection = gaussians.to(device), projection.to(device, STAT_DTYPE)
     width, size = projection.shape
     d = gaussians.tokens[1]
-    q = torch.zeros(2, size, len(gaussians), dtype=STAT_DTYPE)
-    grams = torch.zeros(2, size, size, dtype=STAT_DTYPE)
-    means = torch.zeros(len(gaussians), d, dtype=STAT_DTYPE)
-    covariances = torch.zeros(len(gaussians), d, d, dtype=STAT_DTYPE)
-    scatter = torch.zeros(d, d, dtype=STAT_DTYPE)
+    zeros = {"dtype": STAT_DTYPE, "device": projection.device}
+    q = torch.zeros(2, size, len(gaussians), **zeros)
+    grams = torch.zeros(2, size, size, **zeros)
+    means = torch.zeros(len(gaussians), d, **zeros)
+    covariances = torch.zeros(len(gaussians), d, d, **zeros)
+    scatter = torch.zeros(d, d, **zeros)
     for c in range(len(gaussians)):
         images = int(gaussians.counts[c])
         number = draws * images
-        first = torch.zeros(size, dtype=STAT_DTYPE)
-        second = torch.zeros(size, size, dtype=STAT_DTYPE)
-        x_scatter = torch.zeros(d, d, dtype=STAT_DTYPE)
+        first = torch.zeros(size, **zeros)
+        second = torch.zeros(size, size, **zeros)
+        x_scatter = torch.zeros(d, d, **zeros)
         for start in range(0, number, CHUNK):
             samples = gaussians.draw(c, min(CHUNK, number - start), generator).to(STAT_DTYPE)
             x = covariance_input(samples)
@@ -303,14 +313,15 @@ def expected_sums(
             step = mean - means[c]
             x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
             means[c] += step * len(x) / (start + len(x))
-            phi = expand(head_input(samples, width, layout_cells), projection.to(STAT_DTYPE))
+            phi = expand(head_input(samples, width, layout_cells), projection)
             first += phi.sum(0)
             second += phi.T @ phi
         covariances[c] = x_scatter / max(number - 1, 1)
         scatter += (images - 1) * covariances[c]
         for part in range(2):
-            q[part][:, c] = parts[c, part] * first / number
-            grams[part] += parts[c, part] * second / number
+            q[part][:, c] = int(parts[c, part]) * first / number
+            grams[part] += int(parts[c, part]) * second / number
     counts = parts.to(STAT_DTYPE).sum(0)
+    q, grams = q.cpu(), grams.cpu()
     statistics = Statistics(grams[0], grams[1], q[0], q[1], float(counts[0]), float(counts[1]))
-    return DrawnSums(statistics, means, covariances, scatter, gaussians.counts.clone())
+    return DrawnSums(statistics, means.cpu(), covariances.cpu(), scatter.cpu(), gaussians.counts.clone().cpu())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 32 on a lent GPU: the tool's own `drl benchmark`, sketches and photos, orders 1993-1995, B0 Inc10,
+# validation split, the default against RanPAC as published and the switched preset, side by side.
+#
+# The training photos travel in two bundles (`gpu_oracle.py pack`, 64 MiB a call) and the sketches
+# are redrawn there by the data set's own make.py, checked against the sha256 of the sketches here:
+#   device call 1, carry [".devA"]: python3 benchmarks/research/adapt/gpu_oracle.py draw --src .devA --dst /tmp/sketch
+#   device call 2 on the same warm machine, carry [".devB"]: bash benchmarks/research/adapt/gpu_bench.sh 450
+# Every run stops at LIMIT seconds (its finished stages stay in its run folder); what they wrote
+# (json, md, logs; no weights) comes back as $OUT/bench.tgz.
+set -u
+LIMIT=${1:-450}
+DEST=${OUT:-/tmp/out}
+PAR=${PAR:-2}  # data-loading workers per run
+B=/tmp/bench
+mkdir -p "$B" "$DEST"
+python3 benchmarks/research/adapt/gpu_oracle.py draw --src .devB --dst /tmp/sketch || exit 1
+python3 benchmarks/research/adapt/gpu_oracle.py lists --manifest .devB/manifest.json || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+date -u +"start %T"
+run() {  # NAME DATA SEED WORKERS METHODS
+    timeout -s INT "$LIMIT" env OMP_NUM_THREADS=2 PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 \
+        python3 -m drlcli benchmark --data "$2" --out "$B/$1" --ptm-weights /tmp/weights.safetensors \
+        --methods "$5" --split B0Inc10 --seed "$3" --val-fraction 0.2 --workers "$4" ${EXTRA:-} \
+        >"$B/$1.log" 2>&1 &
+}
+for s in 1993 1994 1995; do
+    run "sk$s-sw" /tmp/sketch "$s" $((PAR + 1)) ranpac/preset=switched
+    run "sk$s" /tmp/sketch "$s" "$PAR" drl,ranpac/preset=published
+    run "ph$s" /tmp/photo "$s" "$PAR" drl,ranpac/preset=published,ranpac/preset=switched
+done
+wait
+date -u +"end %T"
+for f in "$B"/*.log; do echo "== $f"; tail -n 4 "$f"; done
+(cd "$B" && find . -path '*/data' -prune -o \( -name '*.json' -o -name '*.md' -o -name '*.log' \) -print |
+    tar czf "$DEST/bench.tgz" -T -)
+ls -la "$DEST"
