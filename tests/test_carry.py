@@ -6,6 +6,18 @@ import torch
 from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps
 
 S, D = 3, 6
+# what a carried stage keeps in the run's totals beside the classes' covariance rows
+KEPT = {
+    "totals",
+    "lambda",
+    "gram_fit",
+    "gram_val",
+    "counts",
+    "cov_scatter",
+    "cov_counts",
+    "q_fit_carried",
+    "q_val_carried",
+}
 
 
 def _planted(n=400, seed=0):
@@ -274,7 +286,7 @@ def test_expected_sums_leave_the_counts_of_the_gaussians_handed_in_alone():
     assert gaussians.counts.tolist() == [5, 4]
 
 
-def _fit(earlier, feats, labels, config, stage_index, carries=False):
+def _fit(earlier, feats, labels, config, stage_index, carries=False, keeps=False):
     from drlcli.heads.ridge.fit import fit_stage
 
     return fit_stage(
@@ -287,6 +299,7 @@ def _fit(earlier, feats, labels, config, stage_index, carries=False):
         config=config,
         stage_index=stage_index,
         carries=carries,
+        keeps=keeps,
     )
 
 
@@ -295,7 +308,7 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     carried stage solves the same W and scores as the fit from the stored statistics."""
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
-    from drlcli.heads.ridge import CARRY_COV, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, PROJECTION, WEIGHT
+    from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, PROJECTION, WEIGHT
     from drlcli.heads.ridge.carry import Carried, expected_sums
     from drlcli.heads.ridge.statistics import validation_mask
 
@@ -327,8 +340,8 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
         draws=2,
         generator=torch.Generator().manual_seed(0),
     )
-    carried = Carried(sums, float(fit1.statistics[LAMBDA]))
-    fit2 = _fit(EarlierStages(fit1.head, [weights1], list, carried=carried), feats2, labels2, config, 2)
+    carried = Carried.of_draws(sums, float(fit1.statistics[LAMBDA]), rank=3)
+    fit2 = _fit(EarlierStages(fit1.head, [weights1], list, carried=carried), feats2, labels2, config, 2, keeps=True)
 
     assert fit2.meta["lambda"] == exact.meta["lambda"] and fit2.meta["earlier_columns"] == "carried"
     assert torch.allclose(fit2.tensors[WEIGHT], exact.tensors[WEIGHT], atol=1e-5)
@@ -338,9 +351,10 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     assert fit2.statistics[CARRY_COV[COV_MEAN]].shape == (7, d)  # every class's rows, into the totals
     assert fit2.statistics[CARRY_COV[COV_FACTOR]].shape == (7, d, 3)
     assert torch.allclose(fit2.statistics[CARRY_COV[COV_MEAN]][3:], exact.tensors[COV_MEAN])
-    # nothing a later carried stage draws again: no Grams, no Q, no scatter, no rows outside the totals
+    # every class's rows and the sums as fitted (a paused next stage reads them), all in the totals
     assert COV_MEAN not in fit2.tensors and COV_FACTOR not in fit2.tensors
-    assert set(fit2.statistics) == {"totals", LAMBDA, *(CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE))}
+    assert set(fit2.statistics) == KEPT | {CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE)}
+    assert fit2.statistics[CARRY_Q["q_fit"]].shape == (64, 7)
 
     from drlcli.heads.ridge.head import RanpacHead
 
@@ -349,12 +363,13 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
         assert torch.allclose(loaded(both), fit2.head(both), atol=1e-5)  # the head rebuilt from the totals alone
 
 
-def test_a_carried_first_stage_keeps_only_what_a_later_stage_reads():
-    """Stage 1 of a carried run stores λ and its classes' covariance rows in the totals, and none of
-    the sums the next stage draws again (Grams, Q, scatter); its head scores as the plain fit's."""
+def test_a_carried_first_stage_keeps_its_sums_in_the_totals_where_later_stages_may_read_them():
+    """Stage 1 of a carried run stores λ and its classes' covariance rows in the totals, and in a run
+    that may pause the sums it fitted too (the plain fit's, Q under the carried names); its head
+    scores as the plain fit's."""
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
-    from drlcli.heads.ridge import CARRY_COV, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, WEIGHT
+    from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, WEIGHT
     from drlcli.heads.ridge.head import RanpacHead
 
     config = RunConfig.for_method(
@@ -364,13 +379,74 @@ def test_a_carried_first_stage_keeps_only_what_a_later_stage_reads():
     feats = torch.randn(30, 6, 8, generator=g)
     labels = torch.arange(3).repeat(10)
     plain = _fit(EarlierStages(None, [], list), feats, labels, config, 1)
-    carried = _fit(EarlierStages(None, [], list), feats, labels, config, 1, carries=True)
+    carried = _fit(EarlierStages(None, [], list), feats, labels, config, 1, carries=True, keeps=True)
+    drawn = _fit(EarlierStages(None, [], list), feats, labels, config, 1, carries=True)  # a run that never pauses
+    # keeps none of the sums its next stage draws again: λ and the rows alone
+    assert set(drawn.statistics) == {"totals", LAMBDA, *(CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE))}
 
     assert {"gram_fit", "q_fit", "cov_scatter"} <= set(plain.statistics)
-    assert set(carried.statistics) == {"totals", LAMBDA, *(CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE))}
+    assert set(carried.statistics) == KEPT | {CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE)}
+    for name in ("gram_fit", "gram_val", "counts", "cov_scatter", "cov_counts"):
+        assert torch.equal(carried.statistics[name], plain.statistics[name]), name
+    assert torch.equal(carried.statistics[CARRY_Q["q_fit"]], plain.statistics["q_fit"])
     assert COV_MEAN not in carried.tensors and torch.equal(carried.tensors[WEIGHT], plain.tensors[WEIGHT])
     assert torch.equal(carried.statistics[CARRY_COV[COV_FACTOR]], plain.tensors[COV_FACTOR])
     loaded = RanpacHead.from_stages([{**carried.tensors, **carried.statistics}])
     with torch.no_grad():
         assert torch.allclose(loaded(feats), plain.head(feats), atol=1e-6)
         assert torch.allclose(carried.head(feats), plain.head(feats), atol=1e-6)
+
+
+def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_run():
+    """A carried stage that did not train the network (a paused switched run) reads the sums the stage
+    before kept instead of drawing them: after a first stage of real images (kept exactly), its fit is
+    the plain run's to the float32 Grams both store, and it keeps its own sums in turn."""
+    from drlcli.config import RunConfig
+    from drlcli.heads.base import EarlierStages
+    from drlcli.heads.ridge import CARRY_Q, COV_MEAN, LAMBDA, PROJECTION, WEIGHT
+    from drlcli.heads.ridge.carry import Carried
+
+    config = RunConfig.for_method(
+        "ranpac", {"ranpac": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
+    )
+    g = torch.Generator().manual_seed(7)
+    feats1, labels1 = torch.randn(30, 6, 8, generator=g), torch.arange(3).repeat(10)
+    feats2, labels2 = torch.randn(24, 6, 8, generator=g), torch.arange(4).repeat(6)
+    plain1 = _fit(EarlierStages(None, [], list), feats1, labels1, config, 1)
+    carried1 = _fit(EarlierStages(None, [], list), feats1, labels1, config, 1, carries=True, keeps=True)
+    weights1 = {**plain1.tensors, **plain1.statistics}
+    plain2 = _fit(EarlierStages(plain1.head, [weights1], lambda: [plain1.statistics]), feats2, labels2, config, 2)
+
+    totals = carried1.statistics
+    kept = Carried.kept(totals, classes=3, size=64, lam=float(totals[LAMBDA]))
+    assert kept is not None and not kept.drawn and kept.lam == float(totals[LAMBDA])
+    loaded1 = {**carried1.tensors, **totals}
+    fit2 = _fit(
+        EarlierStages(carried1.head, [loaded1], list, carried=kept),
+        feats2,
+        labels2,
+        config,
+        2,
+        carries=True,
+        keeps=True,
+    )
+    assert fit2.meta["lambda"] == plain2.meta["lambda"]
+    assert torch.allclose(fit2.tensors[WEIGHT], plain2.tensors[WEIGHT], atol=1e-6)
+    both = torch.cat([feats1, feats2])
+    with torch.no_grad():
+        assert torch.allclose(fit2.head(both), plain2.head(both), atol=1e-5)
+    assert fit2.statistics[CARRY_Q["q_val"]].shape == (64, 7)
+    assert torch.allclose(fit2.statistics["gram_fit"], plain2.statistics["gram_fit"], atol=1e-4)
+
+    # a run of an earlier release kept none; kept sums that do not fit are refused
+    assert (
+        Carried.kept({k: v for k, v in totals.items() if k not in CARRY_Q.values()}, classes=3, size=64, lam=None)
+        is None
+    )
+    with pytest.raises(ValueError, match="kept Q"):
+        Carried.kept(totals, classes=4, size=64, lam=None)
+    with pytest.raises(ValueError, match="Grams"):
+        Carried.kept({**totals, "gram_fit": totals["gram_fit"][:-1]}, classes=3, size=64, lam=None)
+    with pytest.raises(ValueError, match="counts"):
+        Carried.kept({**totals, "counts": torch.tensor([float("nan"), 1.0])}, classes=3, size=64, lam=None)
+    assert PROJECTION in carried1.tensors and COV_MEAN not in carried1.tensors

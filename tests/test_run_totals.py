@@ -15,7 +15,7 @@ from drlcli.config import RunConfig
 from drlcli.data.images import scan_class_folders
 from drlcli.heads import TOTALS_MARK, running
 from drlcli.heads.openset import RMD_MEAN_CARRIED
-from drlcli.heads.ridge import CARRY_COV, CARRY_LINEAR, CARRY_PER_CLASS
+from drlcli.heads.ridge import CARRY_COV, CARRY_LINEAR, CARRY_PER_CLASS, CARRY_Q
 from drlcli.model.incremental import embed_images
 from drlcli.run.directory import RunDir
 from drlcli.run.layout import sha256_bytes
@@ -60,7 +60,7 @@ def test_only_the_newest_stage_carries_the_totals(runs):
     assert [n for n in manifest["files"] if "totals" in n] == ["stages/003/totals.safetensors"]
     totals = load((run / "stages/003/totals.safetensors").read_bytes())
     # a carried run's (heads/ridge/carry.py, and the unknown answer's means as it moved them)
-    carried_only = {*CARRY_COV.values(), *CARRY_PER_CLASS, CARRY_LINEAR, RMD_MEAN_CARRIED}
+    carried_only = {*CARRY_COV.values(), *CARRY_Q.values(), *CARRY_PER_CLASS, CARRY_LINEAR, RMD_MEAN_CARRIED}
     assert set(totals) == set(running()) - carried_only and totals[TOTALS_MARK].tolist() == [3]
     assert totals["ranpac.weight"].shape == (64, 9)  # W for every class seen
     assert totals["counts"].sum().item() == 3 * 3 * 12  # every image of the three stages

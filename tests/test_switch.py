@@ -165,8 +165,14 @@ def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stoo
     assert all(r.carry["transfer"]["stalls"] and bool(r.carry.get("paused")) is paused for r in results[1:])
     assert all(torch.equal(sets[0][k], sets[1][k]) for k in sets[0]) is paused
     assert results[2].switch["answers"] == "frozen" and results[2].switch["top1"]["carried"] is not None
-    meta = load_run(run, device="cpu").stage_metas[2]
+    loaded = load_run(run, device="cpu")
+    meta = loaded.stage_metas[2]
     assert (meta["metrics"]["train"].get("paused") is True) is paused and (meta["carry"]["move"] == 0) is paused
+    # a paused stage reads the sums the stage before kept (no draws); a run that never pauses keeps none
+    assert [r.carry["draws"] for r in results[1:]] == ([0, 0] if paused else [4, 4])
+    totals = load_run(run, device="cpu", scoring=False).stage_totals[-1]  # the carried run's own
+    assert ("q_fit_carried" in totals and "gram_fit" in totals) is paused
+    assert not paused or totals["q_fit_carried"].shape[1] == 9
     shown = info(run)
     assert [s["paused"] for s in shown["stages"]] == [False, paused, paused]
     assert verify(run).frozen_track["num_stages"] == 3
@@ -174,6 +180,7 @@ def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stoo
 
     text = render.learn_stage(results[2].to_dict())
     assert ("the carried network was not trained" in text) is paused
+    assert ("the head read the sums the stage before kept" in text) is paused
     assert "even its upper bound" in text
 
 

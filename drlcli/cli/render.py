@@ -179,9 +179,14 @@ def learn_stage(r: dict[str, Any]) -> str:
     if r.get("carry"):  # a carried run's stage after the first
         c = r["carry"]
         if c.get("paused"):
+            sums = (
+                f"drawn {c['draws']} times per image from their class Gaussians"
+                if c.get("draws")
+                else "the sums the stage before kept"
+            )
             lines.append(
                 f"carried {c['classes']} earlier classes as they stood: the adapters did not move, nor did their "
-                f"class Gaussians (drawn {c['draws']} times per image, {c['seconds']:.1f}s)"
+                f"class Gaussians; the head read {sums} ({c['seconds']:.1f}s)"
             )
         else:
             lines.append(

@@ -266,6 +266,7 @@ def _fit_head(
         config=stage.config,
         stage_index=stage.index,
         carries=carry is not None,
+        keeps=carry is not None and stage.method.pauses(stage.config),
     )
     stage.model.head = fit.head.to(stage.model.device)
     log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])

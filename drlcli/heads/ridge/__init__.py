@@ -56,10 +56,12 @@ faces, framed wide or tight). ``ranpac.layout_scale`` s weighs the cells against
 into R (the cells' rows times s), so scoring costs nothing for it. g is stored in stage 1's weights
 beside R. The class covariances stay on f_0.
 
-A carried run (``carry.py``; issue 32, no method is one yet) retrains the network the head reads at
+A carried run (``carry.py``; ``ranpac``'s carried and switched presets, issue 32) retrains the network the head reads at
 every stage, so the earlier classes' stored sums no longer describe their features: its fit reads
 them from class Gaussians moved with the network (``EarlierStages.carried``), solves every column
-of W again, and keeps every class's covariance rows, as drawn, in the newest stage's totals.
+of W again, and keeps every class's covariance rows, as drawn, in the newest stage's totals, with
+the sums it fitted (Q of every class, the Grams, the scatter): a stage that did not train the
+network (a paused switched run) reads those instead of drawing them again.
 
 The folder: ``options.py`` its run-config section (``ranpac`` in run.yaml), ``statistics.py`` the
 sums and the ridge solve, ``covariance.py`` the class covariances, ``head.py`` the scoring module,
@@ -95,13 +97,16 @@ LAMBDA = "lambda"  # statistics: (1,) the λ the newest stage chose, where the n
 # drew them, every class's Gaussian (``ClassGaussians.to_tensors`` under CARRY; the linear parts'
 # products are per group, the rest per class) and its fit and held-out image counts (C, 2)
 CARRY_COV = {name: f"{name}_carried" for name in (COV_MEAN, COV_COVARIANCE, COV_FACTOR, COV_TRACE)}
+# and Q of every class as the stage summed it (the earlier classes' drawn, its own), which with the
+# Grams and scatter summed so far a paused next stage reads instead of drawing them again
+CARRY_Q = {name: f"{name}_carried" for name in ("q_fit", "q_val")}
 CARRY = f"{PREFIX}carry_"
 CARRY_PER_CLASS = tuple(f"{CARRY}{name}" for name in ("mean", "factor", "rank", "spread", "count", "group", "parts"))
 CARRY_LINEAR = f"{CARRY}linear"
 # the newest stage's totals: W and what the covariances share, the Grams and scatters summed so far
 RUNNING = (
     WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", LAMBDA, COV_SCATTER, COV_COUNTS,
-    *CARRY_COV.values(), *CARRY_PER_CLASS, CARRY_LINEAR,
+    *CARRY_COV.values(), *CARRY_Q.values(), *CARRY_PER_CLASS, CARRY_LINEAR,
 )  # fmt: skip
 PER_CLASS = (
     PerClass("weights", COV_MEAN, 0),
@@ -113,6 +118,7 @@ PER_CLASS = (
     PerClass("statistics", "q_fit", 1),  # Q (M, n) of the stage's own classes (statistics.Statistics)
     PerClass("statistics", "q_val", 1),
     *(PerClass("totals", name, 0, seen=True) for name in (*CARRY_COV.values(), *CARRY_PER_CLASS)),
+    *(PerClass("totals", name, 1, seen=True) for name in CARRY_Q.values()),
 )
 
 

@@ -58,8 +58,9 @@ def carry_stage(
     rows through the network as the stage began: one ridge map per head token from those to these,
     the earlier Gaussians moved by the maps, and the head's sums over them drawn (the earlier
     classes for ``fit_stage``). ``before`` None: the stage did not train the network (a paused
-    switched run), so the Gaussians stay where they are. The drawn sums are taken on ``device`` (the
-    run's). A crafted or damaged carry is an IntegrityError."""
+    switched run), so the Gaussians stay where they are and the fit reads the sums the newest stage
+    kept (a run of an earlier release kept none: drawn again). The drawn sums are taken on ``device``
+    (the run's). A crafted or damaged carry is an IntegrityError."""
     tick = time.perf_counter()
     cfg = config.ranpac
     width = feats.shape[-1] * (cfg.subspaces + layout**2)
@@ -84,28 +85,36 @@ def carry_stage(
     except (KeyError, ValueError) as exc:
         raise IntegrityError(f"the run's carried classes do not fit ({exc}); restore it from a backup") from exc
     lam = float(totals[LAMBDA]) if LAMBDA in totals else None
-    if before is None:
+    projection = stage_tensors[0][PROJECTION]
+    carried = None
+    if before is None:  # nothing moved: the sums the newest stage kept, where it kept them
         moved, move = old, 0.0
+        try:
+            carried = Carried.kept(totals, classes=len(old), size=projection.shape[1], lam=lam)
+        except (KeyError, ValueError) as exc:
+            raise IntegrityError(f"the run's kept sums do not fit ({exc}); restore it from a backup") from exc
     else:
         maps = TokenMaps.fit(_tokens(before, width, layout), tokens, cfg.carry_lambda)
         moved, move = old.moved(maps), maps.move
-    sums = expected_sums(
-        moved,
-        parts,
-        projection=stage_tensors[0][PROJECTION].to(STAT_DTYPE),
-        layout_cells=layout**2,
-        draws=cfg.carry_draws,
-        generator=torch.Generator().manual_seed(config.train.seed + stage_index),
-        device=device,
-    )
+    if carried is None:
+        sums = expected_sums(
+            moved,
+            parts,
+            projection=projection.to(STAT_DTYPE),
+            layout_cells=layout**2,
+            draws=cfg.carry_draws,
+            generator=torch.Generator().manual_seed(config.train.seed + stage_index),
+            device=device,
+        )
+        carried = Carried.of_draws(sums, lam, cfg.covariance_rank if cfg.covariance_weight > 0 else None)
     meta = {
         "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow
         "map_lambda": cfg.carry_lambda,
-        "draws": cfg.carry_draws,
+        "draws": cfg.carry_draws if carried.drawn else 0,  # 0: the sums the stage before kept
         "classes": len(old),
         "seconds": round(time.perf_counter() - tick, 3),
     }
-    return CarryStep(Carried(sums, lam), moved.joined(own), torch.cat([parts, own_parts]), meta)
+    return CarryStep(carried, moved.joined(own), torch.cat([parts, own_parts]), meta)
 
 
 def _tokens(feats: Tensor, width: int, layout: int) -> Tensor:

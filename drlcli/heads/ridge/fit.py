@@ -17,6 +17,7 @@ from ...errors import IntegrityError
 from ..base import TOTALS_MARK, EarlierStages
 from . import (
     CARRY_COV,
+    CARRY_Q,
     COV_COUNTS,
     COV_COVARIANCE,
     COV_FACTOR,
@@ -73,13 +74,16 @@ def fit_stage(
     config: RunConfig,
     stage_index: int,
     carries: bool = False,
+    keeps: bool = False,
 ) -> StageFit:
     """Add a stage's images to the statistics and solve W for every class seen.
 
     ``features`` (N, S, d) and local ``labels`` (N,) are this process's shard (``indices`` of the
     stage's ``image_labels``; None: all); ``earlier`` gives the stages before it. A run that
-    ``carries`` its network (stage 1 too) keeps none of the sums a later stage draws again (the
-    Grams, Q, the scatter): only λ, and every class's covariance rows in its totals.
+    ``carries`` its network (stage 1 too) keeps λ and every class's covariance rows in its totals,
+    and none of the sums a later stage draws again (the Grams, Q, the scatter), unless it ``keeps``
+    them: a run whose later stages may leave the network as it is (a paused switched run) and read
+    them instead of drawing (``carry.Carried``).
     """
     start = time.perf_counter()
     cfg = config.ranpac
@@ -95,11 +99,10 @@ def fit_stage(
     carries = carries or carried is not None
     if carried is None:
         total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
-    else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians (carry.py)
-        old = carried.sums
-        total = Statistics.accumulate([replace(old.statistics, totals=True, lam=carried.lam), stage])
-        counts = torch.tensor([float(old.counts.sum()), float(len(old.counts))], dtype=STAT_DTYPE)
-        scatters.append({COV_SCATTER: old.scatter, COV_COUNTS: counts})
+    else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians, or kept (carry.py)
+        total = Statistics.accumulate([carried.statistics, stage])
+        if carried.scatter:
+            scatters.append(carried.scatter)
     lambdas = lambda_grid(cfg)
     seed = config.train.seed + stage_index
     lam, errors, validated = _choose_lambda(
@@ -117,24 +120,27 @@ def fit_stage(
         if layout:
             tensors[LAYOUT] = torch.tensor(layout)
     # the stage's own Q, and the run's totals through this stage (record.py puts them in its totals
-    # file); a carried run keeps λ alone: its next stage draws the sums again
+    # file); a carried run keeps λ alone (its next stage draws the sums again), or when it keeps its
+    # sums, Q of every class beside the Grams
     statistics = {TOTALS_MARK: torch.tensor([stage_index]), LAMBDA: torch.tensor([lam], dtype=STAT_DTYPE)}
     if not carries:
         statistics.update({**stage.own(), **total.running()})
+    elif keeps:
+        statistics.update({**total.running(), **{CARRY_Q[name]: q for name, q in total.own().items()}})
     if cfg.covariance_weight > 0:
         _covariances(earlier, features, labels, num_classes, cfg, scatters, tensors, statistics)
     # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits
     # them there), or in a carried run as drawn now, every class's then kept in the run's totals
     stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
     newest = tensors
-    if carries:
+    if carries and not keeps:
         for name in (COV_SCATTER, COV_COUNTS):  # summed for the pooled covariance only
             statistics.pop(name, None)
-        if COV_PARAMS in tensors:
-            own = {name: tensors.pop(name) for name in CARRY_COV if name in tensors}
-            stages = [carried.sums.covariance_rows(cfg.covariance_rank), own] if carried is not None else [own]
-            statistics.update({CARRY_COV[name]: joined_rows(stages, name) for name in own})
-            newest = {**tensors, **statistics}
+    if carries and COV_PARAMS in tensors:
+        own = {name: tensors.pop(name) for name in CARRY_COV if name in tensors}
+        stages = [carried.rows, own] if carried is not None else [own]
+        statistics.update({CARRY_COV[name]: joined_rows(stages, name) for name in own})
+        newest = {**tensors, **statistics}
     meta = {
         "lambda": lam,
         "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
