@@ -157,9 +157,19 @@ def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stoo
     _transfers(monkeypatch, False, stalls=True)
     results = _learn(run, stage_folders[:1])
     sets = [{k: v.clone() for k, v in _carried_set(run).items()}]
+    import drlcli.stage.fit as fit_module
+
+    phases, embed = [], fit_module._embed
+    monkeypatch.setattr(
+        fit_module, "_embed", lambda *a, phase="prototypes", **k: phases.append(phase) or embed(*a, phase=phase, **k)
+    )
     results += _learn(run, stage_folders[1:])
     sets.append(_carried_set(run))
     paused = pause == "transfer"
+    # each stage: the frozen track's pass, the carried network's as the stage began and the frozen
+    # PTM's (the transfer), and the fit's, which a paused stage reads from the first (nothing moved)
+    passes = ["prototypes", "carry", "transfer"] + ([] if paused else ["prototypes"])
+    assert phases == passes * 2
     # stage 2's own forward transfer already says adapting stalls: from it on, no stage trains
     assert [bool(r.epoch_losses) for r in results] == [True, not paused, not paused]
     assert all(r.carry["transfer"]["stalls"] and bool(r.carry.get("paused")) is paused for r in results[1:])

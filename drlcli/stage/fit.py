@@ -29,7 +29,8 @@ def fit_features(stage: StageContext, began: Began | None = None) -> Fitted:
     feature), the "unknown" answer's calibration, and the run's analytic head (if it has one) fitted
     on the same features. A run that trains no stage nothing reads (``train.skip_unread``) computes
     no such subspace either: its prototype rows there are zero, and nothing scores with them. A carried
-    run's stage after the first carries the earlier classes from ``began`` (``carried_start``)."""
+    run's stage after the first carries the earlier classes from ``began`` (``carried_start``), and a
+    paused one, whose network did not move, reads its rows from there instead of passing again."""
     tick = time.perf_counter()
     model, head = stage.model, head_of(stage.config)
     shard = distributed.shard(len(stage.images))
@@ -38,8 +39,11 @@ def fit_features(stage: StageContext, began: Began | None = None) -> Fitted:
     if old_rmd is None and stage.index == 1:
         old_rmd = (Moments.empty(model.rmd_width), torch.zeros(0))
     probes = _probes(stage)
-    feats, labels = _embed(stage, shard, computed, _layout(stage, head), probes)
-    feats, rmd_feats = split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
+    if began is not None and began.paused:  # the network did not move: its rows as the stage began
+        feats, rmd_feats, labels = _own_share(began, stage, shard)
+    else:
+        feats, labels = _embed(stage, shard, computed, _layout(stage, head), probes)
+        feats, rmd_feats = split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
     decision = None
     if deciding(stage) and head is not None:
         feats, rmd_feats, decision = _first_session(stage, head, feats, rmd_feats, labels, shard, probes)
@@ -84,6 +88,18 @@ def carried_start(stage: StageContext) -> Began | None:
     run = own + stage.earlier_transfer()
     paused = stage.method.pauses(stage.config) and run.stalls
     return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick)
+
+
+def _own_share(
+    began: Began, stage: StageContext, shard: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A paused stage's head rows, rmd inputs and labels: ``began``'s (every image's, in image order;
+    the same pass the fit would make again), this process's ``shard`` of them."""
+    labels = torch.tensor(stage.images.labels, dtype=torch.long)
+    if shard is None:
+        return began.rows, began.rmd_rows, labels
+    index = torch.tensor(shard, dtype=torch.long)
+    return began.rows[index], began.rmd_rows[index], labels[index]
 
 
 def _carry(
