@@ -166,9 +166,9 @@ def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stoo
     results += _learn(run, stage_folders[1:])
     sets.append(_carried_set(run))
     paused = pause == "transfer"
-    # each stage: the frozen track's pass, the carried network's as the stage began and the frozen
-    # PTM's (the transfer), and the fit's, which a paused stage reads from the first (nothing moved)
-    passes = ["prototypes", "carry", "transfer"] + ([] if paused else ["prototypes"])
+    # each stage: the frozen track's pass (whose f_0 the transfer reads), the carried network's as
+    # the stage began, and the fit's, which a paused stage reads from the one before (nothing moved)
+    passes = ["prototypes", "carry"] + ([] if paused else ["prototypes"])
     assert phases == passes * 2
     # stage 2's own forward transfer already says adapting stalls: from it on, no stage trains
     assert [bool(r.epoch_losses) for r in results] == [True, not paused, not paused]
@@ -363,3 +363,15 @@ def test_a_carried_run_has_no_frozen_track(tmp_path, stage_folders):
     assert not (run / "frozen").exists() and info(run)["frozen_track"] is None
     assert "switch" not in load_run(run, device="cpu").stage_metas[0]
     assert torch.is_tensor(load_run(run, device="cpu").model.class_stage)
+
+
+def test_the_transfer_reads_the_frozen_tracks_f0_as_a_carried_run_reads_its_own_pass(switched, tmp_path, stage_folders):
+    """A switched run's forward transfer takes the frozen PTM's f_0 from its frozen track's pass (no
+    pass of its own); a carried run learning the same stages passes the frozen PTM itself. The counts agree."""
+    run = tmp_path / "carried"
+    _init(run, preset="carried")
+    carried = _learn(run, stage_folders)
+    counts = ("better", "worse", "images")
+    for own, theirs in zip(switched[2][1:], carried[1:]):
+        assert [own.carry["transfer"][k] for k in counts] == [theirs.carry["transfer"][k] for k in counts]
+        assert own.carry["move"] == pytest.approx(theirs.carry["move"])

@@ -137,7 +137,7 @@ def _learn(
     if unchanged is not None:
         return unchanged
     check_classes(records.images, records.eval_images, records.learned)
-    frozen = outcome = None
+    frozen = outcome = frozen_f0 = None
     if method_of(records.config).switches(records.config):
         overrides = options.train_overrides or {}
         records.config.with_train(**overrides)  # a bad option, before either track learns
@@ -148,6 +148,7 @@ def _learn(
             outcome, frozen = committed_frozen(frozen), None
         else:
             outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
+            frozen_f0 = frozen.fitted.f0  # the frozen PTM's f_0 of the stage's images: the transfer's
             loaded = replace(frozen.stage.loaded, model=None, stage_tensors=[], stage_totals=[])
             frozen = (replace(frozen.stage, loaded=loaded), frozen.record)
     stage = prepare(
@@ -162,7 +163,9 @@ def _learn(
         progress=options.progress,
     )
     check_data(stage)
-    began = carried_start(stage)  # a carried run's stage after the first: its forward transfer, before training
+    began = carried_start(
+        stage, frozen_f0
+    )  # a carried run's stage after the first: its forward transfer, before training
     trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
     fitted = fit_features(stage, began)
     evaluated = evaluate_stage(stage)

@@ -132,6 +132,9 @@ class Fitted:
     seconds: float  # the feature pass for the prototypes, and the head's fit
     decision: Decision | None = None  # stage 1's adapted against frozen features (first_session.py)
     carry: dict[str, Any] | None = None  # a carried run's stage > 1: how far it moved the earlier classes
+    # (n, d) f_0 of this process's share of the stage's images, as the pass gave it: a switched run's
+    # frozen track hands the run its frozen PTM's (``fit.carried_start``), saving the run that pass
+    f0: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

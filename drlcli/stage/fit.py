@@ -64,27 +64,33 @@ def fit_features(stage: StageContext, began: Began | None = None) -> Fitted:
     if carry is not None and fit is not None:
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
     seconds = time.perf_counter() - tick + (began.seconds if began is not None else 0.0)  # its passes count too
-    return Fitted(fit, calibration, bias, rmd, seconds, decision, carry.meta if carry else None)
+    return Fitted(fit, calibration, bias, rmd, seconds, decision, carry.meta if carry else None, feats[:, 0].clone())
 
 
-def carried_start(stage: StageContext) -> Began | None:
+def carried_start(stage: StageContext, frozen_f0: torch.Tensor | None = None) -> Began | None:
     """A carried run's stage after the first, before it trains (None for any other stage): the head's
     rows and the rmd inputs of the stage's images through the network as the stage begins, and their
     f_0 through the frozen PTM, which give the stage's forward transfer (``metrics.Transfer``) and,
     in a run that pauses (``Method.pauses``), whether the stage trains the network at all. Every
-    process ends with every image's rows, in the stage's image order."""
+    process ends with every image's rows, in the stage's image order. ``frozen_f0``: this process's
+    share of that f_0 as a switched run's frozen track computed it for the same images (its
+    ``Fitted.f0``); None: a pass through the network with its adapters off."""
     head = head_of(stage.config)
     if head is None or not stage.method.carries_network(stage.config) or not stage.loaded.stage_metas:
         return None
     tick = time.perf_counter()
     shard, network, probes = distributed.shard(len(stage.images)), stage.model.network, _probes(stage)
     rows, labels = _embed(stage, shard, None, _layout(stage, head), probes, phase="carry")
-    with network.bare():  # progress: "transfer", the stage's images through the frozen PTM
-        bare, _ = _embed(stage, shard, None, 0, (), phase="transfer")
+    bare = frozen_f0
+    if bare is None:
+        with network.bare():  # progress: "transfer", the stage's images through the frozen PTM
+            bare = _embed(stage, shard, None, 0, (), phase="transfer")[0][:, 0]
+    if len(bare) != len(rows):
+        raise RuntimeError(f"the frozen track passed {len(bare)} images, the run {len(rows)}")
     rows, rmd_rows = split_probe(rows, len(probes), stage.model.probe_weight)
     if distributed.world_size() > 1:
         rows, rmd_rows, bare, labels = _in_image_order(shard, rows, rmd_rows, bare, labels)
-    own = measure(rows[:, 0], bare[:, 0], labels)
+    own = measure(rows[:, 0], bare, labels)
     run = own + stage.earlier_transfer()
     paused = stage.method.pauses(stage.config) and run.stalls
     return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick)
