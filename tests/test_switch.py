@@ -375,3 +375,20 @@ def test_the_transfer_reads_the_frozen_tracks_f0_as_a_carried_run_reads_its_own_
     for own, theirs in zip(switched[2][1:], carried[1:]):
         assert [own.carry["transfer"][k] for k in counts] == [theirs.carry["transfer"][k] for k in counts]
         assert own.carry["move"] == pytest.approx(theirs.carry["move"])
+
+
+def test_a_paused_stage_takes_each_process_share_of_the_rows_it_began_with():
+    """Under torchrun a paused stage's fit reads this process's shard of the rows the pass before
+    training gathered in image order (``fit._own_share``), labels alike."""
+    from types import SimpleNamespace
+
+    from drlcli.stage.context import Began
+    from drlcli.stage.fit import _own_share
+
+    rows, rmd = torch.arange(10.0).view(5, 1, 2), torch.arange(5.0).view(5, 1)
+    began = Began(rows, rmd, {}, True, 0.0)
+    stage = SimpleNamespace(images=SimpleNamespace(labels=(0, 1, 0, 2, 1)))
+    feats, rmd_feats, labels = _own_share(began, stage, [1, 3])
+    assert torch.equal(feats, rows[[1, 3]]) and torch.equal(rmd_feats, rmd[[1, 3]]) and labels.tolist() == [1, 2]
+    whole = _own_share(began, stage, None)
+    assert whole[0] is rows and whole[2].dtype == torch.long and whole[2].tolist() == [0, 1, 0, 2, 1]
