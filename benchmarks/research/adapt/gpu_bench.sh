@@ -4,8 +4,16 @@
 #
 # The training photos travel in two bundles (`gpu_oracle.py pack`, 64 MiB a call) and the sketches
 # are redrawn there by the data set's own make.py, checked against the sha256 of the sketches here:
-#   device call 1, carry [".devA"]: python3 benchmarks/research/adapt/gpu_oracle.py draw --src .devA --dst /tmp/sketch
-#   device call 2 on the same warm machine, carry [".devB"]: bash benchmarks/research/adapt/gpu_bench.sh 450
+#   device call 1, carry [".devA"] (timeout_s 200; the CUDA tests too, issue 18):
+#     python3 benchmarks/research/adapt/gpu_oracle.py draw --src .devA --dst /tmp/sketch; set -o pipefail;
+#     HF_HUB_OFFLINE=1 PYTHONPATH=. timeout 120 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+#       --junitxml $OUT/gpu.xml 2>&1 | tee $OUT/gpu-tests.log
+#   device call 2 at once, on the same warm machine, carry [".devB"] (timeout_s 560; LIMIT: the device
+#   time left after call 1 less about 90 s, at most 500), then give_back:
+#     bash benchmarks/research/adapt/gpu_bench.sh LIMIT
+# .devA/.devB: `python benchmarks/research/adapt/gpu_oracle.py pack --sketch SKETCH_DIR --out .devA,.devB`
+# (both in .git/info/exclude). A dry run here: OUT=/tmp/out PAR=0 EXTRA="--stages 2 --max-train-per-class 3
+# --epochs 1" bash benchmarks/research/adapt/gpu_bench.sh 400, after call 1's draw.
 # Every run stops at LIMIT seconds (its finished stages stay in its run folder); what they wrote
 # (json, md, logs; no weights) comes back as $OUT/bench.tgz.
 set -u
