@@ -403,7 +403,7 @@ def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_ru
     the plain run's to the float32 Grams both store, and it keeps its own sums in turn."""
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
-    from drlcli.heads.ridge import CARRY_Q, COV_MEAN, LAMBDA, PROJECTION, WEIGHT
+    from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_MEAN, LAMBDA, PROJECTION, WEIGHT
     from drlcli.heads.ridge.carry import Carried
 
     config = RunConfig.for_method(
@@ -418,7 +418,8 @@ def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_ru
     plain2 = _fit(EarlierStages(plain1.head, [weights1], lambda: [plain1.statistics]), feats2, labels2, config, 2)
 
     totals = carried1.statistics
-    kept = Carried.kept(totals, classes=3, size=64, lam=float(totals[LAMBDA]))
+    shape = {"size": 64, "width": 8, "rank": 3}
+    kept = Carried.kept(totals, classes=3, lam=float(totals[LAMBDA]), **shape)
     assert kept is not None and not kept.drawn and kept.lam == float(totals[LAMBDA])
     loaded1 = {**carried1.tensors, **totals}
     fit2 = _fit(
@@ -438,15 +439,27 @@ def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_ru
     assert fit2.statistics[CARRY_Q["q_val"]].shape == (64, 7)
     assert torch.allclose(fit2.statistics["gram_fit"], plain2.statistics["gram_fit"], atol=1e-4)
 
-    # a run of an earlier release kept none; kept sums that do not fit are refused
-    assert (
-        Carried.kept({k: v for k, v in totals.items() if k not in CARRY_Q.values()}, classes=3, size=64, lam=None)
-        is None
-    )
+    # a run made before runs kept them; kept sums that do not fit are refused
+    without = {k: v for k, v in totals.items() if k not in CARRY_Q.values()}
+    assert Carried.kept(without, classes=3, lam=None, **shape) is None
     with pytest.raises(ValueError, match="kept Q"):
-        Carried.kept(totals, classes=4, size=64, lam=None)
+        Carried.kept(totals, classes=4, lam=None, **shape)
     with pytest.raises(ValueError, match="Grams"):
-        Carried.kept({**totals, "gram_fit": totals["gram_fit"][:-1]}, classes=3, size=64, lam=None)
+        Carried.kept({**totals, "gram_fit": totals["gram_fit"][:-1]}, classes=3, lam=None, **shape)
     with pytest.raises(ValueError, match="counts"):
-        Carried.kept({**totals, "counts": torch.tensor([float("nan"), 1.0])}, classes=3, size=64, lam=None)
+        Carried.kept({**totals, "counts": torch.tensor([float("nan"), 1.0])}, classes=3, lam=None, **shape)
+    mean = CARRY_COV[COV_MEAN]
+    crafted = [
+        {k: v for k, v in totals.items() if k != mean},
+        {**totals, mean: totals[mean][:, :-1]},
+        {k: v for k, v in totals.items() if k != "cov_counts"},
+        {**totals, "cov_scatter": torch.zeros(9, 9)},
+        {**totals, "cov_scatter": torch.zeros(1)},
+    ]
+    for bad in crafted:
+        with pytest.raises(ValueError, match="kept class covariances"):
+            Carried.kept(bad, classes=3, lam=None, **shape)
+    # without class covariances nothing of them is read
+    bare = Carried.kept(crafted[0], classes=3, lam=None, size=64, width=8, rank=None)
+    assert bare is not None and bare.rows == {} and bare.scatter == {}
     assert PROJECTION in carried1.tensors and COV_MEAN not in carried1.tensors

@@ -392,3 +392,25 @@ def test_a_paused_stage_takes_each_process_share_of_the_rows_it_began_with():
     assert torch.equal(feats, rows[[1, 3]]) and torch.equal(rmd_feats, rmd[[1, 3]]) and labels.tolist() == [1, 2]
     whole = _own_share(began, stage, None)
     assert whole[0] is rows and whole[2].dtype == torch.long and whole[2].tolist() == [0, 1, 0, 2, 1]
+
+
+def test_the_transfer_passes_itself_when_the_frozen_track_listed_other_images(tmp_path, stage_folders, monkeypatch):
+    """The frozen track's f_0 stands in for the run's own pass only for the very images the run lists
+    (its data's fingerprint); a folder that changed between the two listings makes the run pass them."""
+    import itertools
+
+    import drlcli.stage.fit as fit_module
+    from drlcli.data.images import ImageSet
+
+    run = tmp_path / "run"
+    _init(run)
+    _transfers(monkeypatch, False)
+    _learn(run, stage_folders[:1])
+    phases, embed = [], fit_module._embed
+    monkeypatch.setattr(
+        fit_module, "_embed", lambda *a, phase="prototypes", **k: phases.append(phase) or embed(*a, phase=phase, **k)
+    )
+    listing = itertools.count()
+    monkeypatch.setattr(ImageSet, "fingerprint", lambda self: f"listing {next(listing)}")
+    result = _learn(run, stage_folders[1:2])[0]
+    assert "transfer" in phases and result.carry["transfer"]["images"] > 0

@@ -96,6 +96,7 @@ class _Options:
     restart: bool
     precision: str
     progress: ProgressFn | None
+    keep_f0: bool = False  # a switched run's frozen track: its f_0 of the stage's images, for the run
 
 
 @dataclass(frozen=True)
@@ -142,13 +143,14 @@ def _learn(
         overrides = options.train_overrides or {}
         records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
-        own = replace(options, train_overrides=workers, restart=False, progress=relay(options.progress))
+        own = replace(options, train_overrides=workers, restart=False, progress=relay(options.progress), keep_f0=True)
         frozen = _learn(frozen_track_of(records), sources, own, locks, None)
         if isinstance(frozen, StageResult):  # committed by a call interrupted between the two commits
             outcome, frozen = committed_frozen(frozen), None
         else:
             outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
-            frozen_f0 = frozen.fitted.f0  # the frozen PTM's f_0 of the stage's images: the transfer's
+            # the frozen PTM's f_0 of the stage's images, for the run's forward transfer
+            frozen_f0 = (frozen.fitted.f0, frozen.stage.images.fingerprint())
             loaded = replace(frozen.stage.loaded, model=None, stage_tensors=[], stage_totals=[])
             frozen = (replace(frozen.stage, loaded=loaded), frozen.record)
     stage = prepare(
@@ -163,11 +165,12 @@ def _learn(
         progress=options.progress,
     )
     check_data(stage)
-    began = carried_start(
-        stage, frozen_f0
-    )  # a carried run's stage after the first: its forward transfer, before training
+    # a carried run's stage after the first: its forward transfer, before training; the frozen track's
+    # f_0 only of the very images the run lists, in its order (else the run passes them itself)
+    same = frozen_f0 is not None and frozen_f0[1] == stage.images.fingerprint()
+    began = carried_start(stage, frozen_f0[0] if same else None)
     trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
-    fitted = fit_features(stage, began)
+    fitted = fit_features(stage, began, keep_f0=options.keep_f0)
     evaluated = evaluate_stage(stage)
     if outcome is not None:  # the run answers from the track the stage's forward transfer picks
         evaluated = answered(fitted, evaluated, outcome)

@@ -24,13 +24,14 @@ from .first_session import Decision, decide, deciding
 log = logging.getLogger(__name__)
 
 
-def fit_features(stage: StageContext, began: Began | None = None) -> Fitted:
+def fit_features(stage: StageContext, began: Began | None = None, *, keep_f0: bool = False) -> Fitted:
     """One pass over the stage's images: the new classes' prototypes in every subspace (their mean
     feature), the "unknown" answer's calibration, and the run's analytic head (if it has one) fitted
     on the same features. A run that trains no stage nothing reads (``train.skip_unread``) computes
     no such subspace either: its prototype rows there are zero, and nothing scores with them. A carried
     run's stage after the first carries the earlier classes from ``began`` (``carried_start``), and a
-    paused one, whose network did not move, reads its rows from there instead of passing again."""
+    paused one, whose network did not move, reads its rows from there instead of passing again.
+    ``keep_f0``: the result keeps f_0 of this process's images (``Fitted.f0``; a frozen track's)."""
     tick = time.perf_counter()
     model, head = stage.model, head_of(stage.config)
     shard = distributed.shard(len(stage.images))
@@ -64,7 +65,8 @@ def fit_features(stage: StageContext, began: Began | None = None) -> Fitted:
     if carry is not None and fit is not None:
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
     seconds = time.perf_counter() - tick + (began.seconds if began is not None else 0.0)  # its passes count too
-    return Fitted(fit, calibration, bias, rmd, seconds, decision, carry.meta if carry else None, feats[:, 0].clone())
+    f0 = feats[:, 0].clone() if keep_f0 else None
+    return Fitted(fit, calibration, bias, rmd, seconds, decision, carry.meta if carry else None, f0)
 
 
 def carried_start(stage: StageContext, frozen_f0: torch.Tensor | None = None) -> Began | None:

@@ -90,7 +90,14 @@ def carry_stage(
     if before is None:  # nothing moved: the sums the newest stage kept, where it kept them
         moved, move = old, 0.0
         try:
-            carried = Carried.kept(totals, classes=len(old), size=projection.shape[1], lam=lam)
+            carried = Carried.kept(
+                totals,
+                classes=len(old),
+                size=projection.shape[1],
+                lam=lam,
+                width=tokens.shape[-1],
+                rank=cfg.covariance_rank if cfg.covariance_weight > 0 else None,
+            )
         except (KeyError, ValueError) as exc:
             raise IntegrityError(f"the run's kept sums do not fit ({exc}); restore it from a backup") from exc
     else:

@@ -289,10 +289,20 @@ class Carried:
         )
 
     @classmethod
-    def kept(cls, totals: dict[str, Tensor], *, classes: int, size: int, lam: float | None) -> Carried | None:
+    def kept(
+        cls,
+        totals: dict[str, Tensor],
+        *,
+        classes: int,
+        size: int,
+        lam: float | None,
+        width: int,
+        rank: int | None,
+    ) -> Carried | None:
         """The sums a carried run's newest stage kept in its ``totals`` (``ridge.CARRY_Q`` beside the
-        Grams), for ``classes`` classes and a projection of ``size`` columns; None when it kept none
-        (a run of an earlier release). ValueError when they do not fit."""
+        Grams), for ``classes`` classes, a projection of ``size`` columns and class covariances of
+        x in R^``width`` at ``rank`` (None: the head has none, and none are read); None when it kept
+        none (a run made before runs kept them). ValueError when they do not fit."""
         if CARRY_Q["q_fit"] not in totals:
             return None
         q_fit, q_val = (totals[CARRY_Q[name]] for name in ("q_fit", "q_val"))
@@ -314,9 +324,21 @@ class Carried:
             True,
             lam,
         )
-        rows = {name: totals[kept] for name, kept in CARRY_COV.items() if kept in totals}
-        scatter = {name: totals[name].to(STAT_DTYPE) for name in (COV_SCATTER, COV_COUNTS) if name in totals}
-        return cls(statistics, rows, scatter, drawn=False)
+        if rank is None:
+            return cls(statistics, {}, {}, drawn=False)
+        shapes = {COV_MEAN: (classes, width)}
+        if rank:
+            shapes.update({COV_FACTOR: (classes, width, rank), COV_TRACE: (classes,)})
+        else:
+            shapes[COV_COVARIANCE] = (classes, width, width)
+        rows = {name: totals.get(CARRY_COV[name]) for name in shapes}
+        scatter = {COV_SCATTER: totals.get(COV_SCATTER), COV_COUNTS: totals.get(COV_COUNTS)}
+        for name, want in (*shapes.items(), (COV_SCATTER, (width, width)), (COV_COUNTS, (2,))):
+            tensor = rows.get(name, scatter.get(name))
+            if tensor is None or tuple(tensor.shape) != want:
+                shape = "missing" if tensor is None else tuple(tensor.shape)
+                raise ValueError(f"the kept class covariances' {name} is {shape}, not {want}")
+        return cls(statistics, rows, {name: t.to(STAT_DTYPE) for name, t in scatter.items()}, drawn=False)
 
 
 def expected_sums(
@@ -333,12 +355,14 @@ def expected_sums(
     Q_part = n_part · E[φ], G_part = Σ n_part · E[φ φᵀ], with φ = ReLU(h R) of the drawn tokens
     (``head_input``, ``projection`` R (S·d or the head's input width, M)); ``parts`` (C, 2) the
     class's fit and held-out image counts. In STAT_DTYPE; classes in order, from one ``generator``
-    (on the CPU: the same draws on every device). The sums are taken on ``device`` (the run's: the
-    M x M products are most of a carried stage's time on a CPU) and returned on the CPU."""
+    (on the CPU: the same draws on every device). The sums are taken on ``device`` when it is a CUDA
+    device (the run's: the M x M products are most of a carried stage's time on a CPU; other
+    accelerators may lack float64, so the CPU there) and returned on the CPU."""
     if parts.shape != (len(gaussians), 2):
         raise ValueError(f"parts must be (classes, 2) = ({len(gaussians)}, 2), not {tuple(parts.shape)}")
     if draws < 1:
         raise ValueError(f"draws must be at least 1, not {draws}")
+    device = device if torch.device(device).type == "cuda" else "cpu"
     gaussians, projection = gaussians.to(device), projection.to(device, STAT_DTYPE)
     width, size = projection.shape
     d = gaussians.tokens[1]
