@@ -309,7 +309,8 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
     from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, PROJECTION, WEIGHT
-    from drlcli.heads.ridge.carry import Carried, expected_sums
+    from drlcli.heads.ridge.carried import Carried
+    from drlcli.heads.ridge.carry import expected_sums
     from drlcli.heads.ridge.statistics import validation_mask
 
     d, cells = 8, 4
@@ -404,7 +405,7 @@ def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_ru
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
     from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_MEAN, LAMBDA, PROJECTION, WEIGHT
-    from drlcli.heads.ridge.carry import Carried
+    from drlcli.heads.ridge.carried import Carried
 
     config = RunConfig.for_method(
         "ranpac", {"ranpac": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}

@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from ..linalg import ridge_map
-from . import CARRY_COV, CARRY_Q, COV_COUNTS, COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_SCATTER, COV_TRACE
+from . import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_TRACE
 from .covariance import class_factors, covariance_input
 from .head import expand, head_input
-from .statistics import STAT_DTYPE, Statistics, unpack
+from .statistics import STAT_DTYPE, Statistics
 
 CHUNK = 8192  # draws a class at a time; above it the draws come in chunks (another random stream)
 
@@ -257,88 +257,6 @@ class DrawnSums:
         images = self.counts.to(STAT_DTYPE)
         factors, traces = class_factors(self.x_covariances * (images - 1).clamp_min(1)[:, None, None], images, rank)
         return {COV_MEAN: self.x_means.float(), COV_FACTOR: factors.float(), COV_TRACE: traces.float()}
-
-
-@dataclass(frozen=True)
-class Carried:
-    """A carried run's earlier classes as its next stage's fit reads them (``EarlierStages.carried``),
-    in the run's class order: their sums (Q's columns the classes; the Grams and counts, marked as
-    running totals with the λ the newest stage chose, None: search every λ), each class's covariance
-    rows as a stage's weights hold its own (none without class covariances), and the within-class
-    scatter over them with its (images, classes) counts (``COV_SCATTER``, ``COV_COUNTS``; none
-    without). ``drawn``: from the class Gaussians (``of_draws``, a stage that trained the network);
-    False: as the newest stage kept them (``kept``, a stage that did not: nothing moved)."""
-
-    statistics: Statistics
-    rows: dict[str, Tensor]
-    scatter: dict[str, Tensor]
-    drawn: bool = True
-
-    @property
-    def lam(self) -> float | None:
-        return self.statistics.lam
-
-    @classmethod
-    def of_draws(cls, sums: DrawnSums, lam: float | None, rank: int | None) -> Carried:
-        """From ``expected_sums``; ``rank`` the covariance rows' (None: the head keeps none)."""
-        counts = torch.tensor([float(sums.counts.sum()), float(len(sums.counts))], dtype=STAT_DTYPE)
-        return cls(
-            replace(sums.statistics, totals=True, lam=lam),
-            sums.covariance_rows(rank) if rank is not None else {},
-            {COV_SCATTER: sums.scatter, COV_COUNTS: counts},
-        )
-
-    @classmethod
-    def kept(
-        cls,
-        totals: dict[str, Tensor],
-        *,
-        classes: int,
-        size: int,
-        lam: float | None,
-        width: int,
-        rank: int | None,
-    ) -> Carried | None:
-        """The sums a carried run's newest stage kept in its ``totals`` (``ridge.CARRY_Q`` beside the
-        Grams), for ``classes`` classes, a projection of ``size`` columns and class covariances of
-        x in R^``width`` at ``rank`` (None: the head has none, and none are read); None when it kept
-        none (a run made before runs kept them). ValueError when they do not fit."""
-        if CARRY_Q["q_fit"] not in totals:
-            return None
-        q_fit, q_val = (totals[CARRY_Q[name]] for name in ("q_fit", "q_val"))
-        for name, q in (("fit", q_fit), ("val", q_val)):
-            if tuple(q.shape) != (size, classes):
-                raise ValueError(f"the kept Q ({name}) is {tuple(q.shape)}, not ({size}, {classes})")
-        grams = [totals[name] for name in ("gram_fit", "gram_val")]
-        if any(tuple(g.shape) != (size * (size + 1) // 2,) for g in grams) or tuple(totals["counts"].shape) != (2,):
-            raise ValueError(f"the kept Grams or counts do not fit a projection of {size} columns")
-        counts = totals["counts"].to(STAT_DTYPE)
-        if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
-            raise ValueError("the kept image counts are not counts")
-        statistics = Statistics(
-            *(unpack(g, size) for g in grams),
-            q_fit.to(STAT_DTYPE),
-            q_val.to(STAT_DTYPE),
-            float(counts[0]),
-            float(counts[1]),
-            True,
-            lam,
-        )
-        if rank is None:
-            return cls(statistics, {}, {}, drawn=False)
-        shapes = {COV_MEAN: (classes, width)}
-        if rank:
-            shapes.update({COV_FACTOR: (classes, width, rank), COV_TRACE: (classes,)})
-        else:
-            shapes[COV_COVARIANCE] = (classes, width, width)
-        rows = {name: totals.get(CARRY_COV[name]) for name in shapes}
-        scatter = {COV_SCATTER: totals.get(COV_SCATTER), COV_COUNTS: totals.get(COV_COUNTS)}
-        for name, want in (*shapes.items(), (COV_SCATTER, (width, width)), (COV_COUNTS, (2,))):
-            tensor = rows.get(name, scatter.get(name))
-            if tensor is None or tuple(tensor.shape) != want:
-                shape = "missing" if tensor is None else tuple(tensor.shape)
-                raise ValueError(f"the kept class covariances' {name} is {shape}, not {want}")
-        return cls(statistics, rows, {name: t.to(STAT_DTYPE) for name, t in scatter.items()}, drawn=False)
 
 
 def expected_sums(

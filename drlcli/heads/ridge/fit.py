@@ -83,7 +83,7 @@ def fit_stage(
     ``carries`` its network (stage 1 too) keeps λ and every class's covariance rows in its totals,
     and none of the sums a later stage draws again (the Grams, Q, the scatter), unless it ``keeps``
     them: a run whose later stages may leave the network as it is (a paused switched run) and read
-    them instead of drawing (``carry.Carried``).
+    them instead of drawing (``carried.Carried``).
     """
     start = time.perf_counter()
     cfg = config.ranpac
