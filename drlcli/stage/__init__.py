@@ -150,7 +150,7 @@ def _learn(
         else:
             outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
             # the frozen PTM's f_0 of the stage's images, for the run's forward transfer
-            frozen_f0 = (frozen.fitted.f0, frozen.stage.images.fingerprint())
+            frozen_f0 = (frozen.fitted.f0, frozen.stage.fingerprint)
             loaded = replace(frozen.stage.loaded, model=None, stage_tensors=[], stage_totals=[])
             frozen = (replace(frozen.stage, loaded=loaded), frozen.record)
     stage = prepare(
@@ -167,7 +167,7 @@ def _learn(
     check_data(stage)
     # a carried run's stage after the first: its forward transfer, before training; the frozen track's
     # f_0 only of the very images the run lists, in its order (else the run passes them itself)
-    same = frozen_f0 is not None and frozen_f0[1] == stage.images.fingerprint()
+    same = frozen_f0 is not None and frozen_f0[1] == stage.fingerprint
     began = carried_start(stage, frozen_f0[0] if same else None)
     trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
     fitted = fit_features(stage, began, keep_f0=options.keep_f0)

@@ -30,7 +30,7 @@ from . import (
 )
 from .carry import ClassGaussians, DrawnSums, TokenMaps, expected_sums
 from .head import head_input
-from .statistics import STAT_DTYPE, Statistics, unpack, validation_mask
+from .statistics import STAT_DTYPE, Statistics, validation_mask
 
 if TYPE_CHECKING:
     from ...config import RunConfig
@@ -91,18 +91,11 @@ class Carried:
         grams = [totals[name] for name in ("gram_fit", "gram_val")]
         if any(tuple(g.shape) != (size * (size + 1) // 2,) for g in grams) or tuple(totals["counts"].shape) != (2,):
             raise ValueError(f"the kept Grams or counts do not fit a projection of {size} columns")
-        counts = totals["counts"].to(STAT_DTYPE)
+        counts = totals["counts"]
         if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
             raise ValueError("the kept image counts are not counts")
-        statistics = Statistics(
-            *(unpack(g, size) for g in grams),
-            q_fit.to(STAT_DTYPE),
-            q_val.to(STAT_DTYPE),
-            float(counts[0]),
-            float(counts[1]),
-            True,
-            lam,
-        )
+        kept = {"q_fit": q_fit, "q_val": q_val, "gram_fit": grams[0], "gram_val": grams[1], "counts": counts}
+        statistics = replace(Statistics.from_tensors(kept), totals=True, lam=lam)
         if rank is None:
             return cls(statistics, {}, {}, drawn=False)
         shapes = {COV_MEAN: (classes, width)}
@@ -183,6 +176,7 @@ def carry_stage(
         raise IntegrityError(f"the run's carried classes do not fit ({exc}); restore it from a backup") from exc
     lam = float(totals[LAMBDA]) if LAMBDA in totals else None
     projection = stage_tensors[0][PROJECTION]
+    rank = cfg.covariance_rank if cfg.covariance_weight > 0 else None  # of the rows carried (None: none)
     carried = None
     if before is None:  # nothing moved: the sums the newest stage kept, where it kept them
         moved, move = old, 0.0
@@ -193,7 +187,7 @@ def carry_stage(
                 size=projection.shape[1],
                 lam=lam,
                 width=tokens.shape[-1],
-                rank=cfg.covariance_rank if cfg.covariance_weight > 0 else None,
+                rank=rank,
             )
         except (KeyError, ValueError) as exc:
             raise IntegrityError(f"the run's kept sums do not fit ({exc}); restore it from a backup") from exc
@@ -210,7 +204,7 @@ def carry_stage(
             generator=torch.Generator().manual_seed(config.train.seed + stage_index),
             device=device,
         )
-        carried = Carried.of_draws(sums, lam, cfg.covariance_rank if cfg.covariance_weight > 0 else None)
+        carried = Carried.of_draws(sums, lam, rank)
     meta = {
         "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow
         "map_lambda": cfg.carry_lambda,
