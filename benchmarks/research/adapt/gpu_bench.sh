@@ -12,7 +12,8 @@
 #   time left after call 1 less about 90 s, at most 500), then give_back:
 #     bash benchmarks/research/adapt/gpu_bench.sh LIMIT
 # .devA/.devB: `python benchmarks/research/adapt/gpu_oracle.py pack --sketch SKETCH_DIR --out .devA,.devB`
-# (both in .git/info/exclude). A dry run here: OUT=/tmp/out PAR=0 EXTRA="--stages 2 --max-train-per-class 3
+# (both in .git/info/exclude; a fresh checkout has neither: pack them first, about 3 s, and add both to
+# .git/info/exclude so `git status` stays clean). A dry run here: OUT=/tmp/out PAR=0 EXTRA="--stages 2 --max-train-per-class 3
 # --epochs 1" bash benchmarks/research/adapt/gpu_bench.sh 400, after call 1's draw.
 # Every run stops at LIMIT seconds (its finished stages stay in its run folder); what they wrote
 # (json, md, logs; no weights) comes back as $OUT/bench.tgz.
