@@ -97,7 +97,7 @@ def run_fault_injection(work: Path, *, kills: int, seed: int = 0, log: Any = pri
     work = Path(work)
     run = work / "run"
     # the stages trained (train.skip_unread false), so that kills land in epochs and checkpoints too
-    config = RunConfig.for_method("drl", {"train": {"skip_unread": False}})
+    config = RunConfig.for_method("drl", {"train": {"skip_unread": False}}, preset="frozen")
     api.init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     # one uninterrupted stage measures how long a whole learn-stage takes here
     train, test = _stage_data(work, 1)

@@ -152,7 +152,13 @@ def head_cost(model_path: Path, repeats: int, reference: str) -> dict[str, float
 
 def year_run(args, out: Path, log) -> dict:
     run, data = out / "run", out / "data"
-    init_run(run, ptm=args.ptm, random_init=True, ptm_kwargs=args.ptm_kwargs, config=RunConfig.for_method("drl"))
+    init_run(
+        run,
+        ptm=args.ptm,
+        random_init=True,
+        ptm_kwargs=args.ptm_kwargs,
+        config=RunConfig.for_method("drl", preset="frozen"),
+    )
     base = dir_bytes(run)  # the run's PTM weights (random, so stored in the run) and records
     rows = []
     early = max(1, args.stages // 10)  # an export here too: the export's fixed and per-class parts
@@ -244,7 +250,13 @@ def paired(early: Path, late: Path, args, out: Path, log) -> dict:
 def thousand(args, out: Path, log) -> dict:
     """One stage of 1,000 classes, in a fresh run."""
     run, data = out / "run1000", out / "data1000"
-    init_run(run, ptm=args.ptm, random_init=True, ptm_kwargs=args.ptm_kwargs, config=RunConfig.for_method("drl"))
+    init_run(
+        run,
+        ptm=args.ptm,
+        random_init=True,
+        ptm_kwargs=args.ptm_kwargs,
+        config=RunConfig.for_method("drl", preset="frozen"),
+    )
     drop = make_drop(data, 0, 1000, 2)
     row = learn_one(run, drop, 1)
     tick = time.perf_counter()

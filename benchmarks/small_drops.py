@@ -66,7 +66,12 @@ def main() -> None:
             stdout=subprocess.DEVNULL,
         )
         run_path = out / "run"
-        init_run(run_path, ptm="deit_tiny_patch16_224", ptm_weights=args.weights, config=RunConfig.for_method("drl"))
+        init_run(
+            run_path,
+            ptm="deit_tiny_patch16_224",
+            ptm_weights=args.weights,
+            config=RunConfig.for_method("drl", preset="frozen"),
+        )
         rows = []
         for k in range(1, args.stages + 1):
             learn_stage(run_path, data_dir=drops / f"stage{k}" / "train", device="cpu")

@@ -91,11 +91,12 @@ class RunConfig:
     @classmethod
     def for_method(cls, method: str, data: dict[str, Any] | None = None, *, preset: str | None = None) -> RunConfig:
         """``method``'s defaults (its train recipe and other sections), then the named ``preset`` of the
-        method if given, overlaid by ``data``'s sections."""
+        method (if none is named, its default preset, if it has one), overlaid by ``data``'s sections."""
         spec = methods.get_method(method)
         if preset is not None and preset not in spec.presets:
             known = list(spec.presets) or "none"
             raise UsageError(f"method {method} has no preset {preset!r}; its presets: {known}")
+        preset = spec.default_preset if preset is None else preset
         base = cls(method=method, train=spec.train_defaults).to_dict()
         layers = [spec.defaults, spec.presets[preset] if preset else {}, data or {}]
         for layer in layers:
@@ -110,7 +111,8 @@ class RunConfig:
 
     @classmethod
     def from_yaml(cls, path: Path, *, method: str | None = None, preset: str | None = None) -> RunConfig:
-        """A config file's sections over ``method``'s defaults (``method`` overrides the file's)."""
+        """A config file's sections over ``method``'s defaults and preset (``method`` and ``preset``
+        override the file's ``method`` and ``preset``)."""
         try:
             text = storage.read_regular(Path(path), limit=MAX_CONFIG_FILE_BYTES, what="config", follow=True)
             data = jsonio.load_yaml(text) or {}
@@ -122,7 +124,10 @@ class RunConfig:
             ) from exc
         if not isinstance(data, dict):
             raise UsageError(f"config {path} must be a YAML mapping of sections")
-        return cls.for_method(method or data.get("method", "drl"), data, preset=preset)
+        named = data.pop("preset", None)  # the file may name its method's preset; --preset wins
+        if named is not None and not isinstance(named, str):
+            raise UsageError(f"config {path}: preset must be a preset's name, got {named!r}")
+        return cls.for_method(method or data.get("method", "drl"), data, preset=preset or named)
 
     def with_train(self, **overrides: Any) -> RunConfig:
         """A copy with some training options replaced (``None`` values are ignored)."""

@@ -18,8 +18,10 @@ from drlcli.ptm import backbone  # noqa: E402
 from drlcli.ptm.backbone import PTMSource  # noqa: E402
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders, make_stages  # noqa: E402
 
-# drl trains each new stage under this, though its default head reads none (train.skip_unread):
-# for the tests of training itself (losses, checkpoints, resume, ranks, precision)
+# drl's IPA network on the frozen PTM (``--preset frozen``, the frozen head) trains each new stage
+# under this, though that head reads none (train.skip_unread): for the tests of training itself
+# (losses, checkpoints, resume, ranks, precision), as ``RunConfig.for_method("drl", TRAINS, preset=FROZEN)``
+FROZEN = "frozen"
 TRAINS = {"train": {"skip_unread": False}}
 
 
@@ -29,7 +31,7 @@ def trains_file(tmp_path_factory) -> Path:
     import yaml
 
     path = tmp_path_factory.mktemp("config") / "trains.yaml"
-    path.write_text(yaml.safe_dump(TRAINS))
+    path.write_text(yaml.safe_dump({"preset": FROZEN, **TRAINS}))
     return path
 
 
@@ -103,13 +105,18 @@ def stage_folders(tmp_path_factory) -> list[tuple[Path, Path]]:
 
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
-    """A freshly initialised DRL run on the tiny random ViT that trains its stages (``TRAINS``)."""
+    """A freshly initialised DRL run (the frozen PTM's IPA network) on the tiny random ViT that trains
+    its stages (``TRAINS``)."""
     from drlcli.commands.init import init_run
     from drlcli.config import RunConfig
 
     path = tmp_path / "run"
     init_run(
-        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", TRAINS)
+        path,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
     )
     return path
 
@@ -119,13 +126,16 @@ FAST = {"epochs": 2, "batch_size": 12}
 
 @pytest.fixture(scope="session")
 def learned_run(tmp_path_factory, stage_folders) -> Path:
-    """A DRL run with the first two stages of ``stage_folders`` learned (1 epoch, batch 12, no eval
-    data), shared by every module that only reads a learned run: a test that changes it copies it."""
+    """A ``drl --preset frozen`` run with the first two stages of ``stage_folders`` learned (1 epoch,
+    batch 12, no eval data), shared by every module that only reads a learned run: a test that
+    changes it copies it. (The default's switched runs: ``test_switch.py``.)"""
     from drlcli import learn_stage
     from drlcli.commands.init import init_run
+    from drlcli.config import RunConfig
 
     path = tmp_path_factory.mktemp("learned") / "run"
-    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    config = RunConfig.for_method("drl", preset=FROZEN)
+    init_run(path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     for train, _ in stage_folders[:2]:
         learn_stage(path, data_dir=train, train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
     return path

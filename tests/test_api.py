@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import TRAINS, Pairs
+from conftest import FROZEN, TRAINS, Pairs
 
 from drlcli import evaluate, learn_stage
 from drlcli.commands.init import init_run
@@ -31,7 +31,11 @@ def as_dataset(folder, *, numbered: list[str] | None = None) -> Pairs:
 def _new_run(path):
     # the stages trained: a dataset reaches training, not only the feature passes
     init_run(
-        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", TRAINS)
+        path,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
     )
     return path
 

@@ -75,7 +75,8 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     args = ["benchmark", "--data", data, "--out", out, *TINY_ARGS, "--split", "B0Inc2", "--epochs", "1"]
     args += [
         "--methods",
-        "drl/skip_unread=false,ease/batch_size=8,simplecil,drl/loss=ce/skip_unread=false,drl",
+        "drl/preset=frozen/skip_unread=false,ease/batch_size=8,simplecil,drl/preset=frozen/loss=ce/skip_unread=false,"
+        "drl/preset=frozen,drl",
         "--device",
         "cpu",
     ]
@@ -84,18 +85,25 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     labels = [r["label"] for r in report["results"]]
-    trained = "drl/skip_unread=false"
+    trained = "drl/preset=frozen/skip_unread=false"
     assert labels[:4] == [trained, f"{trained} [score beta=1]", f"{trained} [score rule=concat]", "ease/batch_size=8"]
-    assert "simplecil [score beta=1]" not in labels and "drl/loss=ce/skip_unread=false [score rule=concat]" in labels
-    # the default drl trains no stage (its head reads none): no rescoring would read trained subspaces
-    assert labels[-1] == "drl" and "not rescored: its stages were not trained" in result.stderr
+    assert (
+        "simplecil [score beta=1]" not in labels
+        and "drl/preset=frozen/loss=ce/skip_unread=false [score rule=concat]" in labels
+    )
+    # the frozen drl trains no stage (its head reads none): no rescoring would read trained subspaces
+    assert labels[-2] == "drl/preset=frozen" and "not rescored: its stages were not trained" in result.stderr
+    # nor the default, whose network moves at every stage it trains (the bank's rows are of older ones)
+    assert labels[-1] == "drl" and "not rescored: its network is carried" in result.stderr
     by_label = {r["label"]: r for r in report["results"]}
     # rescoring with the run's own options reproduces the A_t recorded stage by stage
     assert by_label[f"{trained} [score beta=1]"]["accuracy"] == by_label[trained]["accuracy"]
     assert by_label["ease/batch_size=8 [score beta=1]"]["accuracy"] == by_label["ease/batch_size=8"]["accuracy"]
     assert by_label[f"{trained} [score rule=concat]"]["config"]["score"]["rule"] == "concat"
     # and its answers are those of the run that trained its stages
-    assert by_label["drl"]["accuracy"] == by_label[trained]["accuracy"]
+    assert by_label["drl/preset=frozen"]["accuracy"] == by_label[trained]["accuracy"]
+    # the default answers from its frozen track after stage 1: the frozen head's answers
+    assert by_label["drl"]["accuracy"][0] == by_label["drl/preset=frozen"]["accuracy"][0]
     assert report["protocol"]["stages"] == [2, 2, 1]
     for r in report["results"]:
         assert len(r["accuracy"]) == 3 and r["average"] == pytest.approx(sum(r["accuracy"]) / 3, abs=1e-3)
@@ -104,8 +112,8 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     # every method's learning time (SGD, feature pass, fit) is recorded, stage by stage
     assert all(r["learn_seconds"] > 0 and len(r["stage_learn_seconds"]) == 3 for r in report["results"])
     assert by_label[trained]["learn_seconds"] >= by_label[trained]["train_seconds"]  # SGD and the pass
-    # the default drl stores no stage network: its parameters are the head's W, fewer than the adapters
-    assert 0 < by_label["drl"]["params_per_stage"][0] < by_label[trained]["params_per_stage"][0]
+    # the frozen drl stores no stage network: its parameters are the head's W, fewer than the adapters
+    assert 0 < by_label["drl/preset=frozen"]["params_per_stage"][0] < by_label[trained]["params_per_stage"][0]
     assert json.loads((out / "results.json").read_text())["results"] == report["results"]
     table = (out / "results.md").read_text()
     assert "| `ease/batch_size=8` |" in table

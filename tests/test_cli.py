@@ -30,7 +30,7 @@ def drl_json(*args):
 def trained(tmp_path_factory, stage_folders):
     """A run with two learned stages (3 classes each), eval data registered."""
     run = tmp_path_factory.mktemp("cli") / "run"
-    assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init", "--preset", "frozen").exit_code == 0
     for train, test in stage_folders[:2]:
         result = drl("learn-stage", "--run", run, "--data", train, "--eval-data", test, *FAST)
         assert result.exit_code == 0, result.stderr
@@ -211,6 +211,28 @@ def test_simplecil_method(tmp_path, stage_folders):
     assert result.exit_code == 0 and out["num_params"] == 0 and out["train_seconds"] == 0.0
 
 
+def test_the_default_learns_its_adapter_set_and_answers_from_its_frozen_track_first(tmp_path, stage_folders):
+    """What a new user's `drl init` makes (issue 32): the switched schedule. Stage 1 trains the
+    carried adapter set and answers from the frozen track (a `drl --preset frozen` run in `frozen/`);
+    eval, info, export and predict read the answering track."""
+    run = tmp_path / "run"
+    assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
+    result, out = drl_json("learn-stage", "--run", run, "--data", stage_folders[0][0], *FAST)
+    assert result.exit_code == 0, result.stderr
+    assert not out["training_skipped"] and len(out["epoch_losses"]) == 2 and out["num_params"] > 0
+    assert out["switch"]["answers"] == "frozen"
+    text = drl("learn-stage", "--run", run, "--data", stage_folders[1][0], "--eval-data", stage_folders[1][1], *FAST)
+    assert text.exit_code == 0 and "`drl --preset frozen`" in text.stdout  # says which track answered
+    result, info = drl_json("info", "--run", run)
+    assert info["config"]["first_session"]["switch"] == "transfer" and info["frozen_track"]["num_stages"] == 2
+    assert info["frozen_track"]["answers"] == "frozen"
+    assert drl("export", "--run", run, "--out", tmp_path / "model.drl").exit_code == 0
+    predicted = drl("predict", "--model", tmp_path / "model.drl", stage_folders[1][1], "--device", "cpu")
+    assert predicted.exit_code == 0 and len(predicted.stdout.splitlines()) == len(
+        list(stage_folders[1][1].rglob("*.png"))
+    )
+
+
 def test_demo_runs_offline(tmp_path):
     result, out = drl_json("demo", "--out", tmp_path / "demo", "--epochs", "1", "--device", "cpu")
     assert result.exit_code == 0, result.stderr
@@ -262,7 +284,7 @@ def test_eval_plot_errors(trained, tmp_path, monkeypatch):
 
 
 def test_info_shows_growth_per_stage(trained):
-    """The default drl has no stage networks (its head reads none): each stage's parameters are the
+    """The frozen drl has no stage networks (its head reads none): each stage's parameters are the
     ridge head's W it solved, M x the classes seen so far (M 1024 = 16 d for the tiny ViT)."""
     result, info = drl_json("info", "--run", trained)
     stages = info["stages"]

@@ -167,7 +167,7 @@ def test_help_shows_choices_and_effective_defaults():
     from drlcli.methods import METHODS
 
     learn = " ".join(drl("learn-stage", "--help").stdout.split())
-    for option, value in (("--epochs", 20), ("--batch-size", 48), ("--lr", 0.01), ("--workers", 0)):
+    for option, value in (("--epochs", 20), ("--batch-size", 48), ("--lr", 0.05), ("--workers", 0)):
         assert f"default: from the run's config ({value}" in learn.split(option, 1)[1], option
     assert "ease 0.025" in learn  # a method's own default is named where it differs
     assert f"<{'|'.join(METHODS)}>" in drl("init", "--help").stdout

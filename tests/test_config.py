@@ -27,6 +27,23 @@ def test_yaml_round_trip(tmp_path):
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_a_config_file_may_name_its_preset_and_the_option_wins(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: frozen\ntrain: {skip_unread: false}\n")
+    cfg = RunConfig.from_yaml(path)
+    assert cfg == RunConfig.for_method("drl", {"train": {"skip_unread": False}}, preset="frozen")
+    assert RunConfig.from_yaml(path, preset="paper").score.head == "prototypes"  # drl init --preset paper
+    assert RunConfig.from_yaml(tmp_path / "c.yaml").first_session.peft == "none"
+    path.write_text("train: {epochs: 3}\n")  # no preset: the method's default one
+    assert RunConfig.from_yaml(path).first_session.switch == "transfer"
+    path.write_text("preset: [frozen]\n")
+    with pytest.raises(UsageError, match="preset must be a preset's name"):
+        RunConfig.from_yaml(path)
+    path.write_text("preset: fast\n")
+    with pytest.raises(UsageError, match="method drl has no preset 'fast'"):
+        RunConfig.from_yaml(path)
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
@@ -102,15 +119,15 @@ def test_drl_defaults_to_the_ridge_head_and_paper_preset_restores_prototype_scor
     paper = RunConfig.for_method("drl", preset="paper")
     assert paper.score.head == "prototypes"
     # the preset changes the scoring, and so trains every stage it reads
-    assert paper.train == dataclasses.replace(RunConfig.for_method("drl").train, skip_unread=False)
+    assert paper.train == dataclasses.replace(RunConfig.for_method("drl", preset="frozen").train, skip_unread=False)
     # a config written before train.skip_unread existed trains every stage, as it did
-    old = RunConfig.for_method("drl").to_dict()
+    old = RunConfig.for_method("drl", preset="frozen").to_dict()  # such configs predate first_session too
     del old["train"]["skip_unread"]
     assert RunConfig.from_dict(old).train.skip_unread is False
     # sections given on top of a preset win over it
     assert RunConfig.for_method("drl", {"score": {"head": "ridge"}}, preset="paper").score.head == "ridge"
     # a config written before score.head existed reads as prototype scoring
-    old = RunConfig.for_method("drl").to_dict()
+    old = RunConfig.for_method("drl", preset="frozen").to_dict()
     del old["score"]["head"]
     assert RunConfig.from_dict(old).score.head == "prototypes"
     for method in ("simplecil", "ease"):

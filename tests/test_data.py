@@ -316,6 +316,7 @@ def test_every_pass_loads_with_the_workers_asked_for(stage_folders, tmp_path, mo
     from drlcli.commands import predict
     from drlcli.commands.init import init_run
     from drlcli.commands.predict import predict_sources
+    from drlcli.config import RunConfig
     from drlcli.model import incremental as model
     from drlcli.stage import train
     from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
@@ -329,7 +330,8 @@ def test_every_pass_loads_with_the_workers_asked_for(stage_folders, tmp_path, mo
     for module in (model, train, predict):
         monkeypatch.setattr(module, "make_loader", recording)
     run = tmp_path / "run"
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS)
+    config = RunConfig.for_method("drl", preset="frozen")  # the IPA network, trained below
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     train_dir, test_dir = stage_folders[0]
     overrides = {"epochs": 1, "batch_size": 12, "num_workers": 2, "head_init": "prototypes", "skip_unread": False}
     learn_stage(run, data_dir=train_dir, eval_data_dir=test_dir, train_overrides=overrides, device="cpu")

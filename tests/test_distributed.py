@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAINS
+from conftest import FROZEN, TRAINS
 
 from drlcli import learn_stage
 from drlcli.commands.init import init_run
@@ -59,7 +59,9 @@ def _rank_lines(stderr: str) -> str:
 def test_two_processes_match_one(tmp_path, stage_folders):
     # deterministic transforms (full-image crops, no flip): the runs then differ only in how the
     # same global batches are split over processes and in float summation order
-    config = RunConfig.for_method("drl", {"train": {"crop_scale_min": 1.0, "hflip": False, "skip_unread": False}})
+    config = RunConfig.for_method(
+        "drl", {"train": {"crop_scale_min": 1.0, "hflip": False, "skip_unread": False}}, preset="frozen"
+    )
     runs = {}
     for name in ("one", "two"):
         runs[name] = tmp_path / name
@@ -100,7 +102,9 @@ def test_two_processes_move_the_earlier_classes_weights_as_one_does(tmp_path):
 
     from drlcli.synthetic import make_class_folders
 
-    config = RunConfig.for_method("drl", {"ranpac": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}})
+    config = RunConfig.for_method(
+        "drl", {"ranpac": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}}, preset="frozen"
+    )
     first = make_class_folders(tmp_path / "first", list(range(8)), images_per_class=3)
     small = make_class_folders(tmp_path / "small", [8, 9], images_per_class=2)
     runs = {}
@@ -188,7 +192,7 @@ def test_a_failure_fails_every_rank_and_changes_nothing(tmp_path, make_folder):
 def test_sum_gate_ablation_trains_under_ddp(tmp_path, stage_folders):
     # its gate parameters get no gradient; DDP must be told, or the second step fails
     run = tmp_path / "run"
-    config = RunConfig.for_method("drl", {"ipa": {"gate": "sum"}, **TRAINS})
+    config = RunConfig.for_method("drl", {"ipa": {"gate": "sum"}, **TRAINS}, preset=FROZEN)
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     done = _torchrun("learn-stage", "--run-dir", run, "--data", stage_folders[0][0], *OPTS)
     assert done.returncode == 0, _rank_lines(done.stderr)
@@ -201,7 +205,11 @@ def test_two_gpus_with_nccl_commit_one_stage(tmp_path, stage_folders):
     """torchrun on 2 GPUs (NCCL, one device per rank): the stage commits once, ranks agree, eval runs."""
     run = tmp_path / "run"
     init_run(
-        run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", TRAINS)
+        run,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
     )
     train, test = stage_folders[0]
     args = ["--epochs", "2", "--batch-size", "12", "--lr", "0.05", "--device", "cuda"]

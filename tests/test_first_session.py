@@ -14,8 +14,8 @@ from drlcli.errors import UsageError
 from drlcli.methods import get_method
 from drlcli.methods.ease.network import EaseNetwork
 from drlcli.methods.ease.options import EaseConfig
-from drlcli.methods.ranpac.network import FirstSessionNetwork
-from drlcli.methods.ranpac.options import FirstSessionConfig
+from drlcli.methods.first_session.network import FirstSessionNetwork
+from drlcli.methods.first_session.options import FirstSessionConfig
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
@@ -261,7 +261,7 @@ def test_a_crafted_first_session_record_is_read_as_none(crafted):
 def test_a_reopened_set_learns_again_held_near_where_it_began(images):
     """first_session.stages all (a carried run's network): new_stage reopens the one set and keeps a
     frozen copy of it as it began; forward_train adds hold_weight times the read tokens' move from it."""
-    from drlcli.methods.ranpac.network import hold_loss
+    from drlcli.methods.first_session.network import hold_loss
 
     ptm = _tiny_ptm().eval()
     network = FirstSessionNetwork(ptm, FirstSessionConfig(stages="all", hold_weight=2.0, dropout=0.0), read_grid=2)
@@ -291,7 +291,7 @@ def test_a_reopened_set_learns_again_held_near_where_it_began(images):
 
 
 def test_hold_loss_by_hand():
-    from drlcli.methods.ranpac.network import hold_loss
+    from drlcli.methods.first_session.network import hold_loss
 
     target = torch.tensor([[[3.0, 4.0]], [[1.0, 0.0]]])  # ‖t₀‖² 25 and 1
     tokens = torch.tensor([[[3.0, 5.0]], [[1.0, 0.0]]])  # moved by 1 and 0

@@ -41,12 +41,10 @@ def drl_json(*args):
 
 def _make_run(root: Path, stage_folders, config: str | None, preset: str | None = None) -> Path:
     run = root / "run"
-    args = ["init", "--run", run, *TINY_ARGS, "--random-init"]
+    args = ["init", "--run", run, *TINY_ARGS, "--random-init", "--preset", preset or "frozen"]
     if config is not None:
         (root / "config.yaml").write_text(config)
         args += ["--config", root / "config.yaml"]
-    if preset is not None:
-        args += ["--preset", preset]
     assert drl(*args).exit_code == 0
     for train, test in stage_folders[:2]:
         result = drl("learn-stage", "--run", run, "--data", train, "--eval-data", test, *FAST)

@@ -38,9 +38,27 @@ def test_the_facts_of_each_method():
     assert differing == {"ease": METHODS["ease"].train_defaults, "ranpac": METHODS["ranpac"].train_defaults}
     ease = RunConfig.for_method("ease").train
     assert (ease.loss, ease.kd_weight, ease.scale_init, ease.lr) == ("ce", 0.0, 1.0, 0.025)
-    # drl's recipe is TrainConfig's, except that its default head reads no stage: none is trained
-    assert RunConfig.for_method("drl").train == dataclasses.replace(TrainConfig(), skip_unread=True)
+    # drl's frozen recipe is TrainConfig's, except that its head reads no stage: none is trained
+    assert RunConfig.for_method("drl", preset="frozen").train == dataclasses.replace(TrainConfig(), skip_unread=True)
     assert RunConfig.for_method("drl", preset="paper").train == TrainConfig()
+    # its default is the switched schedule: the adapter set trained with cross-entropy, no distillation
+    default = RunConfig.for_method("drl")
+    assert METHODS["drl"].default_preset == "switched" and default == RunConfig.for_method("drl", preset="switched")
+    assert default.train == dataclasses.replace(
+        TrainConfig(), skip_unread=True, loss="ce", kd_weight=0.0, lr=0.05, epochs=20, batch_size=48, scale_init=16.0
+    )
+    assert (default.first_session.peft, default.first_session.switch, default.first_session.pause) == (
+        "adaptformer",
+        "transfer",
+        "transfer",
+    )
+    # the recipe measured as ranpac --preset switched: the same run but for the method's name
+    same = RunConfig.for_method("ranpac", preset="switched").to_dict()
+    mine = default.to_dict()
+    assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train"}
+    assert mine["score"]["head"] == "ridge" and {k: v for k, v in mine["train"].items() if same["train"][k] != v} == {
+        "skip_unread": True  # which a carried network ignores: it trains every stage it does not pause
+    }
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -61,7 +79,13 @@ def test_every_network_follows_the_stage_network_protocol(name, tiny_ptm, images
 def test_method_rules_are_checked_with_every_config():
     with pytest.raises(UsageError, match="kd_weight must be 0 for method ease"):
         RunConfig.for_method("ease", {"train": {"kd_weight": 0.5}})
-    RunConfig.for_method("drl", {"train": {"kd_weight": 0.5}})  # only ease's rule
+    RunConfig.for_method("drl", {"train": {"kd_weight": 0.5}}, preset="frozen")  # the IPA network distils
+    with pytest.raises(UsageError, match="kd_weight must be 0 for method drl adapting the PTM"):
+        RunConfig.for_method("drl", {"train": {"kd_weight": 0.5}})
+    with pytest.raises(UsageError, match="score.head must be ridge for method drl adapting the PTM"):
+        RunConfig.for_method("drl", {"score": {"head": "prototypes"}})
+    with pytest.raises(UsageError, match="ranpac.subspaces must be 1 for method drl adapting the PTM"):
+        RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
     # a method's section rules hold in every config: each run.yaml holds every section
     for name in ("drl", "ranpac"):
         with pytest.raises(UsageError, match="ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp"):
@@ -90,10 +114,10 @@ def test_the_registry_loads_without_torch():
 
 
 def test_a_stage_is_read_by_the_prototype_bank_always_by_the_ridge_head_as_configured():
-    drl = RunConfig.for_method("drl")
-    assert [stage_is_read(drl, k) for k in (1, 2)] == [False, False]  # the default head reads the PTM
+    drl = RunConfig.for_method("drl", preset="frozen")
+    assert [stage_is_read(drl, k) for k in (1, 2)] == [False, False]  # the frozen head reads the PTM
     assert stage_is_read(RunConfig.for_method("drl", preset="paper"), 5)
-    with_stage_1 = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
+    with_stage_1 = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}}, preset="frozen")
     assert [stage_is_read(with_stage_1, k) for k in (1, 2)] == [True, False]
     assert stage_is_read(RunConfig.for_method("ease"), 3)
 
@@ -109,7 +133,7 @@ def _learned(path, stages, config):
 
 
 def test_a_stage_nothing_reads_has_no_network_and_changes_no_answer(tmp_path, stage_folders):
-    """The default drl head reads the PTM only: learn-stage makes no stage network at all (nothing
+    """The frozen drl head reads the PTM only: learn-stage makes no stage network at all (nothing
     trained, computed or stored, issue 32), and every answer (scores, the "unknown" margin) is the
     answer of a run that trained and stored them, up to float rounding: a run that computes stage
     streams writes the PTM's blocks out, one that computes none runs timm's fused blocks, and the
@@ -122,8 +146,10 @@ def test_a_stage_nothing_reads_has_no_network_and_changes_no_answer(tmp_path, st
     from drlcli.run.load import load_run
 
     stages = stage_folders[:2]
-    skipped = _learned(tmp_path / "skipped", stages, RunConfig.for_method("drl"))
-    trained = _learned(tmp_path / "trained", stages, RunConfig.for_method("drl", {"train": {"skip_unread": False}}))
+    skipped = _learned(tmp_path / "skipped", stages, RunConfig.for_method("drl", preset="frozen"))
+    trained = _learned(
+        tmp_path / "trained", stages, RunConfig.for_method("drl", {"train": {"skip_unread": False}}, preset="frozen")
+    )
     assert all(r.training_skipped and r.epoch_losses == [] and r.scale is None for r in skipped)
     assert all(not r.training_skipped and len(r.epoch_losses) == 2 for r in trained)
     assert "no stage adapters" in render(skipped[0].to_dict()) and "training" not in render(skipped[0].to_dict())
@@ -160,7 +186,7 @@ def test_a_stage_the_head_reads_is_trained(tmp_path, stage_folders):
     """ranpac.subspaces 2 reads stage 1's subspace: stage 1 is trained, stage 2 is not."""
     from drlcli.run.load import load_run
 
-    config = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
+    config = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}}, preset="frozen")
     first, second = _learned(tmp_path / "run", stage_folders[:2], config)
     assert not first.training_skipped and len(first.epoch_losses) == 2
     assert second.training_skipped and second.epoch_losses == []

@@ -435,7 +435,7 @@ def test_a_run_learned_before_the_probe_block_keeps_f0_alone(stage_folders, tmp_
     from drlcli.run.load import load_run
 
     run = tmp_path / "f0"
-    config = RunConfig.for_method("drl", {"open_set": {"probe_depth": None}})
+    config = RunConfig.for_method("drl", {"open_set": {"probe_depth": None}}, preset="frozen")
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     learn_stage(run, data_dir=stage_folders[0][0], train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
     # what a run learned before this release reads as: the default (a probe block), f_0's statistics

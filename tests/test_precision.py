@@ -8,7 +8,7 @@ from copy import deepcopy
 
 import pytest
 import torch
-from conftest import TRAINS
+from conftest import FROZEN, TRAINS
 from typer.testing import CliRunner
 
 from drlcli import evaluate, learn_stage
@@ -52,7 +52,11 @@ def _stop_at_epoch(n):
 
 def _new_run(path):
     init_run(
-        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", TRAINS)
+        path,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
     )
     return path
 
@@ -323,7 +327,7 @@ def real_top1(data, root, *, device, precision, epochs=3):
         run,
         ptm="deit_tiny_patch16_224",
         ptm_weights=data / "deit_tiny_patch16_224" / "deit_tiny_patch16_224.safetensors",
-        config=RunConfig.for_method("drl", TRAINS),  # the stages trained in ``precision`` too
+        config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),  # the stages trained in ``precision`` too
     )
     for train, test in caltech_stages(data, root / f"data-{precision}"):
         opts = {"epochs": epochs, "batch_size": 32}

@@ -283,6 +283,7 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
             "ranpac": {"proj_dim": 64, "subspaces": subspaces},
             "train": {"epochs": 2, "batch_size": 12},
         },
+        preset="frozen",
     )
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
@@ -322,14 +323,15 @@ def test_cli_init_preset_paper_scores_with_prototypes(tmp_path, stage_folders):
     args = ["--ptm", TINY_PTM, "--random-init"] + [
         a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")
     ]
-    for name, extra in (("default", []), ("paper", ["--preset", "paper"])):
+    for name, extra in (("default", []), ("frozen", ["--preset", "frozen"]), ("paper", ["--preset", "paper"])):
         run = tmp_path / name
         assert runner.invoke(app, ["init", "--run", str(run), *args, *extra]).exit_code == 0
         learn = ["learn-stage", "--run", str(run), "--data", str(stage_folders[0][0]), "--device", "cpu"]
         assert runner.invoke(app, [*learn, "--epochs", "1", "--batch-size", "12"]).exit_code == 0
         model = load_run(run, device="cpu").model
         assert (model.head is None) == (name == "paper")
-        assert (run / "stages" / "001" / "statistics.safetensors").exists() == (name == "default")
+        assert (run / "stages" / "001" / "statistics.safetensors").exists() == (name == "frozen")
+        assert (run / "frozen").is_dir() == (name == "default")  # the switched default's frozen track
     bad = runner.invoke(app, ["init", "--run", str(tmp_path / "x"), *args, "--preset", "fast"])
     assert bad.exit_code == 2 and "no preset 'fast'" in bad.stderr
 

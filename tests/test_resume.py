@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import TRAINS
+from conftest import FROZEN, TRAINS
 
 from drlcli import learn_stage
 from drlcli.api import verify
@@ -48,7 +48,7 @@ def test_resume_gives_the_same_stage_as_an_uninterrupted_run(tmp_path, stage_fol
             ptm=TINY_PTM,
             random_init=True,
             ptm_kwargs=TINY_PTM_KWARGS,
-            config=RunConfig.for_method("drl", TRAINS),
+            config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
         )
         runs.append(tmp_path / name)
     train = stage_folders[0][0]

@@ -22,12 +22,16 @@ from drlcli.run.layout import sha256_bytes
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-CONFIG = {"ranpac": {"proj_dim": 64}}  # the default drl head (ridge, layout, class covariances), narrow
+CONFIG = {"ranpac": {"proj_dim": 64}}  # the frozen drl head (ridge, layout, class covariances), narrow
 
 
 def _init(path):
     init_run(
-        path, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", CONFIG)
+        path,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", CONFIG, preset="frozen"),
     )
     return path
 
@@ -145,7 +149,11 @@ def test_a_small_stage_moves_the_earlier_classes_weights(tmp_path):
     run = tmp_path / "run"
     config = {"ranpac": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}}
     init_run(
-        run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", config)
+        run,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", config, preset="frozen"),
     )
     learn_stage(run, data_dir=make_class_folders(tmp_path / "one", list(range(8)), images_per_class=3), device="cpu")
     learn_stage(run, data_dir=make_class_folders(tmp_path / "two", [8, 9], images_per_class=2), device="cpu")
@@ -165,7 +173,11 @@ def test_stage_json_says_how_many_classes_lambda_was_chosen_over(tmp_path, stage
     run = tmp_path / "run"
     config = {"ranpac": {"proj_dim": 16, "lambda_classes": 2}}  # 3 classes of 12 images: 27 fitted > M 16
     init_run(
-        run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", config)
+        run,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", config, preset="frozen"),
     )
     learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
     meta = json.loads((run / "stages/001/stage.json").read_text())["ridge"]

@@ -44,11 +44,11 @@ def _transfers(monkeypatch, value: bool, stalls: bool = False) -> None:
 
 @pytest.fixture(scope="module")
 def switched(tmp_path_factory, stage_folders):
-    """A switched run whose transfer never pays, and the frozen default learning the same stages."""
+    """A switched run whose transfer never pays, and the frozen head (`drl --preset frozen`) learning the same stages."""
     root = tmp_path_factory.mktemp("switched")
     run, default = root / "run", root / "default"
     _init(run)
-    config = RunConfig.for_method("drl", {"train": {"seed": 3}})
+    config = RunConfig.for_method("drl", {"train": {"seed": 3}}, preset="frozen")
     init_run(default, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     with pytest.MonkeyPatch.context() as patch:
         _transfers(patch, False)  # and never stalls: the carried network trains every stage

@@ -215,6 +215,10 @@ class _Session:
         row = summary_row(variant.label, variant, loaded, config, per_image)
         if not (score_options and method_of(config).trains):
             return [row]
+        if method_of(config).carries_network(config):
+            # the prototype bank's rows were taken on networks that later stages moved
+            self.say(f"[{variant.label}] not rescored: its network is carried (first_session.stages all)")
+            return [row]
         if any(train_metrics(meta).get("skipped") is True for meta in loaded.stage_metas):
             # scoring by other options would read subspaces of stages that were never trained
             self.say(f"[{variant.label}] not rescored: its stages were not trained (train.skip_unread)")

@@ -113,8 +113,8 @@ def learn_stage(
         "--epochs",
         min=1,
         show_default=False,
-        help=f"Training epochs for this stage, if it is trained (drl's default head reads no stage: "
-        f"train.skip_unread); {train_default('epochs')}.",
+        help=f"Training epochs for this stage, if it is trained (drl's default trains its adapter set at each "
+        f"stage until adapting stops paying; --preset frozen trains none); {train_default('epochs')}.",
     ),
     batch_size: int | None = typer.Option(
         None, "--batch-size", min=1, show_default=False, help=f"Images per step; {train_default('batch_size')}."

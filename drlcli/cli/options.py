@@ -10,10 +10,10 @@ from typing import Any
 import typer
 import yaml
 
-from ..config import config_sections
+from ..config import RunConfig, config_sections
 from ..errors import EXIT_CODES, UsageError
 from ..methods import METHODS
-from ..options import MAX_WORKERS, PRECISIONS, TrainConfig
+from ..options import MAX_WORKERS, PRECISIONS
 
 # "\b" keeps click from re-wrapping the list into one paragraph
 EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
@@ -39,7 +39,11 @@ CONFIG_SECTIONS = tuple(config_sections())
 # choices that --help and shell completion show (the values are the library's own names)
 MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)
 # every method's named recipes, for --preset's help: "drl: paper; ..."
-PRESETS = "; ".join(f"{name}: {', '.join(m.presets)}" for name, m in METHODS.items() if m.presets)
+PRESETS = "; ".join(
+    f"{name}: {', '.join(p + (' (default)' if p == m.default_preset else '') for p in m.presets)}"
+    for name, m in METHODS.items()
+    if m.presets
+)
 ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "pt2", "onnx")}, type=str)
 PrecisionName = Enum("PrecisionName", {p: p for p in PRECISIONS}, type=str)
 
@@ -62,12 +66,9 @@ TensorBoardOpt = typer.Option(
 
 def train_default(field: str) -> str:
     """``field``'s effective default for learn-stage: the run's config, i.e. each method's default unless set."""
-    drl_value = getattr(TrainConfig(), field)
-    others = [
-        f"{name} {getattr(m.train_defaults, field)}"
-        for name, m in METHODS.items()
-        if getattr(m.train_defaults, field) != drl_value
-    ]
+    value = {name: getattr(RunConfig.for_method(name).train, field) for name in METHODS}
+    drl_value = value.pop("drl")
+    others = [f"{name} {v}" for name, v in value.items() if v != drl_value]
     return (
         f"default: from the run's config ({drl_value}{''.join(f'; {o}' for o in others)} unless init --config set it)"
     )

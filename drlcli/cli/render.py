@@ -106,7 +106,7 @@ def transfer_line(d: dict[str, Any]) -> str:
     else:
         verdict = (
             f"adapting does not transfer to new classes here yet (its upper bound is {d['ceiling']:+.1f} %; the "
-            "default `drl`, on the frozen PTM, may answer as well)"
+            "frozen PTM (`drl --preset frozen`) may answer as well)"
         )
     return (
         f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
@@ -121,7 +121,7 @@ def switch_line(d: dict[str, Any]) -> str:
     if d["answers"] == "carried":
         return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']})"
     return (
-        f"the run answers from its frozen track, the default `drl` on the frozen PTM (top-1 {top1['frozen']}; the "
+        f"the run answers from its frozen track, the frozen PTM (`drl --preset frozen`; top-1 {top1['frozen']}; the "
         f"carried network {top1['carried']}), until adapting transfers to new classes"
     )
 
@@ -281,7 +281,7 @@ def info(r: dict[str, Any]) -> str:
     track = r.get("frozen_track")
     if track:  # a switched run
         lines.append(
-            f"frozen track {track['run_dir']}: the default `drl` on the frozen PTM, {track['num_stages']} stages, "
+            f"frozen track {track['run_dir']}: the frozen PTM (`drl --preset frozen`), {track['num_stages']} stages, "
             f"{track['total_bytes'] / 2**20:.2f} MiB more"
             + {"frozen": "; the run answers from it", "carried": "; the run answers from the carried network"}.get(
                 track.get("answers"), ""

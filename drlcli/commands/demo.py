@@ -39,9 +39,8 @@ def run_demo(
             "another --out or remove it"
         )
     stages = make_stages(out_dir / "data", num_stages=num_stages, classes_per_stage=classes_per_stage, train=24, test=8)
-    # the default drl recipe, except that it trains its stages though the default head reads none
-    # (train.skip_unread false): the demo checks that training works on this machine too
-    config = RunConfig.for_method("drl", {"train": {"skip_unread": False}})
+    # the default drl recipe: stage 1 trains the carried adapter set, so the demo checks training too
+    config = RunConfig.for_method("drl")
     init_run(run_dir, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     results = []
     for train_dir, test_dir in stages:

@@ -89,6 +89,8 @@ class Method:
     defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # named recipes over ``defaults`` (``init --preset``, ``benchmark`` variant ``preset=``)
     presets: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+    # the preset a new run gets when none is named (None: ``defaults`` alone); naming another replaces it
+    default_preset: str | None = None
     # how many leading stages it trains at most, by config (None: every stage whose subspace is read;
     # a method that adapts the PTM in its first session: 1, else 0); the others get no stage network
     trained_stages: Callable[[RunConfig], int | None] = lambda config: None

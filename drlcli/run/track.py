@@ -60,9 +60,9 @@ def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
 
 
 def frozen_config(config: RunConfig) -> RunConfig:
-    """The frozen track's config: the default ``drl`` with the run's seed, workers and "unknown" answer."""
+    """The frozen track's config: ``drl --preset frozen`` with the run's seed, workers and "unknown" answer."""
     train = {"seed": config.train.seed, "num_workers": config.train.num_workers}
-    return RunConfig.for_method("drl", {"train": train, "open_set": config.to_dict()["open_set"]})
+    return RunConfig.for_method("drl", {"train": train, "open_set": config.to_dict()["open_set"]}, preset="frozen")
 
 
 def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
@@ -72,11 +72,13 @@ def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
 
 
 def _frozen_default(own: RunConfig, config: RunConfig) -> bool:
-    """Whether ``own`` is a frozen track's config for a run of ``config``: the method ``drl`` (which
-    never has a frozen track of its own), the run's seed and "unknown" answer options. The rest is
-    the default's as its release wrote it (a later release may change defaults)."""
+    """Whether ``own`` is a frozen track's config for a run of ``config``: the method ``drl`` on the
+    frozen PTM (a run that never has a frozen track of its own), the run's seed and "unknown" answer
+    options. The rest is ``drl --preset frozen``'s as its release wrote it (a later release may change
+    it)."""
     return (
         own.method == "drl"
+        and own.first_session.peft == "none"
         and own.train.seed == config.train.seed
         and own.to_dict()["open_set"] == config.to_dict()["open_set"]
     )
@@ -108,29 +110,35 @@ def tied_track(
         raise IntegrityError(
             f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
         )
-    held = track.manifest()
-    (record, config), (own_record, own) = read_record(run, manifest), read_record(track, held)
-    if not _frozen_default(own, config) or own_record["ptm"]["sha256"] != record["ptm"]["sha256"]:
-        raise IntegrityError(
-            f"{track.path} is not the frozen track of run {run.path} (another config or PTM); restore the run "
-            "from a backup"
-        )
-    indices = track.stage_indices(held)
-    if len(indices) < len(metas):
-        raise IntegrityError(
-            f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"
-        )
-    for meta in metas:
-        entry = held["files"].get(stage_file(meta["stage"], STAGE_META))
-        if entry is None or entry.get("sha256") != meta["switch"]["frozen_stage_sha256"]:
+    record, config = read_record(run, manifest)
+
+    def read_track(held: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[str]]:
+        own_record, own = read_record(track, held)
+        if not _frozen_default(own, config) or own_record["ptm"]["sha256"] != record["ptm"]["sha256"]:
             raise IntegrityError(
-                f"stage {meta['stage']} of {track.path} is not the one run {run.path} recorded; restore the run from a backup"
+                f"{track.path} is not the frozen track of run {run.path} (another config or PTM); restore the run "
+                "from a backup"
             )
-    track_metas = [track.stage_meta(i, held) for i in indices]
-    for index, meta in zip(indices, track_metas):
-        check_stage_meta(track, index, meta)
+        indices = track.stage_indices(held)
+        if len(indices) < len(metas):
+            raise IntegrityError(
+                f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"
+            )
+        for meta in metas:
+            entry = held["files"].get(stage_file(meta["stage"], STAGE_META))
+            if entry is None or entry.get("sha256") != meta["switch"]["frozen_stage_sha256"]:
+                raise IntegrityError(
+                    f"stage {meta['stage']} of {track.path} is not the one run {run.path} recorded; restore the run from a backup"
+                )
+        track_metas = [track.stage_meta(i, held) for i in indices]
+        for index, meta in zip(indices, track_metas):
+            check_stage_meta(track, index, meta)
+        return held, indices, _active(track, held, track_metas[: len(metas)]) if classes else []
+
+    # the track commits first: a forget there supersedes (deletes) files a reader may be about to
+    # read, so the track is read as one whole generation of its own (``RunDir.read_generation``)
+    held, indices, theirs = track.read_generation(read_track)
     ours = _active(run, manifest, metas) if classes else []
-    theirs = _active(track, held, track_metas[: len(metas)]) if classes else []
     if len(indices) > len(metas) + 1:
         raise IntegrityError(
             f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"

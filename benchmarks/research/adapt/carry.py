@@ -216,7 +216,7 @@ def replay_carried(saved: dict, data, stages, config: RunConfig, carry: Carry, s
 def replay_carries(args) -> None:
     saved = torch.load(args.embeds)
     data, stages = plan([args.data], args.seed, "val")
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)
     for kind in args.carries.split(","):
         tick = time.perf_counter()
         carry = Carry(

@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     data, stages = plan([args.data], args.seed, "val")
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)
     ptm = backbone.create_ptm("deit_tiny_patch16_224", source=PTMSource(weights_path=WEIGHTS))
     net = Adapted(ptm, EaseConfig(adapter_dim=64)).eval()
     net.new_stage(seed=args.seed)

@@ -81,7 +81,7 @@ def main() -> None:
     x = torch.stack([before[p] for p in fit]).double()
     y = torch.stack([after[p] for p in fit]).double()
     xo = torch.stack([before[p] for p in old]).double()
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)
     print(f"map fitted on {len(fit)} images of {len(new)} classes; applied to {len(old)} images", flush=True)
     for lam in ["none", *[x for x in args.lams.split(",") if x]]:
         if lam == "none":

@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     data, stages = plan(args.data, args.seed, args.split)
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)  # as replay.py
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)  # as replay.py
     streams = []
     for path in (args.frozen, args.adapted):
         saved = torch.load(path)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 32 on a lent GPU: the tool's own `drl benchmark`, sketches and photos, orders 1993-1995, B0 Inc10,
-# validation split, the default against RanPAC as published and the switched preset, side by side.
+# validation split, the default `drl` (the switched schedule) against the frozen head (`drl/preset=frozen`) and RanPAC as published, side by side.
 #
 # The training photos travel in two bundles (`gpu_oracle.py pack`, 64 MiB a call) and the sketches
 # are redrawn there by the data set's own make.py, checked against the sha256 of the sketches here:
@@ -34,9 +34,9 @@ run() {  # NAME DATA SEED WORKERS METHODS
         >"$B/$1.log" 2>&1 &
 }
 for s in 1993 1994 1995; do
-    run "sk$s-sw" /tmp/sketch "$s" $((PAR + 1)) ranpac/preset=switched
-    run "sk$s" /tmp/sketch "$s" "$PAR" drl,ranpac/preset=published
-    run "ph$s" /tmp/photo "$s" "$PAR" drl,ranpac/preset=published,ranpac/preset=switched
+    run "sk$s-sw" /tmp/sketch "$s" $((PAR + 1)) drl  # the default: the switched schedule
+    run "sk$s" /tmp/sketch "$s" "$PAR" drl/preset=frozen,ranpac/preset=published
+    run "ph$s" /tmp/photo "$s" "$PAR" drl/preset=frozen,ranpac/preset=published,drl
 done
 wait
 date -u +"end %T"

@@ -495,7 +495,7 @@ def staged(args) -> None:  # noqa: C901
         adapters[name] = {k: v.detach().cpu() for k, v in net.stages[-1].state_dict().items()}
         torch.save(adapters, args.out / "staged-adapters.pt")
         torch.save(snapshots, args.out / f"{name}-stages.pt")  # every stage's adapters (float16), for carry.py
-        config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=seed)
+        config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=seed)
         if args.save_tables:
             torch.save(tables, args.out / f"{name}-tables.pt")
         carries = [Carry(kind, lam=args.carry_lam) for kind in args.carries.split(",") if kind]

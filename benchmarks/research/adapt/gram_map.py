@@ -245,7 +245,7 @@ def main() -> None:
     old = [str(p) for s in range(1, min(fit_stages)) for c in stages[s - 1] for p in data.train[c]]
     xb, xa = (torch.stack([f[p] for p in fit]).double() for f in (before, after))
     ob, oa = (torch.stack([f[p] for p in old]).double() for f in (before, after))
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)
     print(f"maps fitted on {len(fit)} images of stages {args.fit_stages}; moved: stages 1-{min(fit_stages) - 1}")
 
     def maps_for(kappa: float | None):

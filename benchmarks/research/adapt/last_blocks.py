@@ -163,7 +163,7 @@ def run(args) -> None:
     torch.manual_seed(args.seed)
     store = Cache(args.cache)
     data, stages = plan([args.data], args.seed, "val")
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)
     model = LastBlocks(ptm(), store.first, seed=args.seed)
     record = {k: str(v) for k, v in vars(args).items() if k not in ("data", "out", "func")}
     if args.command == "frozen":

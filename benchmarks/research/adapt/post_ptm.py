@@ -138,7 +138,7 @@ def main() -> None:
     saved = torch.load(args.feats)
     lookup = dict(zip(saved["paths"], saved["features"]))
     data, stages = plan([args.data], args.seed, "val")
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)
     tick = time.perf_counter()
     info = {}
     if args.fit != "none":

@@ -197,7 +197,7 @@ def switched(carried: list, frozen: list, transfer: list, margin: int, gain: flo
 def score(args) -> None:
     torch.set_num_threads(args.threads)
     data, stages = plan([args.data], args.seed, "val")
-    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}).with_train(seed=args.seed)
+    config = RunConfig.for_method("drl", {"ranpac": {"covariance_rank": 0}}, preset="frozen").with_train(seed=args.seed)
     tick = time.time()
     tables, frozen_tables = torch.load(args.carried), as_tables(torch.load(args.frozen), data, stages)
     transfer = transfer_pairs(tables, frozen_tables, data, stages)

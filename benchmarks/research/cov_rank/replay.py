@@ -190,7 +190,7 @@ def main() -> None:
         dense = {"ranpac": {"covariance_rank": 0}}  # r > 0 is derived from the dense head
         if args.lambda_classes is not None:
             dense["ranpac"]["lambda_classes"] = args.lambda_classes
-        config = RunConfig.for_method("drl", dense).with_train(seed=seed)
+        config = RunConfig.for_method("drl", dense, preset="frozen").with_train(seed=seed)
         tick = time.perf_counter()
         lambdas: list[float] = []
         results = replay(data, stages, lookup, config, ranks, lambdas)

@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ptm = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
-    network = IPANetwork(ptm, RunConfig.for_method("drl").ipa)
+    network = IPANetwork(ptm, RunConfig.for_method("drl", preset="frozen").ipa)
     for k in range(args.stages):
         network.new_stage(seed=k)
     network.eval().requires_grad_(False)

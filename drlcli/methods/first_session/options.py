@@ -1,5 +1,6 @@
-"""The ``first_session`` section of a run config: RanPAC's first-session adaptation of the PTM
-(method ``ranpac``; ``drl init --method ranpac --preset published``)."""
+"""The ``first_session`` section of a run config: one AdaptFormer set inside the PTM, RanPAC's
+first-session adaptation (``drl init --method ranpac --preset published``) or drl's default carried
+schedule (``first_session/__init__.py``)."""
 
 from __future__ import annotations
 

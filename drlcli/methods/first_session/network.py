@@ -1,5 +1,6 @@
-"""RanPAC's first-session adaptation (McDonnell et al., NeurIPS 2023, phase 1): the PTM with one
-AdaptFormer adapter set, trained on stage 1's classes and frozen afterwards.
+"""The PTM with one AdaptFormer adapter set: RanPAC's first-session adaptation (McDonnell et al.,
+NeurIPS 2023, phase 1), trained on stage 1's classes and frozen afterwards, or, carried
+(``first_session.stages all``, drl's default), trained again at every stage.
 
 In every block an adapter runs parallel to the MLP and reads the post-attention stream, as in
 the public RanPAC code (``ffn_option parallel``, no adapter layer norm, r 64, s 0.1); with
