@@ -150,8 +150,8 @@ def head_cost(model_path: Path, repeats: int, reference: str) -> dict[str, float
     return {"head_ms_per_image": 1000 * head / 16, "reference_ms_per_image": 1000 * bare / 16, "ratio": head / bare}
 
 
-def year_run(args, out: Path, log) -> dict:
-    run, data = out / "run", out / "data"
+def _init_frozen(run: Path, args) -> None:
+    """A run of the frozen head (``drl --preset frozen``), whose costs this script measures."""
     init_run(
         run,
         ptm=args.ptm,
@@ -159,6 +159,11 @@ def year_run(args, out: Path, log) -> dict:
         ptm_kwargs=args.ptm_kwargs,
         config=RunConfig.for_method("drl", preset="frozen"),
     )
+
+
+def year_run(args, out: Path, log) -> dict:
+    run, data = out / "run", out / "data"
+    _init_frozen(run, args)
     base = dir_bytes(run)  # the run's PTM weights (random, so stored in the run) and records
     rows = []
     early = max(1, args.stages // 10)  # an export here too: the export's fixed and per-class parts
@@ -250,13 +255,7 @@ def paired(early: Path, late: Path, args, out: Path, log) -> dict:
 def thousand(args, out: Path, log) -> dict:
     """One stage of 1,000 classes, in a fresh run."""
     run, data = out / "run1000", out / "data1000"
-    init_run(
-        run,
-        ptm=args.ptm,
-        random_init=True,
-        ptm_kwargs=args.ptm_kwargs,
-        config=RunConfig.for_method("drl", preset="frozen"),
-    )
+    _init_frozen(run, args)
     drop = make_drop(data, 0, 1000, 2)
     row = learn_one(run, drop, 1)
     tick = time.perf_counter()

@@ -3,6 +3,7 @@ and the top-level help's exit-code table. Imports no torch: ``drl --help`` stays
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import yaml
 from ..config import RunConfig, config_sections
 from ..errors import EXIT_CODES, UsageError
 from ..methods import METHODS
-from ..options import MAX_WORKERS, PRECISIONS
+from ..options import MAX_WORKERS, PRECISIONS, TrainConfig
 
 # "\b" keeps click from re-wrapping the list into one paragraph
 EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
@@ -64,9 +65,15 @@ TensorBoardOpt = typer.Option(
 )
 
 
+@functools.cache
+def _new_run_train() -> dict[str, TrainConfig]:
+    """Each method's train section of a new run (its default preset's), built once per process."""
+    return {name: RunConfig.for_method(name).train for name in METHODS}
+
+
 def train_default(field: str) -> str:
     """``field``'s effective default for learn-stage: the run's config, i.e. each method's default unless set."""
-    value = {name: getattr(RunConfig.for_method(name).train, field) for name in METHODS}
+    value = {name: getattr(train, field) for name, train in _new_run_train().items()}
     drl_value = value.pop("drl")
     others = [f"{name} {v}" for name, v in value.items() if v != drl_value]
     return (
