@@ -464,3 +464,60 @@ def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_ru
     bare = Carried.kept(crafted[0], classes=3, lam=None, size=64, width=8, rank=None)
     assert bare is not None and bare.rows == {} and bare.scatter == {}
     assert PROJECTION in carried1.tensors and COV_MEAN not in carried1.tensors
+
+
+def _moved_gaussians():
+    """Two groups of classes: two moved by one map (L ≠ I), then one taken after it (L = I)."""
+    x, y, _, _ = _planted(n=200, seed=4)
+    moved = ClassGaussians.of(_classes(sizes=(12, 9)), rank=2).moved(TokenMaps.fit(x, y, 1.0))
+    return moved.joined(ClassGaussians.of(_classes(sizes=(10,), seed=9), rank=2))
+
+
+@pytest.mark.parametrize("width,cells", [(S * D, S - 1), (2 * D, 1)])
+def test_relu_means_are_the_draws_expectation(width, cells):
+    """E[ReLU(h R)] in closed form is what many draws average to, for moved and unmoved classes and
+    for a head that reads only some of the tokens (f_0 and the last cell)."""
+    from drlcli.heads.ridge.carry import relu_means
+    from drlcli.heads.ridge.head import expand, head_input
+
+    gaussians = _moved_gaussians()
+    projection = torch.randn(width, 30, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    exact = relu_means(gaussians, projection, cells)
+    generator = torch.Generator().manual_seed(3)
+    for c in range(len(gaussians)):
+        phi = expand(head_input(gaussians.draw(c, 100_000, generator).double(), width, cells), projection)
+        bound = 5 * phi.std(0) / len(phi) ** 0.5 + 1e-9  # five standard errors of the draws' mean
+        assert bool(((phi.mean(0) - exact[c]).abs() < bound).all()), c
+    point = ClassGaussians.of([torch.ones(4, S, D, dtype=torch.float64)], rank=2)  # σ 0, no direction
+    assert torch.allclose(
+        relu_means(point, projection, cells)[0], expand(head_input(point.means, width, cells), projection)[0]
+    )
+
+
+def test_exact_means_and_a_gram_budget_change_only_what_they_say():
+    """exact_mean puts n_part · E[φ] in Q; gram_draws takes the Grams from each class's share of that
+    many of the same draws (its first ones), the class moments of x from all of them."""
+    from drlcli.heads.ridge.carry import expected_sums, relu_means
+    from drlcli.heads.ridge.head import expand, head_input
+
+    gaussians = _moved_gaussians()
+    parts = torch.tensor([[10, 2], [7, 2], [8, 2]])
+    kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=5)
+    drawn = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs)
+    exact = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), exact_mean=True, **kwargs)
+    means = relu_means(gaussians, _head_parts(), S - 1)
+    assert torch.allclose(exact.statistics.q_fit, parts[:, 0].double() * means.T)
+    assert torch.allclose(exact.statistics.q_val, parts[:, 1].double() * means.T)
+    assert torch.equal(exact.statistics.gram_fit, drawn.statistics.gram_fit)
+    budget = expected_sums(
+        gaussians, parts, generator=torch.Generator().manual_seed(1), exact_mean=True, gram_draws=31, **kwargs
+    )
+    assert torch.equal(budget.x_covariances, drawn.x_covariances) and torch.equal(budget.scatter, drawn.scatter)
+    generator, gram = torch.Generator().manual_seed(1), torch.zeros(40, 40, dtype=torch.float64)
+    for c, share in enumerate((12, 9, 10)):  # 31 draws over 31 images: one a class's image
+        samples = gaussians.draw(c, 5 * share, generator).double()[:share]
+        phi = expand(head_input(samples, S * D, S - 1), _head_parts())
+        gram += int(parts[c, 0]) * phi.T @ phi / share
+    assert torch.allclose(budget.statistics.gram_fit, gram)
+    with pytest.raises(ValueError, match="gram_draws"):
+        expected_sums(gaussians, parts, generator=torch.Generator(), gram_draws=10, **kwargs)

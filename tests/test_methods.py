@@ -90,6 +90,8 @@ def test_method_rules_are_checked_with_every_config():
     for name in ("drl", "ranpac"):
         with pytest.raises(UsageError, match="ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp"):
             RunConfig.for_method(name, {"ranpac": {"lambda_min_exp": 2, "lambda_max_exp": 1}})
+        with pytest.raises(UsageError, match="ranpac.carry_gram_draws needs the closed-form"):
+            RunConfig.for_method(name, {"ranpac": {"carry_mean": "drawn", "carry_gram_draws": 1000}})
 
 
 def test_a_registered_method_is_known_to_the_config(monkeypatch):

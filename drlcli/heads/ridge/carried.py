@@ -203,12 +203,16 @@ def carry_stage(
             draws=cfg.carry_draws,
             generator=torch.Generator().manual_seed(config.train.seed + stage_index),
             device=device,
+            exact_mean=cfg.carry_mean == "exact",
+            gram_draws=cfg.carry_gram_draws,
         )
         carried = Carried.of_draws(sums, lam, rank)
     meta = {
         "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow
         "map_lambda": cfg.carry_lambda,
         "draws": cfg.carry_draws if carried.drawn else 0,  # 0: the sums the stage before kept
+        "mean": cfg.carry_mean if carried.drawn else None,
+        "gram_draws": cfg.carry_gram_draws if carried.drawn else None,
         "classes": len(old),
         "seconds": round(time.perf_counter() - tick, 3),
     }

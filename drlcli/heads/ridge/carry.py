@@ -23,6 +23,7 @@ Pure tensor maths: ``carried.py`` puts it together for one stage of a carried ru
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -268,6 +269,9 @@ def expected_sums(
     draws: int,
     generator: torch.Generator,
     device: torch.device | str = "cpu",
+    exact_mean: bool = False,
+    gram_draws: int | None = None,
+    centre: bool = False,
 ) -> DrawnSums:
     """Each class's expected contribution to the ridge's sums from ``draws`` · n_c draws of it:
     Q_part = n_part · E[φ], G_part = Σ n_part · E[φ φᵀ], with φ = ReLU(h R) of the drawn tokens
@@ -275,11 +279,19 @@ def expected_sums(
     class's fit and held-out image counts. In STAT_DTYPE; classes in order, from one ``generator``
     (on the CPU: the same draws on every device). The sums are taken on ``device`` when it is a CUDA
     device (the run's: the M x M products are most of a carried stage's time on a CPU; other
-    accelerators may lack float64, so the CPU there) and returned on the CPU."""
+    accelerators may lack float64, so the CPU there) and returned on the CPU.
+
+    ``exact_mean``: E[φ] in closed form (``relu_means``) instead of from the draws. ``gram_draws``
+    (with ``exact_mean``): the Grams from about that many of the draws in all, each class's share in
+    proportion to its images (at least one; never more than it drew), so that their M × M products
+    cost the same however many images the classes had; None: from every draw. The class moments of x
+    are always taken from every draw (d × d a draw, not M × M)."""
     if parts.shape != (len(gaussians), 2):
         raise ValueError(f"parts must be (classes, 2) = ({len(gaussians)}, 2), not {tuple(parts.shape)}")
     if draws < 1:
         raise ValueError(f"draws must be at least 1, not {draws}")
+    if gram_draws is not None and (gram_draws < 1 or not exact_mean):
+        raise ValueError(f"gram_draws must be at least 1 and needs exact_mean, not {gram_draws}")
     device = device if torch.device(device).type == "cuda" else "cpu"
     gaussians, projection = gaussians.to(device), projection.to(device, STAT_DTYPE)
     width, size = projection.shape
@@ -290,9 +302,13 @@ def expected_sums(
     means = torch.zeros(len(gaussians), d, **zeros)
     covariances = torch.zeros(len(gaussians), d, d, **zeros)
     scatter = torch.zeros(d, d, **zeros)
+    counts = gaussians.counts.to(STAT_DTYPE)
+    exact = relu_means(gaussians, projection, layout_cells) if exact_mean else None
     for c in range(len(gaussians)):
         images = int(gaussians.counts[c])
         number = draws * images
+        # the draws whose φ the sums read: every one, or the class's share of gram_draws
+        read = number if gram_draws is None else min(number, max(1, round(gram_draws * images / float(counts.sum()))))
         first = torch.zeros(size, **zeros)
         second = torch.zeros(size, size, **zeros)
         x_scatter = torch.zeros(d, d, **zeros)
@@ -305,15 +321,53 @@ def expected_sums(
             step = mean - means[c]
             x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
             means[c] += step * len(x) / (start + len(x))
-            phi = expand(head_input(samples, width, layout_cells), projection)
-            first += phi.sum(0)
-            second += phi.T @ phi
+            if start < read:
+                phi = expand(head_input(samples[: read - start], width, layout_cells), projection)
+                first += phi.sum(0)
+                if exact is not None and centre:  # about the known mean: E[φφᵀ] = E[(φ - m)(φ - m)ᵀ] + m mᵀ
+                    phi = phi - exact[c]
+                second += phi.T @ phi
         covariances[c] = x_scatter / max(number - 1, 1)
         scatter += (images - 1) * covariances[c]
         for part in range(2):
-            q[part][:, c] = int(parts[c, part]) * first / number
-            grams[part] += int(parts[c, part]) * second / number
+            q[part][:, c] = int(parts[c, part]) * (exact[c] if exact is not None else first / read)
+            grams[part] += int(parts[c, part]) * second / read
+            if exact is not None and centre:
+                grams[part] += int(parts[c, part]) * torch.outer(exact[c], exact[c])
     counts = parts.to(STAT_DTYPE).sum(0)
     q, grams = q.cpu(), grams.cpu()
     statistics = Statistics(grams[0], grams[1], q[0], q[1], float(counts[0]), float(counts[1]))
     return DrawnSums(statistics, means.cpu(), covariances.cpu(), scatter.cpu(), gaussians.counts.clone().cpu())
+
+
+def relu_means(gaussians: ClassGaussians, projection: Tensor, layout_cells: int) -> Tensor:
+    """E[φ] = E[ReLU(h R)] of each class in closed form, (C, M) in the projection's dtype: h R is
+    Gaussian, so each coordinate a ~ N(μ, s²) has E[ReLU(a)] = μ Φ(μ/s) + s ϕ(μ/s) (ReLU(μ) where s
+    is 0). μ = mean(h) R; s² the column sums of (F_h R)² over the class's directions plus σ_c² Σ_t
+    ‖L_t R_t‖² over the tokens h reads (R_t: R's rows of token t; L_t the class's group's map, or I)."""
+    width, size = projection.shape
+    count, d = gaussians.tokens
+    read = head_input(torch.arange(count, dtype=torch.float64)[None, :, None].expand(1, count, d), width, layout_cells)
+    tokens = [int(t) for t in read[0, ::d]]  # the tokens h reads, in its order (R's row blocks)
+    blocks = projection.view(len(tokens), d, size)
+    plain = blocks.pow(2).sum((0, 1))  # L = I: Σ_t ‖R_t‖² per column
+    grouped = [
+        sum((linear[t].to(projection) @ blocks[i]).pow(2).sum(0) for i, t in enumerate(tokens))
+        for linear in gaussians.linears
+    ]
+    out = torch.empty(len(gaussians), size, dtype=projection.dtype, device=projection.device)
+    for c in range(len(gaussians)):
+        mu = head_input(gaussians.means[c : c + 1].to(projection), width, layout_cells) @ projection
+        rank = int(gaussians.ranks[c])
+        variance = torch.zeros(size, dtype=projection.dtype, device=projection.device)
+        if rank:
+            variance += (
+                (head_input(gaussians.factors[c, :rank].to(projection), width, layout_cells) @ projection).pow(2).sum(0)
+            )
+        group = int(gaussians.groups[c])
+        variance += float(gaussians.spreads[c]) ** 2 * (grouped[group] if group >= 0 else plain)
+        s = variance.sqrt()
+        ratio = mu[0] / s.clamp_min(1e-300)
+        value = mu[0] * torch.special.ndtr(ratio) + s * torch.exp(-0.5 * ratio.pow(2)) / math.sqrt(2 * math.pi)
+        out[c] = torch.where(s > 0, value, mu[0].clamp_min(0))
+    return out

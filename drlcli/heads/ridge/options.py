@@ -46,6 +46,12 @@ class RanpacConfig:
     carry_rank: int = option(16, within=Range(1, 4096))
     carry_lambda: float = option(1000.0, within=Range(0, 1e12, low_open=True))
     carry_draws: int = option(100, within=Range(1, 10_000))
+    # what the rebuilt sums read of the draws: "drawn", E[φ] (Q) and the Grams from every draw; "exact",
+    # E[φ] in closed form (h R is Gaussian) and the Grams from carry_gram_draws draws over all the earlier
+    # classes (each class's share by its images; None: every draw), so that the M x M products, most
+    # of a carried stage's fit, stop growing with the images seen
+    carry_mean: str = option("drawn", choices=("drawn", "exact"))
+    carry_gram_draws: int | None = option(None, within=Range(1, 1_000_000_000))
 
     def resolved_proj_dim(self, width: int) -> int:
         return self.proj_dim if self.proj_dim is not None else min(3000, 16 * width)
