@@ -359,3 +359,19 @@ def test_a_stage_interrupted_in_training_resumes_to_the_same_set_and_carry(tmp_p
     assert resumed.resumed_from_epoch == 1
     a, b = (load_run(run, device="cpu").stage_totals[-1] for run in runs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gram_budget(tmp_path, stage_folders):
+    """drl's carried schedule (the default's, ``first_session.CARRY_SUMS``): each later stage records
+    how it rebuilt the earlier classes' sums, and the run answers as learn-stage evaluated."""
+    config = RunConfig.for_method(
+        "drl", {**SMALL, "ranpac": {**SMALL["ranpac"], "carry_gram_draws": 10}}, preset="carried"
+    )
+    assert (config.ranpac.carry_mean, config.ranpac.carry_gram_draws) == ("exact", 10)
+    run = tmp_path / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    results = [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders[:2]]
+    carry = load_run(run, device="cpu").stage_metas[1]["carry"]
+    assert (carry["mean"], carry["draws"], carry["gram_draws"], carry["classes"]) == ("exact", 4, 10, 3)
+    assert evaluate(run, all_seen=True, device="cpu").report.top1 == pytest.approx(results[-1].eval.top1)
+    verify(run)

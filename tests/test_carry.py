@@ -250,15 +250,16 @@ def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypat
 
 
 @pytest.mark.gpu
-def test_expected_sums_on_cuda_are_the_cpu_sums():
+@pytest.mark.parametrize("exact", [False, True])
+def test_expected_sums_on_cuda_are_the_cpu_sums(exact):
     """The sums are taken on the run's device from the same CPU draws: equal to float64 rounding,
-    returned on the CPU, the Gaussians handed in left where they were."""
+    returned on the CPU, the Gaussians handed in left where they were (the closed-form means too)."""
     from drlcli.heads.ridge.carry import expected_sums
 
     gaussians = ClassGaussians.of(_classes(sizes=(12, 9)), rank=3)
     gaussians = gaussians.moved(TokenMaps.fit(*_planted(n=60)[:2], lam=1.0))  # a group's linear map too
     parts = torch.tensor([[10, 2], [7, 2]])
-    kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=50)
+    kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=50, exact_mean=exact)
     cpu = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(4), **kwargs)
     gpu = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(4), device="cuda", **kwargs)
     assert gaussians.means.device.type == "cpu"
@@ -494,9 +495,10 @@ def test_relu_means_are_the_draws_expectation(width, cells):
     )
 
 
-def test_exact_means_and_a_gram_budget_change_only_what_they_say():
-    """exact_mean puts n_part · E[φ] in Q; gram_draws takes the Grams from each class's share of that
-    many of the same draws (its first ones), the class moments of x from all of them."""
+def test_exact_means_centre_the_grams_and_a_gram_budget_reads_each_class_share():
+    """exact_mean puts n_part · m (m = E[φ] in closed form) in Q and n_part · (mean of (φ − m)(φ − m)ᵀ
+    + m mᵀ) in the Grams; gram_draws reads each class's share of that many of the same draws (its
+    first ones); the class moments of x come from every draw either way."""
     from drlcli.heads.ridge.carry import expected_sums, relu_means
     from drlcli.heads.ridge.head import expand, head_input
 
@@ -504,20 +506,46 @@ def test_exact_means_and_a_gram_budget_change_only_what_they_say():
     parts = torch.tensor([[10, 2], [7, 2], [8, 2]])
     kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=5)
     drawn = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs)
-    exact = expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), exact_mean=True, **kwargs)
     means = relu_means(gaussians, _head_parts(), S - 1)
-    assert torch.allclose(exact.statistics.q_fit, parts[:, 0].double() * means.T)
-    assert torch.allclose(exact.statistics.q_val, parts[:, 1].double() * means.T)
-    assert torch.equal(exact.statistics.gram_fit, drawn.statistics.gram_fit)
-    budget = expected_sums(
-        gaussians, parts, generator=torch.Generator().manual_seed(1), exact_mean=True, gram_draws=31, **kwargs
-    )
-    assert torch.equal(budget.x_covariances, drawn.x_covariances) and torch.equal(budget.scatter, drawn.scatter)
-    generator, gram = torch.Generator().manual_seed(1), torch.zeros(40, 40, dtype=torch.float64)
-    for c, share in enumerate((12, 9, 10)):  # 31 draws over 31 images: one a class's image
-        samples = gaussians.draw(c, 5 * share, generator).double()[:share]
-        phi = expand(head_input(samples, S * D, S - 1), _head_parts())
-        gram += int(parts[c, 0]) * phi.T @ phi / share
-    assert torch.allclose(budget.statistics.gram_fit, gram)
+
+    def manual(shares):
+        generator, grams = torch.Generator().manual_seed(1), torch.zeros(2, 40, 40, dtype=torch.float64)
+        for c, n in enumerate((12, 9, 10)):
+            phi = expand(head_input(gaussians.draw(c, 5 * n, generator).double(), S * D, S - 1), _head_parts())
+            deviations = phi[: shares[c]] - means[c]
+            for part in range(2):
+                grams[part] += int(parts[c, part]) * (
+                    deviations.T @ deviations / shares[c] + torch.outer(means[c], means[c])
+                )
+        return grams
+
+    for budget, shares in ((None, (60, 45, 50)), (31, (12, 9, 10))):  # 31 draws over 31 images: one an image
+        sums = expected_sums(
+            gaussians, parts, generator=torch.Generator().manual_seed(1), exact_mean=True, gram_draws=budget, **kwargs
+        )
+        assert torch.allclose(sums.statistics.q_fit, parts[:, 0].double() * means.T)
+        assert torch.allclose(sums.statistics.q_val, parts[:, 1].double() * means.T)
+        grams = manual(shares)
+        assert torch.allclose(sums.statistics.gram_fit, grams[0]) and torch.allclose(sums.statistics.gram_val, grams[1])
+        assert torch.equal(sums.x_covariances, drawn.x_covariances) and torch.equal(sums.scatter, drawn.scatter)
     with pytest.raises(ValueError, match="gram_draws"):
         expected_sums(gaussians, parts, generator=torch.Generator(), gram_draws=10, **kwargs)
+
+
+def test_centred_grams_are_closer_to_the_expectation_at_the_same_draws():
+    """The point of centring: at the same draws the Grams' error about their expectation is smaller."""
+    from drlcli.heads.ridge.carry import expected_sums
+
+    gaussians = ClassGaussians.of([torch.randn(40, S, D, dtype=torch.float64) * 0.5 + 2.0], rank=3)
+    parts, kwargs = torch.tensor([[32, 8]]), dict(projection=_head_parts(), layout_cells=S - 1)
+    target = expected_sums(
+        gaussians, parts, generator=torch.Generator().manual_seed(0), draws=2000, exact_mean=True, **kwargs
+    )
+    errors = {True: 0.0, False: 0.0}
+    for seed in range(1, 6):
+        for exact in errors:
+            sums = expected_sums(
+                gaussians, parts, generator=torch.Generator().manual_seed(seed), draws=2, exact_mean=exact, **kwargs
+            )
+            errors[exact] += float((sums.statistics.gram_fit - target.statistics.gram_fit).norm())
+    assert errors[True] < 0.8 * errors[False], errors

@@ -52,10 +52,21 @@ def test_the_facts_of_each_method():
         "transfer",
         "transfer",
     )
-    # the recipe measured as ranpac --preset switched: the same run but for the method's name
+    # the recipe measured as ranpac --preset switched: the same run but for the method's name and the
+    # carried classes' sums (closed-form means, centred Grams, fewer draws: the twentieth round's)
     same = RunConfig.for_method("ranpac", preset="switched").to_dict()
     mine = default.to_dict()
-    assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train"}
+    assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train", "ranpac"}
+    assert {k: v for k, v in mine["ranpac"].items() if same["ranpac"][k] != v} == {
+        "carry_mean": "exact",
+        "carry_draws": 25,
+        "carry_gram_draws": 50_000,
+    }
+    assert (same["ranpac"]["carry_mean"], same["ranpac"]["carry_draws"], same["ranpac"]["carry_gram_draws"]) == (
+        "drawn",
+        100,
+        None,
+    )
     assert mine["score"]["head"] == "ridge" and {k: v for k, v in mine["train"].items() if same["train"][k] != v} == {
         "skip_unread": True  # which a carried network ignores: it trains every stage it does not pause
     }

@@ -152,6 +152,14 @@ def _ptm_source(source: str, hub: dict[str, Any] | None) -> str:
     return f"hf-hub:{hub['repo']} at {hub['revision'][:12]}" if hub else source
 
 
+def _sums_how(carry: dict) -> str:
+    """How a carried stage rebuilt the earlier classes' sums (the ridge head's ``carry_mean exact``), for its line."""
+    if carry.get("mean") != "exact":
+        return ""
+    cap = carry.get("gram_draws")
+    return " (their means in closed form" + (f", the Grams from at most {cap:,} draws" if cap else "") + ")"
+
+
 def learn_stage(r: dict[str, Any]) -> str:
     if r["status"] == "unchanged":
         return _text([f"stage {r['stage']} already learned exactly these images; nothing to do"])
@@ -180,7 +188,7 @@ def learn_stage(r: dict[str, Any]) -> str:
         c = r["carry"]
         if c.get("paused"):
             sums = (
-                f"drawn {c['draws']} times per image from their class Gaussians"
+                f"drawn {c['draws']} times per image from their class Gaussians{_sums_how(c)}"
                 if c.get("draws")
                 else "the sums the stage before kept"
             )
@@ -191,8 +199,8 @@ def learn_stage(r: dict[str, Any]) -> str:
         else:
             lines.append(
                 f"carried {c['classes']} earlier classes: the adapters moved this stage's images by {c['move']:.2g} "
-                f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image "
-                f"({c['seconds']:.1f}s)"
+                f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image"
+                f"{_sums_how(c)} ({c['seconds']:.1f}s)"
                 + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
             )
         if c.get("transfer"):

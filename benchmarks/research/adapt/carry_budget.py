@@ -9,11 +9,14 @@ Gaussians stage T drew (its totals keep them, moved by its maps) and stage T's o
 again through the newest network, with the earlier classes' sums drawn each way listed below; then
 scores the run's registered evaluation images (A_T on them) and times the draws. Variants:
 
-- ``drawn-K``: E[φ] and the Grams from K draws an image (the tool's carry, K = ``ranpac.carry_draws``);
-- ``exact-K``: E[φ] in closed form (``carry.relu_means``), the Grams from K draws an image;
-- ``exact-K-gB``: E[φ] in closed form, the Grams from about B draws over every class;
-- ``centred-K`` and ``centred-K-gB``: as ``exact``, the Grams as E[(φ - m)(φ - m)ᵀ] + m mᵀ with the
-  closed-form m (the draws' deviations about the known mean: no term linear in them).
+- ``drawn-K``: E[φ] and the Grams from K draws an image (``ranpac.carry_mean drawn``, the carry of
+  runs before the twentieth round, K = ``ranpac.carry_draws``);
+- ``centred-K``: E[φ] = m in closed form (``carry.relu_means``), the Grams as E[(φ − m)(φ − m)ᵀ] + m mᵀ
+  from K draws an image (``ranpac.carry_mean exact``);
+- ``centred-K-gB``: the same, the Grams from about B draws over every class (``ranpac.carry_gram_draws``).
+
+(The ``exact-K`` and ``exact-K-gB`` rows of the research page, E[φ] in closed form but the Grams not
+centred, came from this script at commit 86e005b.)
 
 Each variant is drawn with each ``--seeds`` offset added to the tool's generator seed (offset 0 is the
 tool's own draws). Prints one JSON line per variant and seed.
@@ -41,7 +44,7 @@ from drlcli.heads.ridge.statistics import STAT_DTYPE
 from drlcli.model import embed_images
 from drlcli.run.load import load_run
 
-VARIANT = re.compile(r"(drawn|exact|centred)-(\d+)(?:-g(\d+))?$")
+VARIANT = re.compile(r"(drawn|centred)-(\d+)(?:-g(\d+))?$")
 
 
 def first(gaussians: ClassGaussians, count: int) -> ClassGaussians:
@@ -57,7 +60,7 @@ def main() -> None:
     parser.add_argument("run", type=Path)
     parser.add_argument("--train", type=Path, required=True)
     parser.add_argument("--weights", type=Path, default=None)
-    parser.add_argument("--variants", nargs="+", default=["drawn-100", "exact-100", "exact-100-g50000"])
+    parser.add_argument("--variants", nargs="+", default=["drawn-100", "centred-100", "centred-100-g50000"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     args = parser.parse_args()
     loaded = load_run(args.run, device="cpu", ptm_weights=args.weights, scoring=False)
@@ -104,8 +107,7 @@ def main() -> None:
                 layout_cells=model.layout_scored**2,
                 draws=draws,
                 generator=torch.Generator().manual_seed(config.train.seed + stage_index + offset),
-                exact_mean=kind != "drawn",
-                centre=kind == "centred",
+                exact_mean=kind == "centred",
                 gram_draws=int(budget) if budget else None,
             )
             seconds = time.perf_counter() - tick

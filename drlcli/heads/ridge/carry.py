@@ -15,7 +15,8 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
   them stand in for the old classes' images when the head's sums are rebuilt;
 - ``expected_sums``: the ridge's statistics (Q and G, fit and held-out parts) and the class
   covariances' moments of x = f_0/‖f_0‖ that the classes' images would give, estimated from
-  ``draws`` times as many draws as each class had images.
+  ``draws`` times as many draws as each class had images; or (drl's presets) with E[φ] in closed
+  form (``relu_means``) and the Grams centred on it, from fewer draws.
 
 Pure tensor maths: ``carried.py`` puts it together for one stage of a carried run (``ranpac
 --preset carried``); the research harness (``benchmarks/research/adapt``) replays its runs through it.
@@ -271,7 +272,6 @@ def expected_sums(
     device: torch.device | str = "cpu",
     exact_mean: bool = False,
     gram_draws: int | None = None,
-    centre: bool = False,
 ) -> DrawnSums:
     """Each class's expected contribution to the ridge's sums from ``draws`` · n_c draws of it:
     Q_part = n_part · E[φ], G_part = Σ n_part · E[φ φᵀ], with φ = ReLU(h R) of the drawn tokens
@@ -281,8 +281,10 @@ def expected_sums(
     device (the run's: the M x M products are most of a carried stage's time on a CPU; other
     accelerators may lack float64, so the CPU there) and returned on the CPU.
 
-    ``exact_mean``: E[φ] in closed form (``relu_means``) instead of from the draws. ``gram_draws``
-    (with ``exact_mean``): the Grams from about that many of the draws in all, each class's share in
+    ``exact_mean`` (``ranpac.carry_mean exact``): E[φ] = m in closed form (``relu_means``), and the
+    Grams as n_part · (E[(φ − m)(φ − m)ᵀ] + m mᵀ): the draws enter only by their deviations from the
+    known mean, which roughly halves the Grams' sampling error at the same draws. ``gram_draws`` (with
+    ``exact_mean``): the Grams from about that many of the draws in all, each class's share in
     proportion to its images (at least one; never more than it drew), so that their M × M products
     cost the same however many images the classes had; None: from every draw. The class moments of x
     are always taken from every draw (d × d a draw, not M × M)."""
@@ -302,15 +304,16 @@ def expected_sums(
     means = torch.zeros(len(gaussians), d, **zeros)
     covariances = torch.zeros(len(gaussians), d, d, **zeros)
     scatter = torch.zeros(d, d, **zeros)
-    counts = gaussians.counts.to(STAT_DTYPE)
+    second = torch.empty(size, size, **zeros)  # one class's Σ φφᵀ (or of φ − m), reused
+    total = float(gaussians.counts.sum())
     exact = relu_means(gaussians, projection, layout_cells) if exact_mean else None
     for c in range(len(gaussians)):
         images = int(gaussians.counts[c])
         number = draws * images
         # the draws whose φ the sums read: every one, or the class's share of gram_draws
-        read = number if gram_draws is None else min(number, max(1, round(gram_draws * images / float(counts.sum()))))
+        read = number if gram_draws is None else min(number, max(1, round(gram_draws * images / total)))
         first = torch.zeros(size, **zeros)
-        second = torch.zeros(size, size, **zeros)
+        second.zero_()
         x_scatter = torch.zeros(d, d, **zeros)
         for start in range(0, number, CHUNK):
             samples = gaussians.draw(c, min(CHUNK, number - start), generator).to(STAT_DTYPE)
@@ -321,19 +324,28 @@ def expected_sums(
             step = mean - means[c]
             x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
             means[c] += step * len(x) / (start + len(x))
-            if start < read:
-                phi = expand(head_input(samples[: read - start], width, layout_cells), projection)
+            if start >= read:
+                continue
+            phi = expand(head_input(samples[: read - start], width, layout_cells), projection)
+            if exact is None:
                 first += phi.sum(0)
-                if exact is not None and centre:  # about the known mean: E[φφᵀ] = E[(φ - m)(φ - m)ᵀ] + m mᵀ
-                    phi = phi - exact[c]
                 second += phi.T @ phi
+            else:
+                phi -= exact[c]
+                second.addmm_(phi.T, phi)
         covariances[c] = x_scatter / max(number - 1, 1)
         scatter += (images - 1) * covariances[c]
         for part in range(2):
-            q[part][:, c] = int(parts[c, part]) * (exact[c] if exact is not None else first / read)
-            grams[part] += int(parts[c, part]) * second / read
-            if exact is not None and centre:
-                grams[part] += int(parts[c, part]) * torch.outer(exact[c], exact[c])
+            if exact is None:
+                q[part][:, c] = int(parts[c, part]) * first / read
+                grams[part] += int(parts[c, part]) * second / read
+            else:  # in place: an M x M temporary a class costs as much as its draws' products at a few draws
+                grams[part].add_(second, alpha=int(parts[c, part]) / read)
+    if exact is not None:
+        for part in range(2):
+            weights = parts[:, part].to(**zeros)
+            q[part] = (exact * weights[:, None]).T
+            grams[part].addmm_(exact.T * weights, exact)  # Σ_c n_part m mᵀ, one product for every class
     counts = parts.to(STAT_DTYPE).sum(0)
     q, grams = q.cpu(), grams.cpu()
     statistics = Statistics(grams[0], grams[1], q[0], q[1], float(counts[0]), float(counts[1]))

@@ -33,8 +33,9 @@ def rules(config: RunConfig) -> None:
     first_session.rules(config, "ranpac")
 
 
-# drl's default schedule under RanPAC's name (drl's own ridge options), kept so that the commands
-# docs/benchmarks.md ran as ``ranpac/preset=carried`` and ``ranpac/preset=switched`` reproduce
+# drl's default schedule under RanPAC's name (drl's own ridge options) as it was measured, before its
+# carried sums changed (``first_session.CARRY_SUMS``): kept so that the commands docs/benchmarks.md ran
+# as ``ranpac/preset=carried`` and ``ranpac/preset=switched`` reproduce
 CARRIED = {**first_session.CARRIED, "ranpac": RIDGE_DEFAULTS}
 
 METHOD = Method(
