@@ -361,9 +361,21 @@ def test_a_stage_interrupted_in_training_resumes_to_the_same_set_and_carry(tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gram_budget(tmp_path, stage_folders):
-    """drl's carried schedule (the default's, ``first_session.CARRY_SUMS``): each later stage records
-    how it rebuilt the earlier classes' sums, and the run answers as learn-stage evaluated."""
+def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gram_budget(
+    tmp_path, stage_folders, monkeypatch
+):
+    """drl's carried schedule (the default's, ``first_session.CARRY_SUMS``): each later stage rebuilds
+    the earlier classes' sums with the closed-form means and the Gram budget, records how, and the
+    run answers as learn-stage evaluated."""
+    import drlcli.heads.ridge.carried as carried
+
+    calls, real = [], carried.expected_sums
+
+    def recorded(*args, **kwargs):
+        calls.append({k: kwargs[k] for k in ("draws", "exact_mean", "gram_draws")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(carried, "expected_sums", recorded)
     config = RunConfig.for_method(
         "drl", {**SMALL, "ranpac": {**SMALL["ranpac"], "carry_gram_draws": 10}}, preset="carried"
     )
@@ -373,5 +385,6 @@ def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gra
     results = [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders[:2]]
     carry = load_run(run, device="cpu").stage_metas[1]["carry"]
     assert (carry["mean"], carry["draws"], carry["gram_draws"], carry["classes"]) == ("exact", 4, 10, 3)
+    assert calls == [{"draws": 4, "exact_mean": True, "gram_draws": 10}]  # what the stage drew with
     assert evaluate(run, all_seen=True, device="cpu").report.top1 == pytest.approx(results[-1].eval.top1)
     verify(run)

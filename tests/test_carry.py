@@ -549,3 +549,12 @@ def test_centred_grams_are_closer_to_the_expectation_at_the_same_draws():
             )
             errors[exact] += float((sums.statistics.gram_fit - target.statistics.gram_fit).norm())
     assert errors[True] < 0.8 * errors[False], errors
+
+
+def test_a_closed_form_mean_refuses_a_head_that_reads_a_token_twice():
+    from drlcli.heads.ridge.carry import relu_means
+
+    one_token = ClassGaussians.of([torch.randn(6, 1, D, dtype=torch.float64)], rank=2)
+    projection = torch.randn(2 * D, 8, dtype=torch.float64)  # f_0, then the "last cell": the same token
+    with pytest.raises(ValueError, match="each token once"):
+        relu_means(one_token, projection, 1)

@@ -141,7 +141,10 @@ def _rules(config: RunConfig, method: Any) -> None:
     if cfg.lambda_min_exp > cfg.lambda_max_exp:
         raise UsageError("ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp")
     if cfg.carry_gram_draws is not None and cfg.carry_mean != "exact":
-        raise UsageError("ranpac.carry_gram_draws needs the closed-form E[φ]: set ranpac.carry_mean exact")
+        raise UsageError(
+            "ranpac.carry_gram_draws needs the closed-form E[φ]: set ranpac.carry_mean exact, "
+            "or ranpac.carry_gram_draws null for the drawn carry"
+        )
     if config.score.head == "ridge" and not method.offset:
         raise UsageError(f"score.head ridge needs a PTM subspace, which method {config.method} has not: use prototypes")
     if cfg.subspaces == 2 and not (method.trains and method.offset and config.score.head == "ridge"):

@@ -361,6 +361,8 @@ def relu_means(gaussians: ClassGaussians, projection: Tensor, layout_cells: int)
     count, d = gaussians.tokens
     read = head_input(torch.arange(count, dtype=torch.float64)[None, :, None].expand(1, count, d), width, layout_cells)
     tokens = [int(t) for t in read[0, ::d]]  # the tokens h reads, in its order (R's row blocks)
+    if len(set(tokens)) != len(tokens):  # each block's noise is its own token's: a token read twice is not
+        raise ValueError(f"the head reads tokens {tokens}: a closed-form mean needs each token once")
     blocks = projection.view(len(tokens), d, size)
     plain = blocks.pow(2).sum((0, 1))  # L = I: Σ_t ‖R_t‖² per column
     grouped = [
