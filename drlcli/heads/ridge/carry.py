@@ -283,7 +283,7 @@ def expected_sums(
 
     ``exact_mean`` (``ranpac.carry_mean exact``): E[φ] = m in closed form (``relu_means``), and the
     Grams as n_part · (E[(φ − m)(φ − m)ᵀ] + m mᵀ): the draws enter only by their deviations from the
-    known mean, which roughly halves the Grams' sampling error at the same draws. ``gram_draws`` (with
+    known mean: no error term linear in them, so fewer draws give the same error. ``gram_draws`` (with
     ``exact_mean``): the Grams from about that many of the draws in all, each class's share in
     proportion to its images (at least one; never more than it drew), so that their M × M products
     cost the same however many images the classes had; None: from every draw. The class moments of x
