@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 
 SECTION = "first_session"
 
-# issue 32's carried schedule (adaptation-bounds.md, eleventh round): one set in blocks 0-5 trained at
-# every stage, 20 epochs of cross-entropy at lr 0.05, held near each stage's start (w 3); the head's
-# options are the method's (drl's default ridge head)
 # the earlier classes' sums rebuilt from their Gaussians with E[φ] in closed form and the Grams
 # centred on it, 25 draws an image and the Grams' M x M products from at most 50,000 of them (twentieth
-# round: as accurate as 100 uncentred draws an image on three orders, a third to a quarter of the time,
+# round: as accurate as 100 uncentred draws an image on three orders, a quarter to a third of the time,
 # and the Grams' cost flat in the images seen); ranpac's presets keep the carry they were measured with
 CARRY_SUMS = {"carry_mean": "exact", "carry_draws": 25, "carry_gram_draws": 50_000}
+# issue 32's carried schedule (adaptation-bounds.md, eleventh round): one set in blocks 0-5 trained at
+# every stage, 20 epochs of cross-entropy at lr 0.05, held near each stage's start (w 3); the head's
+# other options are the method's (drl's default ridge head)
 CARRIED = {
     SECTION: {"peft": "adaptformer", "stages": "all", "blocks": 0.5, "hold_weight": 3.0},
     "train": {"lr": 0.05, "epochs": 20, "batch_size": 48, "scale_init": 16.0},
