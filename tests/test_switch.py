@@ -194,6 +194,31 @@ def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stoo
     assert "even its upper bound" in text
 
 
+def test_a_class_forgotten_before_paused_stages_comes_back_as_if_never_forgotten(tmp_path, stage_folders, monkeypatch):
+    """A paused stage moves none of the carried classes, so a class forgotten before it comes back
+    from its kept rows: both tracks then hold what the same run that never forgot it holds."""
+    never = tmp_path / "never"
+    _init(never)
+    _transfers(monkeypatch, False, stalls=True)  # stages 2 and 3 pause
+    _learn(never, stage_folders[:1])
+    run = Path(shutil.copytree(never, tmp_path / "run"))
+    name = load_run(run, device="cpu").model.class_names[1]
+    forget_class(run, name)
+    assert [r.carry.get("paused") for r in _learn(run, stage_folders[1:])] == [True, True]
+    _learn(never, stage_folders[1:])
+    restore_class(run, name)
+    for track in ("", "frozen"):
+        a, b = (load_run(p / track, device="cpu", scoring=False) for p in (run, never))
+        assert a.model.class_names == b.model.class_names and len(a.model.class_names) == 9
+        assert a.stage_metas[-1]["ridge"]["lambda"] == b.stage_metas[-1]["ridge"]["lambda"]
+        totals, want = a.stage_totals[-1], b.stage_totals[-1]
+        assert set(totals) == set(want) and ("q_fit_carried" in totals) is (track == "")
+        for key, tensor in want.items():  # W solved again at stage 3's λ; the carried rows as kept
+            assert torch.allclose(totals[key], tensor, atol=1e-5, rtol=1e-4), (track, key)
+    ours, theirs = (evaluate(p, all_seen=True, device="cpu").report for p in (run, never))
+    assert ours.top1 == theirs.top1
+
+
 def _carried_set(run: Path) -> dict[str, torch.Tensor]:
     """The carried network's adapter set, as the run's newest stage holds it."""
     network = load_run(run, device="cpu", scoring=False).model.network

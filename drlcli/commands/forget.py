@@ -79,10 +79,7 @@ from ..run.writer import RunWriter
 MAX_REASON = 1000  # characters
 
 
-# ----------------------------------------------------------------------------- the log
-
-
-# ------------------------------------------------------------------------- the run read once
+# ------------------------------------------------------------------------- the stage files
 
 
 def _slice(tensor: Tensor, axis: int, index: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -317,6 +314,8 @@ def restore_class(
 
         def put_back(index: int, spec: PerClass, tensor: Tensor, position: int) -> Tensor:
             piece = rows.get(slice_key(index, spec))
+            if piece is None and spec.carried and index > entry.last_stage:  # no stage since moved it (_restorable)
+                piece = rows.get(slice_key(entry.last_stage, spec))
             if piece is None:
                 piece = _solve_column(state, index, entry, rows, spec)
             return torch.cat(
@@ -360,16 +359,24 @@ def _restorable(state: ForgetState, name: str) -> Forgotten:
             "restored; learn it again from new images with `drl learn-stage`"
         )
     entry = max(kept, key=lambda f: f.generation)
-    moved = [k for k in state.indices if k > entry.last_stage and "carry" in state.metas[k]]
+    moved = [k for k in state.indices if k > entry.last_stage and _moved(state.metas[k])]
     if moved:  # a carried run (first_session.stages all): its kept Gaussian was not moved with the others
         raise RunStateError(
-            f"class {name!r} was forgotten before stage {moved[0]}, which moved the carried classes of this run "
-            "(first_session.stages all) while its kept rows stayed as they were; learn it again with "
-            "`drl learn-stage`"
+            f"class {name!r} was forgotten before stage {moved[0]}, which trained this run's carried network and "
+            "moved its classes while the kept rows stayed as they were; learn it again with `drl learn-stage`"
         )
     learned = {n: k for k in state.indices for n in state.classes[k]}
     refuse_near_duplicates([name], learned, what=f"forgotten class {name!r}")
     return entry
+
+
+def _moved(meta: dict[str, Any]) -> bool:
+    """Whether a stage moved a carried run's classes: it trained the network (a paused stage of a
+    switched run did not: its record says so, with no move and no draws)."""
+    carry = meta.get("carry")
+    if not isinstance(carry, dict):
+        return False
+    return not (carry.get("paused") is True and carry.get("move") == 0 and carry.get("draws") == 0)
 
 
 def _solve_column(state: ForgetState, index: int, entry: Forgotten, rows: dict[str, Tensor], spec: PerClass) -> Tensor:
@@ -379,10 +386,10 @@ def _solve_column(state: ForgetState, index: int, entry: Forgotten, rows: dict[s
     head = next((h for h in heads.HEADS.values() if any(p.name == spec.name for p in h.per_class)), None)
     if head is None or not spec.seen or index <= entry.last_stage:
         raise rows_error(state, entry, f"{slice_key(index, spec)} is missing")
-    kept = {
+    kept = {  # its stage's slices, and a carried run's as the newest stage held them at the forget
         p.name: rows[key]
         for p in head.per_class
-        if (key := slice_key(entry.stage, replace(p, file=FILES[p.file]))) in rows
+        if (key := slice_key(entry.last_stage if p.carried else entry.stage, replace(p, file=FILES[p.file]))) in rows
     }
     statistics = [{**state.tensors(k, STATISTICS), **state.tensors(k, TOTALS)} for k in state.indices if k <= index]
     try:

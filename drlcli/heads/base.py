@@ -35,12 +35,15 @@ def since_totals(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class PerClass:
     """A stage tensor holding one slice per class along ``axis``: per class of its stage, or
-    (``seen``) per class seen up to its stage, in class order."""
+    (``seen``) per class seen up to its stage, in class order. ``carried``: a carried run's state of
+    the class in the newest totals (its Gaussian, its sums), which a later stage changes only by
+    moving the network (a paused stage keeps it as it was)."""
 
     file: str  # "weights" or "statistics" (``FILES``)
     name: str
     axis: int
     seen: bool = False
+    carried: bool = False
 
 
 @dataclass(frozen=True)

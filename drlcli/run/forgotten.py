@@ -307,6 +307,8 @@ def _slice_problem(state: ForgetState, key: str, piece: Tensor, where: tuple[int
         return f"{key!r} is not one class's slice of a per-class tensor"
     index, spec = where
     tensor = state.tensors(index, spec.file).get(spec.name)
+    if tensor is None and spec.carried:  # a carried run's state, kept from a stage whose totals were superseded
+        tensor = state.tensors(state.indices[-1], spec.file).get(spec.name)
     # integer slices (a carried run's counts and ranks) only where the live tensor holds that dtype
     same_integers = tensor is not None and not tensor.is_floating_point() and piece.dtype == tensor.dtype
     if piece.dim() <= spec.axis or piece.shape[spec.axis] != 1 or not (piece.is_floating_point() or same_integers):

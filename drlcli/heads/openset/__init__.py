@@ -100,5 +100,5 @@ RULES = ("rmd", "cosine")
 # one row per class of the stage: ``drl forget`` takes a class's rows out
 PER_CLASS = (
     *(PerClass("weights", name, 0) for name in (BIAS, *RMD_ROWS)),
-    PerClass("totals", RMD_MEAN_CARRIED, 0, seen=True),
+    PerClass("totals", RMD_MEAN_CARRIED, 0, seen=True, carried=True),
 )

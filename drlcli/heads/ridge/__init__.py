@@ -117,8 +117,8 @@ PER_CLASS = (
     PerClass("totals", WEIGHT, 1, seen=True),  # W (M, C), solved again by each stage, in the newest's totals
     PerClass("statistics", "q_fit", 1),  # Q (M, n) of the stage's own classes (statistics.Statistics)
     PerClass("statistics", "q_val", 1),
-    *(PerClass("totals", name, 0, seen=True) for name in (*CARRY_COV.values(), *CARRY_PER_CLASS)),
-    *(PerClass("totals", name, 1, seen=True) for name in CARRY_Q.values()),
+    *(PerClass("totals", name, 0, seen=True, carried=True) for name in (*CARRY_COV.values(), *CARRY_PER_CLASS)),
+    *(PerClass("totals", name, 1, seen=True, carried=True) for name in CARRY_Q.values()),
 )
 
 

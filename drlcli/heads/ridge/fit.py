@@ -271,14 +271,25 @@ def restored_slice(
 ) -> Tensor:
     """``drl forget --restore``: a restored class's slice of ``name`` in a stage learned after it was
     forgotten, from that stage's stage.json (``meta``: its λ), the statistics of stages 1 to it and
-    the class's kept columns of Q (``kept``). Only W is solved again; ValueError otherwise."""
+    the class's kept columns of Q (``kept``). Only W is solved again; ValueError otherwise. A carried
+    run keeps no stage statistics: its newest totals hold the sums (Q as ``CARRY_Q``), and the
+    class's kept Q is its carried column, the same at a later stage that moved nothing."""
     if name != WEIGHT:
         raise ValueError(f"{name} is not solved again")
     ridge = meta.get("ridge")
     lam = ridge.get("lambda") if isinstance(ridge, dict) else None
     if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not 0 < lam < float("inf"):
         raise ValueError("the stage records no valid ridge λ")
-    return restored_column(statistics, kept["q_fit"], kept["q_val"], lam)
+    own = [_own_q(s) for s in statistics if s]
+    q_fit, q_val = (kept[q] if q in kept else kept[CARRY_Q[q]] for q in ("q_fit", "q_val"))
+    return restored_column(own, q_fit, q_val, lam)
+
+
+def _own_q(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A stage's statistics with Q under its own name (a carried run's totals hold it as ``CARRY_Q``)."""
+    if "q_fit" in tensors or CARRY_Q["q_fit"] not in tensors:
+        return tensors
+    return {**tensors, "q_fit": tensors[CARRY_Q["q_fit"]], "q_val": tensors[CARRY_Q["q_val"]]}
 
 
 def restored_column(statistics: list[dict[str, Tensor]], q_fit: Tensor, q_val: Tensor, lam: float) -> Tensor:
