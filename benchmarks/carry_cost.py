@@ -5,12 +5,14 @@
 
 A carried stage (the default ``drl`` where its set trains: ``drl --preset carried`` and the switched
 default once its network answers) draws every earlier class's Gaussian again and rebuilds the ridge
-head's sums from the draws (``heads/ridge/carry.expected_sums``). This times that rebuild, the real
+head's sums from the draws (``heads/ridge/sums.expected_sums``). This times that rebuild, the real
 function, on synthetic class Gaussians of the default's shape on DeiT-Tiny (five tokens of d 192, rank
 16, moved by one map; M 3000), each mode one after the other at each size: ``drawn-K`` (E[φ] and the
 Grams from K draws an image: ``ranpac.carry_mean drawn``, ``carry_draws`` K), ``centred-K`` (E[φ] in
 closed form, the Grams centred on it, K draws an image: ``carry_mean exact``) and ``centred-K-gB``
-(the same, the Grams from about B draws over all the classes: ``carry_gram_draws`` B). Prints each
+(the same, the Grams from about B draws over all the classes: ``carry_gram_draws`` B); ``split-K-gB``
+the same with each class's rows split between the fit and held-out Grams, many classes in one
+product (``expected_sums(split_rows=True)``). Prints each
 mode's seconds per size, its ratio to the first mode's, and its milliseconds per earlier image: a
 cost that grows with the images seen keeps that rate; one that stays flat sees it fall.
 """
@@ -24,10 +26,11 @@ import time
 
 import torch
 
-from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps, expected_sums
+from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps
+from drlcli.heads.ridge.sums import expected_sums
 
 S, D, RANK, M = 5, 192, 16, 3000
-MODE = re.compile(r"(drawn|centred)-(\d+)(?:-g(\d+))?$")
+MODE = re.compile(r"(drawn|centred|split)-(\d+)(?:-g(\d+))?$")
 
 
 def gaussians(classes: int, images: int, seed: int) -> ClassGaussians:
@@ -48,9 +51,9 @@ def main() -> None:
     for name in args.modes:
         match = MODE.match(name)
         if match is None:
-            parser.error(f"unknown mode {name}: drawn-K, centred-K or centred-K-gB")
+            parser.error(f"unknown mode {name}: drawn-K, centred-K, centred-K-gB or split-K-gB")
         modes[name] = (
-            match.group(1) == "centred",
+            match.group(1),
             int(match.group(2)),
             int(match.group(3)) if match.group(3) else None,
         )
@@ -62,7 +65,7 @@ def main() -> None:
         images = classes * args.images
         row = {"classes": classes, "earlier_images": images}
         first = None  # the first mode's seconds, unrounded: each ratio is to it
-        for name, (exact, draws, budget) in modes.items():
+        for name, (kind, draws, budget) in modes.items():
             tick = time.perf_counter()
             expected_sums(
                 carried,
@@ -71,8 +74,9 @@ def main() -> None:
                 layout_cells=S - 1,
                 draws=draws,
                 generator=torch.Generator().manual_seed(1),
-                exact_mean=exact,
+                exact_mean=kind != "drawn",
                 gram_draws=budget,
+                split_rows=kind == "split",
             )
             seconds = time.perf_counter() - tick
             first = seconds if first is None else first

@@ -365,14 +365,15 @@ def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gra
     tmp_path, stage_folders, monkeypatch
 ):
     """drl's carried schedule (the default's, ``first_session.CARRY_SUMS``): each later stage rebuilds
-    the earlier classes' sums with the closed-form means and the Gram budget, records how, and the
+    the earlier classes' sums with the closed-form means, the Gram budget and the rows split between
+    the fit and held-out Grams, records how, and the
     run answers as learn-stage evaluated."""
     import drlcli.heads.ridge.carried as carried
 
     calls, real = [], carried.expected_sums
 
     def recorded(*args, **kwargs):
-        calls.append({k: kwargs[k] for k in ("draws", "exact_mean", "gram_draws")})
+        calls.append({k: kwargs[k] for k in ("draws", "exact_mean", "gram_draws", "split_rows")})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(carried, "expected_sums", recorded)
@@ -384,7 +385,13 @@ def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gra
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     results = [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders[:2]]
     carry = load_run(run, device="cpu").stage_metas[1]["carry"]
-    assert (carry["mean"], carry["draws"], carry["gram_draws"], carry["classes"]) == ("exact", 4, 10, 3)
-    assert calls == [{"draws": 4, "exact_mean": True, "gram_draws": 10}]  # what the stage drew with
+    assert (carry["mean"], carry["draws"], carry["gram_draws"], carry["grams"], carry["classes"]) == (
+        "exact",
+        4,
+        10,
+        "split",
+        3,
+    )
+    assert calls == [{"draws": 4, "exact_mean": True, "gram_draws": 10, "split_rows": True}]  # what the stage drew with
     assert evaluate(run, all_seen=True, device="cpu").report.top1 == pytest.approx(results[-1].eval.top1)
     verify(run)

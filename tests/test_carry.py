@@ -1,4 +1,5 @@
-"""heads/ridge/carry.py: per-token ridge maps and class Gaussians moved by them."""
+"""heads/ridge/carry.py and sums.py: per-token ridge maps, class Gaussians moved by them, and the
+ridge sums drawn from them."""
 
 import pytest
 import torch
@@ -186,9 +187,9 @@ def _head_parts(classes=2, m=40, seed=5):
 
 def test_expected_sums_of_point_classes_are_the_images_own_statistics():
     """A class whose images are all one point draws that point: its sums are exact."""
-    from drlcli.heads.ridge.carry import expected_sums
     from drlcli.heads.ridge.head import expand, head_input
     from drlcli.heads.ridge.statistics import Statistics
+    from drlcli.heads.ridge.sums import expected_sums
 
     g = torch.Generator().manual_seed(6)
     points = torch.randn(3, S, D, generator=g, dtype=torch.float64)
@@ -220,13 +221,13 @@ def test_expected_sums_of_point_classes_are_the_images_own_statistics():
 
 
 def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypatch):
-    import drlcli.heads.ridge.carry as carry
+    import drlcli.heads.ridge.sums as sums
     from drlcli.heads.ridge.covariance import covariance_input
 
     gaussians = ClassGaussians.of(_classes(sizes=(12, 9)), rank=3)
     parts = torch.tensor([[10, 2], [7, 2]])
     kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=4)
-    one = carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs)
+    one = sums.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs)
     generator = torch.Generator().manual_seed(1)
     for c, n in enumerate((12, 9)):
         x = covariance_input(gaussians.draw(c, 4 * n, generator))
@@ -235,18 +236,18 @@ def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypat
     assert torch.allclose(one.scatter, 11 * one.x_covariances[0] + 8 * one.x_covariances[1])
     assert torch.equal(
         one.statistics.q_fit,
-        carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs).statistics.q_fit,
+        sums.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(1), **kwargs).statistics.q_fit,
     )
     many = dict(kwargs, draws=400)  # 8,400 draws: the expectation within a few per cent
-    whole = carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(2), **many)
-    monkeypatch.setattr(carry, "CHUNK", 1000)  # another stream, the same expectation
-    chunked = carry.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(3), **many)
+    whole = sums.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(2), **many)
+    monkeypatch.setattr(sums, "CHUNK", 1000)  # another stream, the same expectation
+    chunked = sums.expected_sums(gaussians, parts, generator=torch.Generator().manual_seed(3), **many)
     assert (chunked.statistics.num_fit, chunked.statistics.num_val) == (17.0, 4.0)
     for name in ("q_fit", "gram_val"):
         a, b = getattr(chunked.statistics, name), getattr(whole.statistics, name)
         assert (a - b).norm() < 0.05 * b.norm(), name
     with pytest.raises(ValueError, match="parts must be"):
-        carry.expected_sums(gaussians, parts[:1], generator=torch.Generator(), **kwargs)
+        sums.expected_sums(gaussians, parts[:1], generator=torch.Generator(), **kwargs)
 
 
 @pytest.mark.gpu
@@ -254,7 +255,7 @@ def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypat
 def test_expected_sums_on_cuda_are_the_cpu_sums(exact):
     """The sums are taken on the run's device from the same CPU draws: equal to float64 rounding,
     returned on the CPU, the Gaussians handed in left where they were (the closed-form means too)."""
-    from drlcli.heads.ridge.carry import expected_sums
+    from drlcli.heads.ridge.sums import expected_sums
 
     gaussians = ClassGaussians.of(_classes(sizes=(12, 9)), rank=3)
     gaussians = gaussians.moved(TokenMaps.fit(*_planted(n=60)[:2], lam=1.0))  # a group's linear map too
@@ -271,7 +272,7 @@ def test_expected_sums_on_cuda_are_the_cpu_sums(exact):
 
 
 def test_expected_sums_leave_the_counts_of_the_gaussians_handed_in_alone():
-    from drlcli.heads.ridge.carry import expected_sums
+    from drlcli.heads.ridge.sums import expected_sums
 
     gaussians = ClassGaussians.of(_classes(sizes=(5, 4)), rank=2)
     sums = expected_sums(
@@ -311,8 +312,8 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     from drlcli.heads.base import EarlierStages
     from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, PROJECTION, WEIGHT
     from drlcli.heads.ridge.carried import Carried
-    from drlcli.heads.ridge.carry import expected_sums
     from drlcli.heads.ridge.statistics import validation_mask
+    from drlcli.heads.ridge.sums import expected_sums
 
     d, cells = 8, 4
     config = RunConfig.for_method(
@@ -478,8 +479,8 @@ def _moved_gaussians():
 def test_relu_means_are_the_draws_expectation(width, cells):
     """E[ReLU(h R)] in closed form is what many draws average to, for moved and unmoved classes and
     for a head that reads only some of the tokens (f_0 and the last cell)."""
-    from drlcli.heads.ridge.carry import relu_means
     from drlcli.heads.ridge.head import expand, head_input
+    from drlcli.heads.ridge.sums import relu_means
 
     gaussians = _moved_gaussians()
     projection = torch.randn(width, 30, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -499,8 +500,8 @@ def test_exact_means_centre_the_grams_and_a_gram_budget_reads_each_class_share()
     """exact_mean puts n_part · m (m = E[φ] in closed form) in Q and n_part · (mean of (φ − m)(φ − m)ᵀ
     + m mᵀ) in the Grams; gram_draws reads each class's share of that many of the same draws (its
     first ones); the class moments of x come from every draw either way."""
-    from drlcli.heads.ridge.carry import expected_sums, relu_means
     from drlcli.heads.ridge.head import expand, head_input
+    from drlcli.heads.ridge.sums import expected_sums, relu_means
 
     gaussians = _moved_gaussians()
     parts = torch.tensor([[10, 2], [7, 2], [8, 2]])
@@ -532,9 +533,67 @@ def test_exact_means_centre_the_grams_and_a_gram_budget_reads_each_class_share()
         expected_sums(gaussians, parts, generator=torch.Generator(), gram_draws=10, **kwargs)
 
 
+def test_split_rows_give_each_gram_its_own_share_of_a_class_draws(monkeypatch):
+    """split_rows: a class's read rows are cut in proportion to its fit and held-out images, each part
+    reading its own rows at n_part / its rows (a part without images reads none; a single row serves
+    both); Q and the class moments of x are as without the split, and the two Grams' sum reads every
+    row at about n / read."""
+    from drlcli.heads.ridge.head import expand, head_input
+    from drlcli.heads.ridge.sums import _Split, expected_sums, relu_means
+
+    gaussians = _moved_gaussians()
+    parts = torch.tensor([[10, 2], [7, 0], [8, 2]])
+    kwargs = dict(projection=_head_parts(), layout_cells=S - 1, draws=5)
+    means = relu_means(gaussians, _head_parts(), S - 1)
+    for budget, ranges in (  # each class's (fit rows, held-out rows)
+        (None, (((0, 50), (50, 60)), ((0, 45), (45, 45)), ((0, 40), (40, 50)))),
+        (3, (((0, 1), (0, 1)), ((0, 1), (1, 1)), ((0, 1), (0, 1)))),  # one row a class: both parts read it
+    ):
+        sums = expected_sums(
+            gaussians,
+            parts,
+            generator=torch.Generator().manual_seed(1),
+            exact_mean=True,
+            gram_draws=budget,
+            split_rows=True,
+            **kwargs,
+        )
+        plain = expected_sums(
+            gaussians, parts, generator=torch.Generator().manual_seed(1), exact_mean=True, gram_draws=budget, **kwargs
+        )
+        generator, grams = torch.Generator().manual_seed(1), torch.zeros(2, 40, 40, dtype=torch.float64)
+        for c, n in enumerate((12, 9, 10)):
+            phi = expand(head_input(gaussians.draw(c, 5 * n, generator).double(), S * D, S - 1), _head_parts())
+            deviations = phi - means[c]
+            for part, (low, high) in enumerate(ranges[c]):
+                rows = deviations[low:high]
+                if len(rows):
+                    grams[part] += int(parts[c, part]) * rows.T @ rows / len(rows)
+                grams[part] += int(parts[c, part]) * torch.outer(means[c], means[c])
+        assert torch.allclose(sums.statistics.gram_fit, grams[0]) and torch.allclose(sums.statistics.gram_val, grams[1])
+        assert torch.equal(sums.statistics.q_fit, plain.statistics.q_fit)
+        with monkeypatch.context() as patch:  # buffers that fill up mid-class: the same sums
+            patch.setattr(_Split, "ROWS", 7)
+            small = expected_sums(
+                gaussians,
+                parts,
+                generator=torch.Generator().manual_seed(1),
+                exact_mean=True,
+                gram_draws=budget,
+                split_rows=True,
+                **kwargs,
+            )
+        assert torch.allclose(small.statistics.gram_fit, grams[0]) and torch.allclose(
+            small.statistics.gram_val, grams[1]
+        )
+        assert torch.equal(sums.x_covariances, plain.x_covariances) and torch.equal(sums.scatter, plain.scatter)
+    with pytest.raises(ValueError, match="split_rows needs exact_mean"):
+        expected_sums(gaussians, parts, generator=torch.Generator(), split_rows=True, **kwargs)
+
+
 def test_centred_grams_are_closer_to_the_expectation_at_the_same_draws():
     """The point of centring: at the same draws the Grams' error about their expectation is smaller."""
-    from drlcli.heads.ridge.carry import expected_sums
+    from drlcli.heads.ridge.sums import expected_sums
 
     gaussians = ClassGaussians.of([torch.randn(40, S, D, dtype=torch.float64) * 0.5 + 2.0], rank=3)
     parts, kwargs = torch.tensor([[32, 8]]), dict(projection=_head_parts(), layout_cells=S - 1)
@@ -552,7 +611,7 @@ def test_centred_grams_are_closer_to_the_expectation_at_the_same_draws():
 
 
 def test_a_closed_form_mean_refuses_a_head_that_reads_a_token_twice():
-    from drlcli.heads.ridge.carry import relu_means
+    from drlcli.heads.ridge.sums import relu_means
 
     one_token = ClassGaussians.of([torch.randn(6, 1, D, dtype=torch.float64)], rank=2)
     projection = torch.randn(2 * D, 8, dtype=torch.float64)  # f_0, then the "last cell": the same token

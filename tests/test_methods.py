@@ -53,7 +53,8 @@ def test_the_facts_of_each_method():
         "transfer",
     )
     # the recipe measured as ranpac --preset switched: the same run but for the method's name and the
-    # carried classes' sums (closed-form means, centred Grams, fewer draws: the twentieth round's)
+    # carried classes' sums (closed-form means, centred Grams, fewer draws: the twentieth round's; the
+    # rows split between the fit and held-out Grams: the twenty-first's)
     same = RunConfig.for_method("ranpac", preset="switched").to_dict()
     mine = default.to_dict()
     assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train", "ranpac"}
@@ -61,11 +62,13 @@ def test_the_facts_of_each_method():
         "carry_mean": "exact",
         "carry_draws": 25,
         "carry_gram_draws": 50_000,
+        "carry_grams": "split",
     }
-    assert (same["ranpac"]["carry_mean"], same["ranpac"]["carry_draws"], same["ranpac"]["carry_gram_draws"]) == (
+    assert tuple(same["ranpac"][k] for k in ("carry_mean", "carry_draws", "carry_gram_draws", "carry_grams")) == (
         "drawn",
         100,
         None,
+        "shared",
     )
     assert mine["score"]["head"] == "ridge" and {k: v for k, v in mine["train"].items() if same["train"][k] != v} == {
         "skip_unread": True  # which a carried network ignores: it trains every stage it does not pause
@@ -103,6 +106,10 @@ def test_method_rules_are_checked_with_every_config():
             RunConfig.for_method(name, {"ranpac": {"lambda_min_exp": 2, "lambda_max_exp": 1}})
         with pytest.raises(UsageError, match="ranpac.carry_gram_draws needs the closed-form"):
             RunConfig.for_method(name, {"ranpac": {"carry_mean": "drawn", "carry_gram_draws": 1000}})
+        with pytest.raises(UsageError, match="ranpac.carry_grams split needs the closed-form"):
+            RunConfig.for_method(
+                name, {"ranpac": {"carry_mean": "drawn", "carry_gram_draws": None, "carry_grams": "split"}}
+            )
 
 
 def test_a_registered_method_is_known_to_the_config(monkeypatch):

@@ -157,7 +157,8 @@ def _sums_how(carry: dict) -> str:
     if carry.get("mean") != "exact":
         return ""
     cap = carry.get("gram_draws")
-    return " (their means in closed form" + (f", the Grams from at most {cap:,} draws" if cap else "") + ")"
+    split = ", split between the fit and held-out parts" if carry.get("grams") == "split" else ""
+    return " (their means in closed form" + (f", the Grams from at most {cap:,} draws" if cap else "") + split + ")"
 
 
 def learn_stage(r: dict[str, Any]) -> str:

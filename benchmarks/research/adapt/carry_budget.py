@@ -11,9 +11,11 @@ scores the run's registered evaluation images (A_T on them) and times the draws.
 
 - ``drawn-K``: E[φ] and the Grams from K draws an image (``ranpac.carry_mean drawn``, the carry of
   runs before the twentieth round, K = ``ranpac.carry_draws``);
-- ``centred-K``: E[φ] = m in closed form (``carry.relu_means``), the Grams as E[(φ − m)(φ − m)ᵀ] + m mᵀ
+- ``centred-K``: E[φ] = m in closed form (``sums.relu_means``), the Grams as E[(φ − m)(φ − m)ᵀ] + m mᵀ
   from K draws an image (``ranpac.carry_mean exact``);
-- ``centred-K-gB``: the same, the Grams from about B draws over every class (``ranpac.carry_gram_draws``).
+- ``centred-K-gB``: the same, the Grams from about B draws over every class (``ranpac.carry_gram_draws``);
+- ``split-K-gB``: the same, each class's rows split between the fit and held-out Grams in proportion
+  to its images there (``expected_sums(split_rows=True)``), many classes' rows in one product.
 
 (The ``exact-K`` and ``exact-K-gB`` rows of the research page, E[φ] in closed form but the Grams not
 centred, came from this script at commit 86e005b.)
@@ -38,13 +40,14 @@ from drlcli.evaluation import EVAL_BATCH_SIZE, registered_eval_sets
 from drlcli.heads import EarlierStages
 from drlcli.heads.ridge import CARRY, PROJECTION
 from drlcli.heads.ridge.carried import PARTS, Carried
-from drlcli.heads.ridge.carry import ClassGaussians, expected_sums
+from drlcli.heads.ridge.carry import ClassGaussians
+from drlcli.heads.ridge.sums import expected_sums
 from drlcli.heads.ridge.fit import fit_stage
 from drlcli.heads.ridge.statistics import STAT_DTYPE
 from drlcli.model import embed_images
 from drlcli.run.load import load_run
 
-VARIANT = re.compile(r"(drawn|centred)-(\d+)(?:-g(\d+))?$")
+VARIANT = re.compile(r"(drawn|centred|split)-(\d+)(?:-g(\d+))?$")
 
 
 def first(gaussians: ClassGaussians, count: int) -> ClassGaussians:
@@ -107,7 +110,8 @@ def main() -> None:
                 layout_cells=model.layout_scored**2,
                 draws=draws,
                 generator=torch.Generator().manual_seed(config.train.seed + stage_index + offset),
-                exact_mean=kind == "centred",
+                exact_mean=kind != "drawn",
+                split_rows=kind == "split",
                 gram_draws=int(budget) if budget else None,
             )
             seconds = time.perf_counter() - tick

@@ -38,7 +38,8 @@ from replay import plan, stage_scores  # noqa: E402
 
 from drlcli.config import RunConfig  # noqa: E402
 from drlcli.heads.ridge import COV_COVARIANCE, COV_MEAN, COV_SCATTER, COV_SHARED, PROJECTION  # noqa: E402
-from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps, expected_sums  # noqa: E402
+from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps  # noqa: E402
+from drlcli.heads.ridge.sums import expected_sums  # noqa: E402
 from drlcli.heads.ridge.covariance import covariance_input  # noqa: E402
 from drlcli.heads.ridge.head import expand, head_input  # noqa: E402
 from drlcli.heads.ridge.statistics import STAT_DTYPE, pack, unpack, validation_mask  # noqa: E402

@@ -65,7 +65,7 @@ network (a paused switched run) reads those instead of drawing them again.
 
 The folder: ``options.py`` its run-config section (``ranpac`` in run.yaml), ``statistics.py`` the
 sums and the ridge solve, ``covariance.py`` the class covariances, ``head.py`` the scoring module,
-``fit.py`` one stage's fit and the re-solve of a restored class, ``carry.py`` and ``carried.py`` the carried classes. This module holds the head's
+``fit.py`` one stage's fit and the re-solve of a restored class, ``carry.py``, ``sums.py`` and ``carried.py`` the carried classes. This module holds the head's
 facts for the registry (no torch): its tensor names, its per-class tensors, what it reads.
 """
 
@@ -144,6 +144,11 @@ def _rules(config: RunConfig, method: Any) -> None:
         raise UsageError(
             "ranpac.carry_gram_draws needs the closed-form E[φ]: set ranpac.carry_mean exact, "
             "or ranpac.carry_gram_draws null for the drawn carry"
+        )
+    if cfg.carry_grams == "split" and cfg.carry_mean != "exact":
+        raise UsageError(
+            "ranpac.carry_grams split needs the closed-form E[φ]: set ranpac.carry_mean exact, "
+            "or ranpac.carry_grams shared for the drawn carry"
         )
     if config.score.head == "ridge" and not method.offset:
         raise UsageError(f"score.head ridge needs a PTM subspace, which method {config.method} has not: use prototypes")

@@ -28,9 +28,10 @@ from . import (
     LAMBDA,
     PROJECTION,
 )
-from .carry import ClassGaussians, DrawnSums, TokenMaps, expected_sums
+from .carry import ClassGaussians, TokenMaps
 from .head import head_input
 from .statistics import STAT_DTYPE, Statistics, validation_mask
+from .sums import DrawnSums, expected_sums
 
 if TYPE_CHECKING:
     from ...config import RunConfig
@@ -205,6 +206,7 @@ def carry_stage(
             device=device,
             exact_mean=cfg.carry_mean == "exact",
             gram_draws=cfg.carry_gram_draws,
+            split_rows=cfg.carry_grams == "split",
         )
         carried = Carried.of_draws(sums, lam, rank)
     meta = {
@@ -213,6 +215,7 @@ def carry_stage(
         "draws": cfg.carry_draws if carried.drawn else 0,  # 0: the sums the stage before kept
         "mean": cfg.carry_mean if carried.drawn else None,
         "gram_draws": cfg.carry_gram_draws if carried.drawn else None,
+        "grams": cfg.carry_grams if carried.drawn else None,
         "classes": len(old),
         "seconds": round(time.perf_counter() - tick, 3),
     }

@@ -13,10 +13,8 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
   when taken). A move maps the mean and the directions by each token's map, and the isotropic
   rest by the product of the maps' linear parts, one per group of classes moved together. Draws from
   them stand in for the old classes' images when the head's sums are rebuilt;
-- ``expected_sums``: the ridge's statistics (Q and G, fit and held-out parts) and the class
-  covariances' moments of x = f_0/‖f_0‖ that the classes' images would give, estimated from
-  ``draws`` times as many draws as each class had images; or (drl's presets) with E[φ] in closed
-  form (``relu_means``) and the Grams centred on it, from fewer draws.
+- ``sums.expected_sums``: the ridge's statistics and the class covariances' moments that the
+  classes' images would give, from draws of these Gaussians.
 
 Pure tensor maths: ``carried.py`` puts it together for one stage of a carried run (``ranpac
 --preset carried``); the research harness (``benchmarks/research/adapt``) replays its runs through it.
@@ -24,19 +22,12 @@ Pure tensor maths: ``carried.py`` puts it together for one stage of a carried ru
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..linalg import ridge_map
-from . import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_TRACE
-from .covariance import class_factors, covariance_input
-from .head import expand, head_input
-from .statistics import STAT_DTYPE, Statistics
-
-CHUNK = 8192  # draws a class at a time; above it the draws come in chunks (another random stream)
 
 
 @dataclass(frozen=True)
@@ -236,152 +227,4 @@ def _pad(factors: Tensor, width: int) -> Tensor:
         return factors
     out = factors.new_zeros(len(factors), width, *factors.shape[2:])
     out[:, : factors.shape[1]] = factors
-    return out
-
-
-@dataclass(frozen=True)
-class DrawnSums:
-    """What ``fit_stage`` sums over a stage's images, for carried classes: their ``Statistics`` (Q's
-    columns in the Gaussians' class order), the mean and covariance of each class's x, and the
-    within-class scatter Σ (n_c − 1)·S_c over them (n_c the images each class had)."""
-
-    statistics: Statistics
-    x_means: Tensor  # (C, d)
-    x_covariances: Tensor  # (C, d, d)
-    scatter: Tensor  # (d, d)
-    counts: Tensor  # (C,) the images each class had
-
-    def covariance_rows(self, rank: int) -> dict[str, Tensor]:
-        """The classes' covariance rows as a stage's weights hold its own (float32): μ_c, and S_c
-        (``rank`` 0) or its rank-r factor and trace (``covariance.class_factors``)."""
-        if not rank:
-            return {COV_MEAN: self.x_means.float(), COV_COVARIANCE: self.x_covariances.float()}
-        images = self.counts.to(STAT_DTYPE)
-        factors, traces = class_factors(self.x_covariances * (images - 1).clamp_min(1)[:, None, None], images, rank)
-        return {COV_MEAN: self.x_means.float(), COV_FACTOR: factors.float(), COV_TRACE: traces.float()}
-
-
-def expected_sums(
-    gaussians: ClassGaussians,
-    parts: Tensor,
-    *,
-    projection: Tensor,
-    layout_cells: int,
-    draws: int,
-    generator: torch.Generator,
-    device: torch.device | str = "cpu",
-    exact_mean: bool = False,
-    gram_draws: int | None = None,
-) -> DrawnSums:
-    """Each class's expected contribution to the ridge's sums from ``draws`` · n_c draws of it:
-    Q_part = n_part · E[φ], G_part = Σ n_part · E[φ φᵀ], with φ = ReLU(h R) of the drawn tokens
-    (``head_input``, ``projection`` R (S·d or the head's input width, M)); ``parts`` (C, 2) the
-    class's fit and held-out image counts. In STAT_DTYPE; classes in order, from one ``generator``
-    (on the CPU: the same draws on every device). The sums are taken on ``device`` when it is a CUDA
-    device (the run's: the M x M products are most of a carried stage's time on a CPU; other
-    accelerators may lack float64, so the CPU there) and returned on the CPU.
-
-    ``exact_mean`` (``ranpac.carry_mean exact``): E[φ] = m in closed form (``relu_means``), and the
-    Grams as n_part · (E[(φ − m)(φ − m)ᵀ] + m mᵀ): the draws enter only by their deviations from the
-    known mean: no error term linear in them, so fewer draws give the same error. ``gram_draws`` (with
-    ``exact_mean``): the Grams from about that many of the draws in all, each class's share in
-    proportion to its images (at least one; never more than it drew), so that their M × M products
-    cost the same however many images the classes had; None: from every draw. The class moments of x
-    are always taken from every draw (d × d a draw, not M × M)."""
-    if parts.shape != (len(gaussians), 2):
-        raise ValueError(f"parts must be (classes, 2) = ({len(gaussians)}, 2), not {tuple(parts.shape)}")
-    if draws < 1:
-        raise ValueError(f"draws must be at least 1, not {draws}")
-    if gram_draws is not None and (gram_draws < 1 or not exact_mean):
-        raise ValueError(f"gram_draws must be at least 1 and needs exact_mean, not {gram_draws}")
-    device = device if torch.device(device).type == "cuda" else "cpu"
-    gaussians, projection = gaussians.to(device), projection.to(device, STAT_DTYPE)
-    width, size = projection.shape
-    d = gaussians.tokens[1]
-    zeros = {"dtype": STAT_DTYPE, "device": projection.device}
-    q = torch.zeros(2, size, len(gaussians), **zeros)
-    grams = torch.zeros(2, size, size, **zeros)
-    means = torch.zeros(len(gaussians), d, **zeros)
-    covariances = torch.zeros(len(gaussians), d, d, **zeros)
-    scatter = torch.zeros(d, d, **zeros)
-    second = torch.empty(size, size, **zeros)  # one class's Σ φφᵀ (or of φ − m), reused
-    total = float(gaussians.counts.sum())
-    exact = relu_means(gaussians, projection, layout_cells) if exact_mean else None
-    for c in range(len(gaussians)):
-        images = int(gaussians.counts[c])
-        number = draws * images
-        # the draws whose φ the sums read: every one, or the class's share of gram_draws
-        read = number if gram_draws is None else min(number, max(1, round(gram_draws * images / total)))
-        first = torch.zeros(size, **zeros)
-        second.zero_()
-        x_scatter = torch.zeros(d, d, **zeros)
-        for start in range(0, number, CHUNK):
-            samples = gaussians.draw(c, min(CHUNK, number - start), generator).to(STAT_DTYPE)
-            x = covariance_input(samples)
-            mean = x.mean(0)
-            centred = x - mean
-            # the chunks' centred scatters joined (Chan et al.): positive semi-definite by construction
-            step = mean - means[c]
-            x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
-            means[c] += step * len(x) / (start + len(x))
-            if start >= read:
-                continue
-            phi = expand(head_input(samples[: read - start], width, layout_cells), projection)
-            if exact is None:
-                first += phi.sum(0)
-                second += phi.T @ phi
-            else:
-                phi -= exact[c]
-                second.addmm_(phi.T, phi)
-        covariances[c] = x_scatter / max(number - 1, 1)
-        scatter += (images - 1) * covariances[c]
-        for part in range(2):
-            if exact is None:
-                q[part][:, c] = int(parts[c, part]) * first / read
-                grams[part] += int(parts[c, part]) * second / read
-            else:  # in place: an M x M temporary a class costs as much as its draws' products at a few draws
-                grams[part].add_(second, alpha=int(parts[c, part]) / read)
-    if exact is not None:
-        for part in range(2):
-            weights = parts[:, part].to(**zeros)
-            q[part] = (exact * weights[:, None]).T
-            grams[part].addmm_(exact.T * weights, exact)  # Σ_c n_part m mᵀ, one product for every class
-    counts = parts.to(STAT_DTYPE).sum(0)
-    q, grams = q.cpu(), grams.cpu()
-    statistics = Statistics(grams[0], grams[1], q[0], q[1], float(counts[0]), float(counts[1]))
-    return DrawnSums(statistics, means.cpu(), covariances.cpu(), scatter.cpu(), gaussians.counts.clone().cpu())
-
-
-def relu_means(gaussians: ClassGaussians, projection: Tensor, layout_cells: int) -> Tensor:
-    """E[φ] = E[ReLU(h R)] of each class in closed form, (C, M) in the projection's dtype: h R is
-    Gaussian, so each coordinate a ~ N(μ, s²) has E[ReLU(a)] = μ Φ(μ/s) + s ϕ(μ/s) (ReLU(μ) where s
-    is 0). μ = mean(h) R; s² the column sums of (F_h R)² over the class's directions plus σ_c² Σ_t
-    ‖L_t R_t‖² over the tokens h reads (R_t: R's rows of token t; L_t the class's group's map, or I)."""
-    width, size = projection.shape
-    count, d = gaussians.tokens
-    read = head_input(torch.arange(count, dtype=torch.float64)[None, :, None].expand(1, count, d), width, layout_cells)
-    tokens = [int(t) for t in read[0, ::d]]  # the tokens h reads, in its order (R's row blocks)
-    if len(set(tokens)) != len(tokens):  # each block's noise is its own token's: a token read twice is not
-        raise ValueError(f"the head reads tokens {tokens}: a closed-form mean needs each token once")
-    blocks = projection.view(len(tokens), d, size)
-    plain = blocks.pow(2).sum((0, 1))  # L = I: Σ_t ‖R_t‖² per column
-    grouped = [
-        sum((linear[t].to(projection) @ blocks[i]).pow(2).sum(0) for i, t in enumerate(tokens))
-        for linear in gaussians.linears
-    ]
-    out = torch.empty(len(gaussians), size, dtype=projection.dtype, device=projection.device)
-    for c in range(len(gaussians)):
-        mu = head_input(gaussians.means[c : c + 1].to(projection), width, layout_cells) @ projection
-        rank = int(gaussians.ranks[c])
-        variance = torch.zeros(size, dtype=projection.dtype, device=projection.device)
-        if rank:
-            variance += (
-                (head_input(gaussians.factors[c, :rank].to(projection), width, layout_cells) @ projection).pow(2).sum(0)
-            )
-        group = int(gaussians.groups[c])
-        variance += float(gaussians.spreads[c]) ** 2 * (grouped[group] if group >= 0 else plain)
-        s = variance.sqrt()
-        ratio = mu[0] / s.clamp_min(1e-300)
-        value = mu[0] * torch.special.ndtr(ratio) + s * torch.exp(-0.5 * ratio.pow(2)) / math.sqrt(2 * math.pi)
-        out[c] = torch.where(s > 0, value, mu[0].clamp_min(0))
     return out

@@ -52,6 +52,11 @@ class RanpacConfig:
     # of a carried stage's fit, stop growing with the images seen
     carry_mean: str = option("drawn", choices=("drawn", "exact"))
     carry_gram_draws: int | None = option(None, within=Range(1, 1_000_000_000))
+    # with carry_mean exact, how the Grams' rows serve the fit and held-out parts: "shared", every row
+    # in both (twentieth round); "split", each class's rows divided between them in proportion to its
+    # images there, so the held-out part is held out (λ is chosen on rows the fit did not read) and
+    # many classes' rows go into one product, no M x M pass a class (twenty-first round)
+    carry_grams: str = option("shared", choices=("shared", "split"))
 
     def resolved_proj_dim(self, width: int) -> int:
         return self.proj_dim if self.proj_dim is not None else min(3000, 16 * width)
