@@ -134,6 +134,11 @@ def test_draws_are_seeded_and_follow_the_gaussian():
     expected = factor.T @ factor + float(gaussians.spreads[1]) ** 2 * rest
     assert torch.allclose(many.mean(0), gaussians.means[1].flatten(), atol=0.05)
     assert torch.allclose(torch.cov(many.T), expected, atol=0.1 * float(expected.diagonal().max()))
+    # the first token alone: the same law as the whole draws' first token
+    alone = gaussians.draw(1, 60000, torch.Generator().manual_seed(11), first_only=True)
+    assert alone.shape == (60000, 1, D)
+    assert torch.allclose(alone[:, 0].mean(0), gaussians.means[1, 0], atol=0.05)
+    assert torch.allclose(torch.cov(alone[:, 0].T), expected[:D, :D], atol=0.1 * float(expected.diagonal().max()))
 
 
 def test_join_and_tensors_round_trip():
@@ -499,7 +504,9 @@ def test_relu_means_are_the_draws_expectation(width, cells):
 def test_exact_means_centre_the_grams_and_a_gram_budget_reads_each_class_share():
     """exact_mean puts n_part · m (m = E[φ] in closed form) in Q and n_part · (mean of (φ − m)(φ − m)ᵀ
     + m mᵀ) in the Grams; gram_draws reads each class's share of that many of the same draws (its
-    first ones); the class moments of x come from every draw either way."""
+    first ones, drawn whole; the rest are drawn for x alone, their first token); the class moments of
+    x come from every draw either way."""
+    from drlcli.heads.ridge.covariance import covariance_input
     from drlcli.heads.ridge.head import expand, head_input
     from drlcli.heads.ridge.sums import expected_sums, relu_means
 
@@ -511,14 +518,18 @@ def test_exact_means_centre_the_grams_and_a_gram_budget_reads_each_class_share()
 
     def manual(shares):
         generator, grams = torch.Generator().manual_seed(1), torch.zeros(2, 40, 40, dtype=torch.float64)
+        covariances = []
         for c, n in enumerate((12, 9, 10)):
-            phi = expand(head_input(gaussians.draw(c, 5 * n, generator).double(), S * D, S - 1), _head_parts())
-            deviations = phi[: shares[c]] - means[c]
+            read = gaussians.draw(c, shares[c], generator).double()
+            rest = gaussians.draw(c, 5 * n - shares[c], generator, first_only=True).double()
+            phi = expand(head_input(read, S * D, S - 1), _head_parts())
+            deviations = phi - means[c]
             for part in range(2):
                 grams[part] += int(parts[c, part]) * (
                     deviations.T @ deviations / shares[c] + torch.outer(means[c], means[c])
                 )
-        return grams
+            covariances.append(torch.cov(covariance_input(torch.cat([read[:, :1], rest])).T))
+        return grams, torch.stack(covariances)
 
     for budget, shares in ((None, (60, 45, 50)), (31, (12, 9, 10))):  # 31 draws over 31 images: one an image
         sums = expected_sums(
@@ -526,9 +537,11 @@ def test_exact_means_centre_the_grams_and_a_gram_budget_reads_each_class_share()
         )
         assert torch.allclose(sums.statistics.q_fit, parts[:, 0].double() * means.T)
         assert torch.allclose(sums.statistics.q_val, parts[:, 1].double() * means.T)
-        grams = manual(shares)
+        grams, covariances = manual(shares)
         assert torch.allclose(sums.statistics.gram_fit, grams[0]) and torch.allclose(sums.statistics.gram_val, grams[1])
-        assert torch.equal(sums.x_covariances, drawn.x_covariances) and torch.equal(sums.scatter, drawn.scatter)
+        assert torch.allclose(sums.x_covariances, covariances)
+        if budget is None:  # every draw read: the draws of the plain carry, to the bit
+            assert torch.equal(sums.x_covariances, drawn.x_covariances) and torch.equal(sums.scatter, drawn.scatter)
     with pytest.raises(ValueError, match="gram_draws"):
         expected_sums(gaussians, parts, generator=torch.Generator(), gram_draws=10, **kwargs)
 
@@ -563,7 +576,9 @@ def test_split_rows_give_each_gram_its_own_share_of_a_class_draws(monkeypatch):
         )
         generator, grams = torch.Generator().manual_seed(1), torch.zeros(2, 40, 40, dtype=torch.float64)
         for c, n in enumerate((12, 9, 10)):
-            phi = expand(head_input(gaussians.draw(c, 5 * n, generator).double(), S * D, S - 1), _head_parts())
+            read = max(high for _, high in ranges[c])  # drawn whole; the rest of the class's draws for x alone
+            phi = expand(head_input(gaussians.draw(c, read, generator).double(), S * D, S - 1), _head_parts())
+            gaussians.draw(c, 5 * n - read, generator, first_only=True)
             deviations = phi - means[c]
             for part, (low, high) in enumerate(ranges[c]):
                 rows = deviations[low:high]

@@ -146,16 +146,19 @@ class ClassGaussians:
         """The same Gaussians with every tensor on ``device``."""
         return replace(self, **{f: getattr(self, f).to(device) for f in _FIELDS.values()})
 
-    def draw(self, c: int, number: int, generator: torch.Generator) -> Tensor:
+    def draw(self, c: int, number: int, generator: torch.Generator, *, first_only: bool = False) -> Tensor:
         """``number`` draws (number, S, d) of class ``c``, from ``generator`` (a CPU generator: the
-        same numbers on every device), on the Gaussians' device."""
+        same numbers on every device), on the Gaussians' device; ``first_only``: of its first token
+        alone, (number, 1, d), at a fifth of the work (the same law as the whole draws' first token,
+        another stream)."""
         dtype, device = self.means.dtype, self.means.device
-        factor = self.factors[c, : int(self.ranks[c])].flatten(1)
+        tokens = (1, self.tokens[1]) if first_only else self.tokens
+        factor = self.factors[c, : int(self.ranks[c]), : tokens[0]].flatten(1)
         z = torch.randn(number, len(factor), generator=generator, dtype=dtype).to(device)
-        noise = torch.randn(number, *self.tokens, generator=generator, dtype=dtype).to(device) * float(self.spreads[c])
+        noise = torch.randn(number, *tokens, generator=generator, dtype=dtype).to(device) * float(self.spreads[c])
         if int(self.groups[c]) >= 0:
-            noise = torch.einsum("nsd,sde->nse", noise, self.linears[int(self.groups[c])])
-        return (self.means[c].flatten() + z @ factor).view(number, *self.tokens) + noise
+            noise = torch.einsum("nsd,sde->nse", noise, self.linears[int(self.groups[c])][: tokens[0]])
+        return (self.means[c, : tokens[0]].flatten() + z @ factor).view(number, *tokens) + noise
 
     def joined(self, other: ClassGaussians) -> ClassGaussians:
         """This object's classes, then ``other``'s (its groups after this one's)."""

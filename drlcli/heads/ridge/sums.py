@@ -107,8 +107,11 @@ def expected_sums(
         read = number if gram_draws is None else min(number, max(1, round(gram_draws * images / total)))
         sink.start(c, read)
         x_scatter = torch.zeros(d, d, **zeros)
-        for start in range(0, number, CHUNK):
-            samples = gaussians.draw(c, min(CHUNK, number - start), generator).to(STAT_DTYPE)
+        # the draws the sums read, whole, then the rest for x alone (its first token): chunks of at most CHUNK
+        chunks = [(a, min(CHUNK, read - a), False) for a in range(0, read, CHUNK)]
+        chunks += [(a, min(CHUNK, number - a), True) for a in range(read, number, CHUNK)]
+        for start, size, first_only in chunks:
+            samples = gaussians.draw(c, size, generator, first_only=first_only).to(STAT_DTYPE)
             x = covariance_input(samples)
             mean = x.mean(0)
             centred = x - mean
@@ -116,7 +119,7 @@ def expected_sums(
             step = mean - means[c]
             x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
             means[c] += step * len(x) / (start + len(x))
-            if start < read:
+            if not first_only:
                 phi = expand(head_input(samples[: read - start], width, layout_cells), projection)
                 sink.add(start, phi if exact is None else phi.sub_(exact[c]))
         covariances[c] = x_scatter / max(number - 1, 1)
