@@ -56,12 +56,11 @@ from torch import Tensor
 
 from .. import heads
 from ..data import class_key, refuse_near_duplicates
-from ..errors import DataError, IntegrityError, RunStateError, UsageError
+from ..errors import DataError, RunStateError, UsageError
 from ..progress import Progress
 from ..run.directory import RunDir
 from ..run.files import encode_json, encode_tensors
 from ..run.forgotten import (
-    FILES,
     TENSOR_FILES,
     ForgetLog,
     ForgetState,
@@ -70,9 +69,11 @@ from ..run.forgotten import (
     kept_rows,
     rows_error,
     slice_key,
+    solved_slice,
     specs_of,
+    widened,
 )
-from ..run.layout import STATISTICS, TOTALS, forget_log_file, forgotten_rows_file, stage_file
+from ..run.layout import TOTALS, forget_log_file, forgotten_rows_file, stage_file
 from ..run.track import on_frozen_track
 from ..run.writer import RunWriter
 
@@ -98,11 +99,14 @@ class _Change:
 
     files: dict[str, bytes] = field(default_factory=dict)
     supersede: list[str] = field(default_factory=list)
+    totals: dict[str, Tensor] | None = None  # the newest stage's totals as rewritten
 
     def rewrite(self, state: ForgetState, index: int, file: str, tensors: dict[str, Tensor]) -> None:
         name = stage_file(index, file, generation=state.generation)
         self.files[name] = encode_tensors(tensors)
         self.supersede.append(state.file_name(index, file))
+        if file == TOTALS and index == state.indices[-1]:
+            self.totals = tensors
 
 
 Edit = Callable[[int, PerClass, Tensor, int], Tensor]  # (stage, spec, tensor, slice index) -> new tensor
@@ -315,9 +319,12 @@ def restore_class(
         def put_back(index: int, spec: PerClass, tensor: Tensor, position: int) -> Tensor:
             piece = rows.get(slice_key(index, spec))
             if piece is None and spec.carried and index > entry.last_stage:  # no stage since moved it (_restorable)
-                piece = rows.get(slice_key(entry.last_stage, spec))
+                piece = rows.get(key := slice_key(entry.last_stage, spec))
+                if piece is None:
+                    raise rows_error(state, entry, f"{key} is missing")
+                piece = widened(piece, tensor, spec.axis)
             if piece is None:
-                piece = _solve_column(state, index, entry, rows, spec)
+                piece = solved_slice(state, index, entry, rows, spec)
             return torch.cat(
                 [
                     tensor.narrow(spec.axis, 0, position),
@@ -329,6 +336,11 @@ def restore_class(
 
         change = _Change(supersede=[forgotten_rows_file(entry.generation)])
         _edit_stage_files(state, entry.stage, row, column, put_back, change)
+        for head in heads.HEADS.values():  # the carried classes as the next learn-stage will read them
+            try:
+                head.load().check_carried(change.totals or {})
+            except ValueError as exc:
+                raise rows_error(state, entry, f"the classes it gives back do not fit: {exc}") from exc
         at = _now()
         log = ForgetLog(
             tuple(f for f in state.log.forgotten if f != entry),
@@ -377,24 +389,3 @@ def _moved(meta: dict[str, Any]) -> bool:
     if not isinstance(carry, dict):
         return False
     return not (carry.get("paused") is True and carry.get("move") == 0 and carry.get("draws") == 0)
-
-
-def _solve_column(state: ForgetState, index: int, entry: Forgotten, rows: dict[str, Tensor], spec: PerClass) -> Tensor:
-    """The class's slice of a per-class tensor of a stage learned after it was forgotten (no slice
-    was taken out there), solved again by the head that owns the tensor from that stage's records,
-    the statistics up to it and the class's kept slices of its own stage's statistics."""
-    head = next((h for h in heads.HEADS.values() if any(p.name == spec.name for p in h.per_class)), None)
-    if head is None or not spec.seen or index <= entry.last_stage:
-        raise rows_error(state, entry, f"{slice_key(index, spec)} is missing")
-    kept = {  # its stage's slices, and a carried run's as the newest stage held them at the forget
-        p.name: rows[key]
-        for p in head.per_class
-        if (key := slice_key(entry.last_stage if p.carried else entry.stage, replace(p, file=FILES[p.file]))) in rows
-    }
-    statistics = [{**state.tensors(k, STATISTICS), **state.tensors(k, TOTALS)} for k in state.indices if k <= index]
-    try:
-        return head.load().restored_slice(spec.name, meta=state.metas[index], statistics=statistics, kept=kept)
-    except (ValueError, KeyError) as exc:
-        raise IntegrityError(
-            f"stage {index} of run {state.run.path} cannot give back {spec.name} ({exc}); restore it from a backup"
-        ) from exc

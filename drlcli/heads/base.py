@@ -94,6 +94,11 @@ class AnalyticHead(Protocol):
         after it was forgotten, solved again (ValueError when it cannot be)."""
         ...
 
+    def check_carried(self, totals: dict[str, Tensor]) -> None:
+        """forget --restore: a carried run's classes in the newest totals about to be committed,
+        checked as the next learn-stage reads them (ValueError when they do not fit)."""
+        ...
+
     def carry_stage(self, config: Any, features: Tensor, labels: Tensor, **kwargs: Any) -> Any:
         """learn-stage in a run whose method carries its network (``Method.carries_network``; the
         ridge head's ``carry.carry_stage``): the earlier classes moved with the network, for

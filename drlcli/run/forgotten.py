@@ -280,7 +280,10 @@ def kept_rows(state: ForgetState, entry: Forgotten) -> dict[str, Tensor]:
     rows = state.run.forgotten_rows(entry.generation, state.manifest)
     specs = {slice_key(k, spec): (k, spec) for k in state.indices for spec in PER_CLASS}
     for key, piece in rows.items():
-        problem = _slice_problem(state, key, piece, specs.get(key))
+        where = specs.get(key)
+        if where is not None and not entry.stage <= where[0] <= entry.last_stage:  # the forget took none there
+            where = None
+        problem = _slice_problem(state, key, piece, where)
         if problem:
             raise rows_error(state, entry, problem)
     missing = _missing_slices(state, entry, rows)
@@ -307,7 +310,8 @@ def _slice_problem(state: ForgetState, key: str, piece: Tensor, where: tuple[int
         return f"{key!r} is not one class's slice of a per-class tensor"
     index, spec = where
     tensor = state.tensors(index, spec.file).get(spec.name)
-    if tensor is None and spec.carried:  # a carried run's state, kept from a stage whose totals were superseded
+    narrower = tensor is None and spec.carried  # a carried run's state, kept from a stage whose totals are superseded
+    if narrower:
         tensor = state.tensors(state.indices[-1], spec.file).get(spec.name)
     # integer slices (a carried run's counts and ranks) only where the live tensor holds that dtype
     same_integers = tensor is not None and not tensor.is_floating_point() and piece.dtype == tensor.dtype
@@ -316,11 +320,43 @@ def _slice_problem(state: ForgetState, key: str, piece: Tensor, where: tuple[int
     if not torch.isfinite(piece).all():
         return f"{key} holds NaN or infinite values"
     expected = None if tensor is None else tensor.shape[: spec.axis] + (1,) + tensor.shape[spec.axis + 1 :]
-    if expected is not None and tuple(piece.shape) != tuple(expected):
+    fits = expected is None or tuple(piece.shape) == tuple(expected)
+    if narrower and expected is not None and piece.dim() == len(expected):  # a Gaussian's directions, fewer then
+        fits = all(w <= n for w, n in zip(piece.shape, expected))
+    if not fits:
         return f"{key} has shape {tuple(piece.shape)}, expected {tuple(expected)}"
     return None
+
+
+def widened(piece: Tensor, like: Tensor, axis: int) -> Tensor:
+    """A kept carried slice padded with zeros to one slice of ``like`` (along ``axis``): a class's
+    Gaussian keeps as many directions as the run's widest class had at its forget, and later classes
+    with more widen the run's (the rows past a class's rank are zero)."""
+    want = like.shape[:axis] + (1,) + like.shape[axis + 1 :]
+    return torch.nn.functional.pad(piece, [p for n, w in zip(want[::-1], piece.shape[::-1]) for p in (0, n - w)])
 
 
 def rows_error(state: ForgetState, entry: Forgotten, problem: str) -> IntegrityError:
     path = state.run.path / forgotten_rows_file(entry.generation)
     return IntegrityError(f"{path} does not fit the run ({problem}); restore it from a backup")
+
+
+def solved_slice(state: ForgetState, index: int, entry: Forgotten, rows: dict[str, Tensor], spec: PerClass) -> Tensor:
+    """The class's slice of a per-class tensor of a stage learned after it was forgotten (no slice
+    was taken out there), solved again by the head that owns the tensor from that stage's records,
+    the statistics up to it and the class's kept slices of its own stage's statistics."""
+    head = next((h for h in heads.HEADS.values() if any(p.name == spec.name for p in h.per_class)), None)
+    if head is None or not spec.seen or index <= entry.last_stage:
+        raise rows_error(state, entry, f"{slice_key(index, spec)} is missing")
+    kept = {  # its stage's slices, and a carried run's as the newest stage held them at the forget
+        p.name: rows[key]
+        for p in head.per_class
+        if (key := slice_key(entry.last_stage if p.carried else entry.stage, replace(p, file=FILES[p.file]))) in rows
+    }
+    statistics = [{**state.tensors(k, STATISTICS), **state.tensors(k, TOTALS)} for k in state.indices if k <= index]
+    try:
+        return head.load().restored_slice(spec.name, meta=state.metas[index], statistics=statistics, kept=kept)
+    except (ValueError, KeyError) as exc:
+        raise IntegrityError(
+            f"stage {index} of run {state.run.path} cannot give back {spec.name} ({exc}); restore it from a backup"
+        ) from exc

@@ -165,10 +165,7 @@ def carry_stage(
         return CarryStep(None, own, own_parts, None)
     stage_tensors, totals = earlier
     try:
-        old = ClassGaussians.from_tensors(totals, CARRY)
-        parts = totals[PARTS]
-        if tuple(parts.shape) != (len(old), 2) or parts.dtype.is_floating_point or bool((parts < 0).any()):
-            raise ValueError(f"{PARTS} must be ({len(old)}, 2) image counts")
+        old, parts = carried_classes(totals)
         if len(old) != earlier_classes:
             raise ValueError(f"{len(old)} class Gaussians for {earlier_classes} earlier classes")
         if tuple(old.tokens) != tuple(tokens.shape[1:]):
@@ -220,6 +217,26 @@ def carry_stage(
         "seconds": round(time.perf_counter() - tick, 3),
     }
     return CarryStep(carried, moved.joined(own), torch.cat([parts, own_parts]), meta)
+
+
+def carried_classes(totals: dict[str, Tensor]) -> tuple[ClassGaussians, Tensor]:
+    """A carried run's classes as its newest totals hold them: their Gaussians and (C, 2) image
+    counts, every shape and value checked (ValueError, or KeyError for a missing tensor)."""
+    gaussians = ClassGaussians.from_tensors(totals, CARRY)
+    parts = totals[PARTS]
+    if tuple(parts.shape) != (len(gaussians), 2) or parts.dtype.is_floating_point or bool((parts < 0).any()):
+        raise ValueError(f"{PARTS} must be ({len(gaussians)}, 2) image counts")
+    return gaussians, parts
+
+
+def check_carried(totals: dict[str, Tensor]) -> None:
+    """forget --restore: the carried classes of totals about to be committed, checked as the next
+    learn-stage reads them (ValueError names what is off); totals without carried classes pass."""
+    if any(name.startswith(CARRY) for name in totals):
+        try:
+            carried_classes(totals)
+        except KeyError as missing:
+            raise ValueError(f"{missing.args[0]} is missing") from None
 
 
 def _tokens(feats: Tensor, width: int, layout: int) -> Tensor:

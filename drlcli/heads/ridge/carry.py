@@ -149,8 +149,8 @@ class ClassGaussians:
     def draw(self, c: int, number: int, generator: torch.Generator, *, first_only: bool = False) -> Tensor:
         """``number`` draws (number, S, d) of class ``c``, from ``generator`` (a CPU generator: the
         same numbers on every device), on the Gaussians' device; ``first_only``: of its first token
-        alone, (number, 1, d), at a fifth of the work (the same law as the whole draws' first token,
-        another stream)."""
+        alone, (number, 1, d), less work the more tokens the head reads (the same law as the whole
+        draws' first token, another stream)."""
         dtype, device = self.means.dtype, self.means.device
         tokens = (1, self.tokens[1]) if first_only else self.tokens
         factor = self.factors[c, : int(self.ranks[c]), : tokens[0]].flatten(1)

@@ -32,6 +32,7 @@ from . import (
     WEIGHT,
 )
 from .carried import carry_stage as _carry_stage
+from .carried import check_carried as _check_carried
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RanpacHead, expand, head_input, joined_rows, random_projection
 from .statistics import (
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 from_state = RanpacHead.from_state
 from_stages = RanpacHead.from_stages
 carry_stage = _carry_stage  # a carried run's stage (``carried.py``)
+check_carried = _check_carried  # forget --restore: the carried classes about to be committed
 
 
 @dataclass(frozen=True)

@@ -110,8 +110,8 @@ def expected_sums(
         # the draws the sums read, whole, then the rest for x alone (its first token): chunks of at most CHUNK
         chunks = [(a, min(CHUNK, read - a), False) for a in range(0, read, CHUNK)]
         chunks += [(a, min(CHUNK, number - a), True) for a in range(read, number, CHUNK)]
-        for start, size, first_only in chunks:
-            samples = gaussians.draw(c, size, generator, first_only=first_only).to(STAT_DTYPE)
+        for start, count, first_only in chunks:
+            samples = gaussians.draw(c, count, generator, first_only=first_only).to(STAT_DTYPE)
             x = covariance_input(samples)
             mean = x.mean(0)
             centred = x - mean
