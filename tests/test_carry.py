@@ -562,15 +562,19 @@ def test_split_rows_give_each_gram_its_own_share_of_a_class_draws(monkeypatch):
         (None, (((0, 50), (50, 60)), ((0, 45), (45, 45)), ((0, 40), (40, 50)))),
         (3, (((0, 1), (0, 1)), ((0, 1), (1, 1)), ((0, 1), (0, 1)))),  # one row a class: both parts read it
     ):
-        sums = expected_sums(
-            gaussians,
-            parts,
-            generator=torch.Generator().manual_seed(1),
-            exact_mean=True,
-            gram_draws=budget,
-            split_rows=True,
-            **kwargs,
-        )
+
+        def split(budget=budget):
+            return expected_sums(
+                gaussians,
+                parts,
+                generator=torch.Generator().manual_seed(1),
+                exact_mean=True,
+                gram_draws=budget,
+                split_rows=True,
+                **kwargs,
+            )
+
+        sums = split()
         plain = expected_sums(
             gaussians, parts, generator=torch.Generator().manual_seed(1), exact_mean=True, gram_draws=budget, **kwargs
         )
@@ -589,15 +593,7 @@ def test_split_rows_give_each_gram_its_own_share_of_a_class_draws(monkeypatch):
         assert torch.equal(sums.statistics.q_fit, plain.statistics.q_fit)
         with monkeypatch.context() as patch:  # buffers that fill up mid-class: the same sums
             patch.setattr(_Split, "ROWS", 7)
-            small = expected_sums(
-                gaussians,
-                parts,
-                generator=torch.Generator().manual_seed(1),
-                exact_mean=True,
-                gram_draws=budget,
-                split_rows=True,
-                **kwargs,
-            )
+            small = split()
         assert torch.allclose(small.statistics.gram_fit, grams[0]) and torch.allclose(
             small.statistics.gram_val, grams[1]
         )

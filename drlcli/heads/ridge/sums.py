@@ -149,7 +149,7 @@ class _Shared:
 
     def start(self, c: int, read: int) -> None:
         self.c, self.read = c, read
-        self.first = torch.zeros_like(self.first)
+        self.first.zero_()
         self.second.zero_()
 
     def add(self, start: int, phi: Tensor) -> None:
