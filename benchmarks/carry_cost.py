@@ -15,6 +15,12 @@ the same with each class's rows split between the fit and held-out Grams, many c
 product (``expected_sums(split_rows=True)``). Prints each
 mode's seconds per size, its ratio to the first mode's, and its milliseconds per earlier image: a
 cost that grows with the images seen keeps that rate; one that stays flat sees it fall.
+
+    python benchmarks/carry_cost.py --draw-rounds 5 --classes 100 --draw-count 438
+
+``--draw-rounds N`` instead times the draws the Grams do not read (``ClassGaussians.draw`` whole
+against ``first_only``, the first token alone), ``--draw-count`` of them for every class, the two
+turn about N times, and prints the median ratio first-only / whole.
 """
 
 from __future__ import annotations
@@ -46,7 +52,12 @@ def main() -> None:
     parser.add_argument("--classes", nargs="+", type=int, default=[25, 100, 400])
     parser.add_argument("--images", type=int, default=20, help="images a class")
     parser.add_argument("--modes", nargs="+", default=["drawn-100", "centred-25-g50000"])
+    parser.add_argument("--draw-rounds", type=int, default=0, help="time whole against first-token draws instead")
+    parser.add_argument("--draw-count", type=int, default=438, help="draws a class with --draw-rounds")
     args = parser.parse_args()
+    if args.draw_rounds:
+        draw_ratio(args.classes[0], args.images, args.draw_count, args.draw_rounds)
+        return
     modes = {}
     for name in args.modes:
         match = MODE.match(name)
@@ -90,6 +101,31 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(json.dumps({"modes": args.modes, "M": M, "images_a_class": args.images, "rows": rows}))
+
+
+def draw_ratio(classes: int, images: int, count: int, rounds: int) -> None:
+    """Whole draws against first-token draws of every class, turn about ``rounds`` times."""
+    carried = gaussians(classes, images, seed=classes)
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for first_only in (False, True):
+            generator = torch.Generator().manual_seed(1)
+            tick = time.perf_counter()
+            for c in range(classes):
+                carried.draw(c, count, generator, first_only=first_only)
+            seconds[first_only].append(time.perf_counter() - tick)
+    ratios = sorted(b / a for a, b in zip(seconds[False], seconds[True], strict=True))
+    print(
+        json.dumps(
+            {
+                "classes": classes,
+                "draws_a_class": count,
+                "whole_s": [round(s, 6) for s in seconds[False]],
+                "first_only_s": [round(s, 6) for s in seconds[True]],
+                "median_ratio": round(ratios[len(ratios) // 2], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

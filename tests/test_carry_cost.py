@@ -35,3 +35,24 @@ def test_carry_cost_reports_each_mode_per_size_against_the_first():
 def test_carry_cost_names_an_unknown_mode():
     result = subprocess.run([sys.executable, str(SCRIPT), "--modes", "sampled-3"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown mode sampled-3" in result.stderr
+
+
+def test_carry_cost_times_whole_draws_against_first_token_draws():
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--draw-rounds",
+        "3",
+        "--classes",
+        "2",
+        "--images",
+        "2",
+        "--draw-count",
+        "5",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["classes"] == 2 and report["draws_a_class"] == 5
+    assert len(report["whole_s"]) == len(report["first_only_s"]) == 3
+    assert min(report["whole_s"] + report["first_only_s"]) > 0 and report["median_ratio"] > 0
