@@ -79,6 +79,19 @@ def test_leave_one_out_nearest_mean_leaves_each_image_out_of_its_own_mean():
     ]
 
 
+def test_a_stage_of_one_class_says_its_forward_transfer_was_not_measured():
+    from drlcli.cli.render import transfer_line
+    from drlcli.metrics import Transfer
+
+    run = Transfer(320, 63, 5316)
+    line = transfer_line(Transfer(0, 0, 0).record(run))
+    assert line.startswith(
+        "forward transfer: not measured at this stage (it compares the stage's own classes; it has one)"
+    )
+    assert "run so far +4.8 % of 5316 images: adapting transfers to new classes here" in line
+    assert "of this stage's 12 images" in transfer_line(Transfer(3, 1, 12).record(run))
+
+
 def test_forward_transfer_counts_and_what_they_say():
     import pytest
 

@@ -108,10 +108,14 @@ def transfer_line(d: dict[str, Any]) -> str:
             f"adapting does not transfer to new classes here yet (its upper bound is {d['ceiling']:+.1f} %; the "
             "frozen PTM (`drl --preset frozen`) may answer as well)"
         )
+    so_far = f"run so far {d['gain']:+.1f} % of {d['run']['images']} images: {verdict}"
+    if not d["images"]:  # metrics.measure: a stage of one class has nothing to tell apart
+        return (
+            f"forward transfer: not measured at this stage (it compares the stage's own classes; it has one); {so_far}"
+        )
     return (
         f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
-        f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; "
-        f"run so far {d['gain']:+.1f} % of {d['run']['images']} images: {verdict}"
+        f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; {so_far}"
     )
 
 
