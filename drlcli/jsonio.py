@@ -7,7 +7,11 @@ JavaScript, Go) accepts. ``dumps`` writes strict JSON only: a non-finite float b
 
 ``loads`` and ``load_yaml`` read files that may be crafted: whatever goes wrong while parsing one
 (bad syntax, a document nested 200,000 deep that exhausts Python's recursion, a document too big
-for memory) is a ``ValueError`` the caller turns into its own clear error, never a crash.
+for memory) is a ``ValueError`` the caller turns into its own clear error, never a crash. Two
+things parse cheaply but explode later, and are refused while parsing: YAML aliases that repeat a
+node which repeats another (a 500-byte "billion laughs" document is a shared structure of 10^9
+nodes that any ``repr`` or ``dumps`` of it walks), and integers too long for Python's ``int`` from
+text (its 4,300-digit limit raises a ``ValueError`` whose advice, to raise the limit, is wrong here).
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from __future__ import annotations
 import json
 import math
 from typing import Any
+
+MAX_ALIAS_NODES = 10_000  # nodes a YAML document's aliases may repeat: a shared section, never a bomb
+MAX_INT_DIGITS = 1_000  # an integer drl reads (sizes, counts, options) has far fewer; Python's own limit is 4,300
 
 
 def finite(obj: Any) -> Any:
@@ -31,7 +38,7 @@ def finite(obj: Any) -> Any:
 def loads(data: bytes | str) -> Any:
     """Parse strict JSON (no NaN or Infinity); ``ValueError`` for anything that is not a JSON document drl can hold."""
     try:
-        return json.loads(data, parse_constant=_no_constant)
+        return json.loads(data, parse_constant=_no_constant, parse_int=_bounded_int)
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except MemoryError:
@@ -42,19 +49,82 @@ def _no_constant(token: str) -> Any:
     raise ValueError(f"{token} is not JSON")  # NaN, Infinity: Python's json reads them, no strict parser does
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("+-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits is too long (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def load_yaml(data: bytes | str) -> Any:
-    """Parse YAML with ``yaml.safe_load`` (plain data only, no tags that build objects);
-    ``ValueError`` for anything that is not a YAML document drl can hold."""
+    """Parse YAML as ``yaml.safe_load`` does (plain data only, no tags that build objects), aliases
+    and integers bounded (see above); ``ValueError`` for anything that is not a YAML document drl can hold."""
     import yaml
 
     try:
-        return yaml.safe_load(data)
+        return yaml.load(data, Loader=_bounded_loader())  # noqa: S506 (a SafeLoader, bounded)
     except yaml.YAMLError as exc:
         raise ValueError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except MemoryError:
         raise ValueError("too large to parse") from None
+
+
+_LOADER: type | None = None
+
+
+def _bounded_loader() -> type:
+    """``yaml.SafeLoader`` that counts the nodes aliases repeat and refuses long integers (built once,
+    on first use: yaml is imported only by the commands that read YAML)."""
+    global _LOADER
+    if _LOADER is None:
+        _LOADER = _make_loader()
+    return _LOADER
+
+
+def _make_loader() -> type:
+    import yaml
+    from yaml.constructor import ConstructorError
+    from yaml.composer import ComposerError
+
+    class BoundedLoader(yaml.SafeLoader):
+        """A node composed counts 1; an alias counts the nodes of what it repeats (its anchor's
+        count, aliases inside included): the document's size as ``repr`` or ``dumps`` would walk it."""
+
+        def __init__(self, stream: Any) -> None:
+            super().__init__(stream)
+            self.repeated = 0
+            self.sizes: dict[str, int] = {}  # each finished anchor's nodes, aliases inside expanded
+            self.composed = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            anchor = self.peek_event().anchor
+            if self.check_event(yaml.AliasEvent):
+                if anchor in self.anchors and anchor not in self.sizes:  # inside itself: an endless structure
+                    raise ComposerError(None, None, f"alias *{anchor} refers to a node that holds it", None)
+                self.repeated += self.sizes.get(anchor, 0)
+                if self.repeated > MAX_ALIAS_NODES:
+                    raise ComposerError(
+                        None, None, f"its aliases repeat more than {MAX_ALIAS_NODES} nodes (an alias bomb?)", None
+                    )
+                return super().compose_node(parent, index)
+            before = self.composed + self.repeated
+            self.composed += 1
+            node = super().compose_node(parent, index)
+            if anchor is not None:
+                self.sizes[anchor] = self.composed + self.repeated - before
+            return node
+
+        def construct_yaml_int(self, node: Any) -> int:
+            text = str(node.value).replace("_", "")
+            if len(text.lstrip("+-")) > MAX_INT_DIGITS:
+                raise ConstructorError(
+                    None, None, f"an integer of {len(text)} digits is too long (at most {MAX_INT_DIGITS})", None
+                )
+            return super().construct_yaml_int(node)
+
+    BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
+    return BoundedLoader
 
 
 def dumps(obj: Any, *, indent: int | None = None, sort_keys: bool = False) -> str:

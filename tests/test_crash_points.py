@@ -41,7 +41,9 @@ class Interrupt(Exception):
 
 
 class FailAt:
-    """Counts storage calls; fails call ``k`` (``mode`` "crash": that call and every later one)."""
+    """Counts storage calls; fails call ``k`` (``mode`` "crash": that call and every later one;
+    "full": a full disk, every write from call ``k`` on fails with ENOSPC while renames and deletes
+    still work)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.k: int | None = None
@@ -57,7 +59,9 @@ class FailAt:
         def call(*args, **kwargs):
             self.calls.append(name)
             n = len(self.calls)
-            if self.k is not None and (n == self.k or (self.mode == "crash" and n > self.k)):
+            if self.mode == "full" and self.k is not None and n >= self.k and name in ("write_new", "make_dir"):
+                raise OSError(errno.ENOSPC, f"No space left on device (injected at storage call {n}, {name})")
+            if self.mode != "full" and self.k is not None and (n == self.k or (self.mode == "crash" and n > self.k)):
                 if self.mode == "crash":
                     raise Crash(f"crash at storage call {self.k} ({name})")
                 if name == "remove_dir_if_empty":  # it ignores its own errors: the folder just stays

@@ -46,3 +46,76 @@ def test_offline_init_of_a_hub_model_names_the_fetch_and_leaves_no_folder(tmp_pa
     assert "hf download timm/vit_base_patch16_224.augreg_in21k config.json model.safetensors" in message
     assert "--ptm hf-hub:timm/vit_base_patch16_224.augreg_in21k" in message
     assert not run.exists()
+
+
+# ----------------------------------------------------------- issue 59: a new user's first hour, again
+
+
+def test_a_drop_folder_instead_of_its_train_folder_is_refused(learned_run, stage_folders, tmp_path):
+    """Before: `--data drops/stage2` (holding train/ and test/) learned classes "train" and "test",
+    the test images included, exit 0. Now: exit 3 naming the folders to pass, nothing learned."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from drlcli.cli import app
+
+    run = shutil.copytree(learned_run, tmp_path / "run")
+    drop = tmp_path / "drops" / "stage3"
+    shutil.copytree(stage_folders[2][0], drop / "train")
+    shutil.copytree(stage_folders[2][1], drop / "test")
+    out = CliRunner().invoke(app, ["learn-stage", "--run", str(run), "--data", str(drop), "--device", "cpu"])
+    assert out.exit_code == 3, out.output
+    text = " ".join(out.output.split())
+    assert "split folders (test, train)" in text and f"--data {drop / 'train'}" in text
+    assert f"--eval-data {drop / 'test'}" in text
+    assert api.info(run)["num_stages"] == 2
+
+
+def test_every_bad_image_of_a_drop_is_named_in_one_error(learned_run, stage_folders, tmp_path):
+    """Before: a truncated JPEG and an undecodable file took two runs of learn-stage to find."""
+    import shutil
+
+    from PIL import Image
+
+    run = shutil.copytree(learned_run, tmp_path / "run")
+    drop = shutil.copytree(stage_folders[2][0], tmp_path / "drop")
+    first, second = sorted(p for p in drop.iterdir())[:2]
+    jpeg = first / "cut.jpg"
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(jpeg)
+    jpeg.write_bytes(jpeg.read_bytes()[:200])  # truncated
+    (second / "noise.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png at all")
+    with pytest.raises(DataError) as caught:
+        learn_stage(run, data_dir=drop, device="cpu")
+    message = str(caught.value)
+    assert message.startswith("2 images cannot be used") and "cut.jpg" in message and "noise.png" in message
+    assert "\n" not in message and api.info(run)["num_stages"] == 2
+
+
+def test_a_mistyped_run_names_the_run_nearby(learned_run, tmp_path):
+    """Before: "create it with `drl init --run runs/shpo`", inviting a second run at the typo."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from drlcli.cli import app
+
+    runs = tmp_path / "runs"
+    shutil.copytree(learned_run, runs / "shop")
+    out = CliRunner().invoke(app, ["info", "--run", str(runs / "shpo")])
+    assert out.exit_code == 7 and f"did you mean --run {runs / 'shop'}?" in " ".join(out.output.split())
+    assert "drl init" not in out.output
+    out = CliRunner().invoke(app, ["info", "--run", str(runs / "elsewhere")])
+    assert out.exit_code == 7 and "drl init --run" in out.output
+
+
+def test_outside_a_run_predict_asks_for_a_run(stage_folders, tmp_path, monkeypatch):
+    """Before: predict without --run outside a run said to run `drl init`."""
+    from typer.testing import CliRunner
+
+    from drlcli.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DRL_RUN", raising=False)
+    out = CliRunner().invoke(app, ["predict", str(stage_folders[0][1])])
+    assert out.exit_code == 7 and "pass --run RUN" in out.output and "drl init" not in out.output

@@ -1,6 +1,6 @@
-"""A switched run (``ranpac --preset switched``, ``run/track.py``; issue 32): a carried run with the
-frozen default's own run beside it (its frozen track), answering from the track the run's forward
-transfer picks."""
+"""A switched run (``ranpac --preset switched``, ``run/track.py``): a carried run with the frozen
+default learning beside it (its frozen track, files listed in the run's own manifest), answering
+from the track the run's forward transfer picks."""
 
 import json
 import shutil
@@ -16,8 +16,9 @@ from drlcli.api import info, verify
 from drlcli.cli import app
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
-from drlcli.errors import IntegrityError, RunStateError, UsageError
+from drlcli.errors import IntegrityError, UsageError
 from drlcli.metrics import Transfer
+from drlcli.run.directory import RunDir
 from drlcli.run.layout import sha256_bytes
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
@@ -31,6 +32,14 @@ SMALL = {
 def _init(run, preset="switched"):
     config = RunConfig.for_method("ranpac", SMALL, preset=preset)
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+
+
+def _track(run):
+    """The run's frozen track, as the run reads it."""
+    from drlcli.run.track import frozen_track
+
+    own = RunDir(run)
+    return frozen_track(own, own.manifest())
 
 
 def _learn(run, folders):
@@ -100,7 +109,9 @@ def test_until_adapting_transfers_the_run_answers_as_the_frozen_default(switched
     test = stage_folders[2][1]
     ours, theirs = evaluate(run, data_dir=test, device="cpu"), evaluate(default, data_dir=test, device="cpu")
     assert ours.report == theirs.report
-    assert (run / "frozen" / "manifest.json").is_file() and load_run(run / "frozen", device="cpu").model.num_stages == 3
+    # one manifest: the track's files are the run's, and the track loads as the frozen default
+    assert not (run / "frozen" / "manifest.json").exists() and load_run(_track(run), device="cpu").model.num_stages == 3
+    assert load_run(_track(run), device="cpu").model.class_names == load_run(default, device="cpu").model.class_names
 
 
 def test_an_export_of_a_run_answering_from_its_frozen_track_is_the_frozen_default(switched, tmp_path, stage_folders):
@@ -125,10 +136,9 @@ def test_the_run_records_both_tracks_and_their_cost(switched):
     checked = verify(run)
     assert checked.frozen_track["num_stages"] == 3 and checked.frozen_track["files_checked"] > 0
     from drlcli.benchmark.report import _stage_bytes
-    from drlcli.run.directory import RunDir
 
     loaded = load_run(run, device="cpu")
-    own, track = loaded.run, RunDir(run / "frozen")
+    own, track = loaded.run, _track(run)
     both = [own.stage_bytes(i, own.manifest()) + track.stage_bytes(i, track.manifest()) for i in (1, 2, 3)]
     assert _stage_bytes(loaded, RunConfig.for_method("ranpac", SMALL, preset="switched")) == both
 
@@ -232,7 +242,7 @@ def test_a_class_forgotten_before_paused_stages_comes_back(tmp_path, stage_folde
     assert (crafted / "manifest.json").read_bytes() == before
     restore_class(run, name)
     for track in ("", "frozen"):
-        a, b = (load_run(p / track, device="cpu", scoring=False) for p in (run, never))
+        a, b = (load_run(_track(p) if track else p, device="cpu", scoring=False) for p in (run, never))
         assert a.model.class_names == b.model.class_names and len(a.model.class_names) == 9
         assert a.stage_metas[-1]["ridge"]["lambda"] == b.stage_metas[-1]["ridge"]["lambda"]
         totals, want = a.stage_totals[-1], b.stage_totals[-1]
@@ -282,18 +292,37 @@ def test_a_crafted_switch_record_is_refused(switched, tmp_path, change):
         load_run(run, device="cpu")
 
 
+def _resign(run: Path, prefix: str = "") -> None:
+    """Re-sign every file under ``prefix`` in the run's manifest as it is now (a crafted run)."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    files = {n for n in manifest["files"] if n.startswith(prefix)}
+    manifest["files"] = {n: e for n, e in manifest["files"].items() if n not in files}
+    for path in (run / prefix).rglob("*"):
+        name = path.relative_to(run).as_posix()
+        if path.is_file() and name.startswith(prefix) and "/." not in f"/{name}":
+            data = path.read_bytes()
+            manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_another_run_cannot_stand_in_for_the_frozen_track(switched, tmp_path):
-    """The run's switch records hold the sha256 of the frozen track's stage records: the frozen default
-    learning the same stages, but not the run's own track, is refused; so is a track of another config."""
+    """The track's files are checked by the run's manifest, and the run's switch records hold the
+    sha256 of the track's stage records: another run's files in its place are damage; re-signed in
+    the manifest, the frozen default learning the same stages is still refused, and so is a track
+    of another config."""
     run, default = (Path(shutil.copytree(p, tmp_path / p.name)) for p in switched[:2])
     shutil.rmtree(run / "frozen")
-    shutil.copytree(default, run / "frozen")
+    shutil.copytree(default, run / "frozen", ignore=shutil.ignore_patterns("manifest.json", ".lock"))
+    with pytest.raises(IntegrityError, match="checksum mismatch|is missing"):
+        load_run(run, device="cpu")
+    _resign(run, "frozen/")
     with pytest.raises(IntegrityError, match="is not the one run"):
         load_run(run, device="cpu")
     with pytest.raises(IntegrityError, match="is not the one run"):
         verify(run)
     shutil.rmtree(run / "frozen")
-    shutil.copytree(switched[0], run / "frozen")  # a switched run as its own frozen track
+    shutil.copytree(switched[0], run / "frozen", ignore=shutil.ignore_patterns("manifest.json", ".lock", "frozen"))
+    _resign(run, "frozen/")  # a switched run's own files as its frozen track
     with pytest.raises(IntegrityError, match="another config"):
         load_run(run, device="cpu")
 
@@ -305,7 +334,8 @@ def test_a_stage_refused_after_the_frozen_track_learned_it_commits_in_neither(sw
     more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
     with pytest.raises(UsageError):
         learn_stage(run, data_dir=more, device="cpu", train_overrides={"lr": -1.0})
-    assert [len(json.loads((p / "manifest.json").read_text())["stages"]) for p in (run, run / "frozen")] == [3, 3]
+    assert len(json.loads((run / "manifest.json").read_text())["stages"]) == 3
+    assert _track(run).stage_indices() == [1, 2, 3]
     assert load_run(run, device="cpu").model.num_stages == 3
 
 
@@ -314,10 +344,10 @@ def test_a_frozen_track_that_is_a_link_or_missing_is_refused(switched, tmp_path,
     outside = Path(shutil.copytree(run / "frozen", tmp_path / "outside"))
     shutil.rmtree(run / "frozen")
     more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
-    with pytest.raises(IntegrityError, match="lost its frozen track"):
+    with pytest.raises(IntegrityError, match="is missing"):
         learn_stage(run, data_dir=more, device="cpu")
     for command in (lambda: load_run(run, device="cpu"), lambda: verify(run), lambda: info(run)):
-        with pytest.raises(IntegrityError, match="lost its frozen track"):
+        with pytest.raises(IntegrityError, match="is missing"):
             command()
     (run / "frozen").symlink_to(outside)
     with pytest.raises(IntegrityError, match="symbolic link"):
@@ -325,57 +355,26 @@ def test_a_frozen_track_that_is_a_link_or_missing_is_refused(switched, tmp_path,
     assert len(json.loads((run / "manifest.json").read_text())["stages"]) == 3
 
 
-def test_an_interrupted_stage_in_the_frozen_track_is_reused_or_refused(switched, tmp_path, monkeypatch):
-    """The frozen track commits just before the run: a call interrupted between the two leaves the track one stage ahead,
-    which the next call with the same data reuses and one with other data refuses, changing nothing."""
+@pytest.mark.parametrize("command", ["learn-stage", "forget", "init", "info", "verify", "predict"])
+def test_the_frozen_track_is_no_run_of_its_own(switched, tmp_path, command):
+    """The track is read and written only through its run: ``--run RUN/frozen`` is refused (exit 7)
+    by every command, and the run is left as it was."""
     run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
-    _transfers(monkeypatch, False)
-    first = make_class_folders(tmp_path / "first", [20, 21], images_per_class=6)
-    other = make_class_folders(tmp_path / "other", [22, 23], images_per_class=6)
-    learn_stage(run / "frozen", data_dir=first, device="cpu")  # as the interrupted call left it
-    with pytest.raises(RunStateError, match="a learn-stage was interrupted"):
-        load_run(run, device="cpu")  # the run answers only from a track that matches it
-    with pytest.raises(RunStateError, match="holds a stage 4 of other data"):
-        learn_stage(run, data_dir=other, device="cpu")
-    assert load_run(run / "frozen", device="cpu").model.num_stages == 4
-    result = learn_stage(run, data_dir=first, device="cpu")
-    assert result.stage == 4 and result.switch["answers"] == "frozen"
-    assert load_run(run, device="cpu").model.num_stages == 4 and verify(run).frozen_track["num_stages"] == 4
-
-
-def test_a_reader_waits_while_a_writer_may_be_between_the_two_commits(switched, tmp_path, monkeypatch):
-    """The tracks apart while another process holds the run's lock: the reader waits for the lock
-    (the writer's second commit) before it reports anything; with no writer it reports at once."""
-    import threading
-    import time
-
-    from drlcli.run.directory import RunDir
-
-    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
-    _transfers(monkeypatch, False)
-    learn_stage(
-        run / "frozen", data_dir=make_class_folders(tmp_path / "more", [20, 21], images_per_class=6), device="cpu"
-    )
-    held, release = threading.Event(), threading.Event()
-
-    def writer():
-        with RunDir(run).writer():
-            held.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=writer)
-    thread.start()
-    held.wait(10)
-    threading.Timer(1.0, release.set).start()
-    tick = time.monotonic()
-    with pytest.raises(RunStateError, match="interrupted between its two commits"):
-        load_run(run, device="cpu")
-    assert time.monotonic() - tick >= 0.9  # it waited for the writer
-    thread.join()
-    tick = time.monotonic()
-    with pytest.raises(RunStateError):
-        verify(run)
-    assert time.monotonic() - tick < 5
+    before = (run / "manifest.json").read_bytes()
+    more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
+    track = str(run / "frozen")
+    args = {
+        "learn-stage": ["learn-stage", "--run", track, "--data", str(more), "--device", "cpu"],
+        "forget": ["forget", "--run", track, "--class", "class_000"],
+        "init": ["init", "--run", track, "--ptm", TINY_PTM, "--random-init"],
+        "info": ["info", "--run", track],
+        "verify": ["verify", "--run", track],
+        "predict": ["predict", "--run", track, str(more)],
+    }[command]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 7, out.output
+    assert "is the frozen track of run" in out.output and f"--run {run}" in out.output.replace("\n", "")
+    assert (run / "manifest.json").read_bytes() == before and verify(run).frozen_track["num_stages"] == 3
 
 
 def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):
@@ -383,16 +382,14 @@ def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):
     name = load_run(run, device="cpu").model.class_names[4]
     forget_class(run, name)
     assert name not in load_run(run, device="cpu").model.class_names
-    assert name not in load_run(run / "frozen", device="cpu").model.class_names
+    assert name not in load_run(_track(run), device="cpu").model.class_names
     restore_class(run, name)
     assert name in load_run(run, device="cpu").model.class_names
-    # a forget that committed in the frozen track only (interrupted): refused until run again
-    forget_class(run / "frozen", name)
-    with pytest.raises(IntegrityError, match="run the same `drl forget`"):
-        load_run(run, device="cpu")
-    forget_class(run, name)
+    assert name in load_run(_track(run), device="cpu").model.class_names
+    forget_class(run, name, purge=True)
     loaded = load_run(run, device="cpu")
     assert name not in loaded.model.class_names and len(loaded.model.class_names) == 8
+    assert not any(n.startswith("frozen/forgotten/rows") for n in RunDir(run).manifest()["files"])
 
 
 def test_the_cli_says_which_track_answers(tmp_path, stage_folders, monkeypatch):

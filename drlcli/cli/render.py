@@ -182,8 +182,9 @@ def learn_stage(r: dict[str, Any]) -> str:
             "network was not trained: the run's forward transfer so far says adapting stalls here"
         )
     else:
+        resumed = " over every call that trained it" if r["resumed_from_epoch"] else ""  # more than this call's total
         lines.append(
-            f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s, {r['num_params']:,} "
+            f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s{resumed}, {r['num_params']:,} "
             + ("head parameters solved" if (r.get("first_session") or {}).get("kept") == "frozen" else "parameters")
             + ")"
         )
@@ -219,8 +220,14 @@ def learn_stage(r: dict[str, Any]) -> str:
     return _text(lines)
 
 
+def _answering(r: dict[str, Any]) -> str:
+    """ ", answering from ..." for a switched run (its ``answers``), else nothing."""
+    names = {"frozen": "the frozen PTM's head", "carried": "the adapted network's head"}
+    return f", answering from {names[r['answers']]}" if r.get("answers") in names else ""
+
+
 def evaluate(r: dict[str, Any]) -> str:
-    lines = [f"{r['num_classes']} classes over {r['num_stages']} stages"]
+    lines = [f"{r['num_classes']} classes over {r['num_stages']} stages{_answering(r)}"]
     lines += accuracy_lines(r["accuracy"]) + history_lines(r["history"])
     lines.append("\n".join(matrix_lines(r["history"]["matrix"])))  # an empty line when nothing was evaluated
     if r["confused"]:
@@ -250,7 +257,7 @@ def export(r: dict[str, Any]) -> str:
     check = "" if r["check_max_abs_diff"] is None else f", max |Δscore| {r['check_max_abs_diff']:.1e} vs the run"
     return _text(
         [
-            f"exported {r['num_classes']} classes, {r['num_stages']} stages to {r['path']} "
+            f"exported {r['num_classes']} classes, {r['num_stages']} stages{_answering(r)} to {r['path']} "
             f"({r['format']}, {r['bytes'] / 2**20:.1f} MiB{check})"
         ]
     )
@@ -270,7 +277,7 @@ def prediction(p: dict[str, Any], *, json_lines: bool) -> str:
 
 def verify(r: dict[str, Any]) -> str:
     lines = [
-        f"run {r['run_dir']} is intact: format v{r['format_version']}, generation {r['generation']}, "
+        f"run {r['run_dir']} is intact: generation {r['generation']}, "
         f"{r['num_stages']} stages, {r['files_checked']} files ({r['bytes_checked'] / 2**20:.2f} MiB) verified"
     ]
     if r["interrupted_stage"]:
@@ -285,7 +292,7 @@ def verify(r: dict[str, Any]) -> str:
 def info(r: dict[str, Any]) -> str:
     ptm = r["ptm"]
     lines = [
-        f"run {r['run_dir']} (format v{r['format_version']}, generation {r['generation']}), method {r['method']}",
+        f"run {r['run_dir']} (generation {r['generation']}), method {r['method']}",
         f"PTM {ptm['name']} ({_ptm_source(ptm['source'], ptm.get('hub'))}, sha256 {ptm['sha256'][:12]}...), "
         f"input {ptm['data_config']['input_size']}",
         f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB "

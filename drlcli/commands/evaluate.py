@@ -22,7 +22,7 @@ from ..model import IncrementalModel
 from ..plots import check_plot_path, history_plot
 from ..precision import check_precision
 from ..progress import Progress, ProgressFn
-from ..run.load import LoadedRun, load_run
+from ..run.load import LoadedRun, answering_head, load_run
 from ..run.records import history_of
 
 
@@ -36,9 +36,11 @@ class EvalResult:
     run_dir: str | None = None
     plot: str | None = None  # the --plot file written
     open_set: OpenSetReport | None = None  # with --unknown-data
+    answers: str | None = None  # a switched run: the head that answered (``run.load.answering_head``)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "answers": self.answers,
             "open_set": self.open_set.to_dict() if self.open_set else None,
             "run_dir": self.run_dir,
             "accuracy": self.report.to_dict(),
@@ -115,6 +117,7 @@ def evaluate(
         str(loaded.run.path),
         plot,
         open_set,
+        answering_head(loaded),
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import UsageError
 from ..progress import Progress, ProgressFn
 from ..run.access import refuse_inside_run
-from ..run.load import load_run
+from ..run.load import answering_head, load_run
 from ..serving.drlfile import write_export
 from ..serving.formats import check_extras, write_graph
 from ..serving.graph import GRAPH_FORMATS
@@ -28,6 +28,7 @@ class ExportResult:
     format: str = "drl"
     run_dir: str | None = None
     check_max_abs_diff: float | None = None  # graphs: |scores - eager scores| on a random check batch
+    answers: str | None = None  # a switched run: the head exported (``run.load.answering_head``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,4 +74,13 @@ def export_run(
         size = write_export(model, loaded.record["ptm"], loaded.config, out_path)
     else:
         size, diff = write_graph(model, loaded.record["ptm"], loaded.config, Path(out_path), fmt=fmt)
-    return ExportResult(str(out_path), size, model.num_stages, len(model.class_names), fmt, str(loaded.run.path), diff)
+    return ExportResult(
+        str(out_path),
+        size,
+        model.num_stages,
+        len(model.class_names),
+        fmt,
+        str(loaded.run.path),
+        diff,
+        answering_head(loaded),
+    )

@@ -74,7 +74,7 @@ from ..run.forgotten import (
     widened,
 )
 from ..run.layout import TOTALS, forget_log_file, forgotten_rows_file, stage_file
-from ..run.track import on_frozen_track
+from ..run.track import adopt_track, on_frozen_track
 from ..run.writer import RunWriter
 
 MAX_REASON = 1000  # characters
@@ -217,7 +217,7 @@ def _event(action: str, entry: Forgotten, at: str, reason: str | None, generatio
 
 
 def forget_class(
-    run_dir: Path | str,
+    run_dir: Path | str | RunDir,
     name: str,
     *,
     reason: str | None = None,
@@ -229,8 +229,9 @@ def forget_class(
     are kept for ``restore_class`` unless ``purge``. A class already forgotten with its slices kept
     is purged by ``purge``."""
     reason = _check_reason(reason)
-    run = RunDir(run_dir)
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     with run.writer() as writer:
+        adopt_track(run, writer)  # a run written before format 4: its frozen track into its manifest
         _say(progress, "read", "the run's stage files")
         state = ForgetState.read(run)
         stage = state.active_stage(name)
@@ -259,7 +260,7 @@ def forget_class(
             (*state.log.forgotten, entry),
             (*state.log.events, _event("forget", entry, at, reason, state.generation)),
         )
-        on_frozen_track(state, name, purge, lambda track: forget_class(track, name, reason=reason, purge=purge))
+        on_frozen_track(state, writer, name, purge, lambda track: forget_class(track, name, reason=reason, purge=purge))
         _commit(writer, state, change, log)
     return _result(state, "forget", entry, log, change, kept=not purge)
 
@@ -292,7 +293,7 @@ def _purge_kept(writer: RunWriter, state: ForgetState, name: str, reason: str | 
         (*state.log.events, _event("purge", entry, at, reason, state.generation)),
     )
     change = _Change(supersede=[forgotten_rows_file(entry.generation)])
-    on_frozen_track(state, name, True, lambda track: forget_class(track, name, reason=reason, purge=True))
+    on_frozen_track(state, writer, name, True, lambda track: forget_class(track, name, reason=reason, purge=True))
     _commit(writer, state, change, log)
     return replace(_result(state, "purge", purged, log, change, kept=False), at=at, reason=reason)
 
@@ -301,14 +302,15 @@ def _purge_kept(writer: RunWriter, state: ForgetState, name: str, reason: str | 
 
 
 def restore_class(
-    run_dir: Path | str, name: str, *, reason: str | None = None, progress: Callable[[Any], None] | None = None
+    run_dir: Path | str | RunDir, name: str, *, reason: str | None = None, progress: Callable[[Any], None] | None = None
 ) -> ForgetResult:
     """Put a forgotten class back from its kept slices: the run answers as if it had never been
     forgotten. Columns of W for stages learned after the forget are solved again from the stored
     statistics at each stage's λ. A purged class cannot be restored (learn it again instead)."""
     reason = _check_reason(reason)
-    run = RunDir(run_dir)
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     with run.writer() as writer:
+        adopt_track(run, writer)  # a run written before format 4: its frozen track into its manifest
         _say(progress, "read", "the run's stage files")
         state = ForgetState.read(run)
         entry = _restorable(state, name)
@@ -346,7 +348,7 @@ def restore_class(
             tuple(f for f in state.log.forgotten if f != entry),
             (*state.log.events, _event("restore", entry, at, reason, state.generation)),
         )
-        on_frozen_track(state, name, None, lambda track: restore_class(track, name, reason=reason))
+        on_frozen_track(state, writer, name, None, lambda track: restore_class(track, name, reason=reason))
         _commit(writer, state, change, log)
     return replace(_result(state, "restore", entry, log, change, kept=False), at=at, reason=reason)
 

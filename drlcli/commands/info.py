@@ -8,7 +8,7 @@ from typing import Any
 
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
-from ..run.layout import TOTALS
+from ..run.layout import TOTALS, TRACK_PREFIX
 from ..run.records import (
     checked_metas,
     first_session_record,
@@ -37,7 +37,7 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
     record, _ = read_record(run, manifest)
     stages, metas = [], checked_metas(run, manifest)
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
-    total_bytes = run.size_bytes(manifest)
+    total_bytes = run.size_bytes(manifest) - run.size_bytes(manifest, prefix=TRACK_PREFIX)  # the track: its own line
     cum_bytes = cum_classes = trained_params = solved_params = 0
     for index, meta in zip(run.stage_indices(manifest), metas):
         evaluation = meta["metrics"].get("eval")
@@ -112,7 +112,7 @@ def _frozen_track(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, A
     if not switched(run, manifest):
         return None
     if not metas:
-        return {"run_dir": str(frozen_track(run).path), "num_stages": 0, "total_bytes": 0, "answers": None}
+        return {"run_dir": str(frozen_track(run, manifest).path), "num_stages": 0, "total_bytes": 0, "answers": None}
     track, held, answers = tied_track(run, manifest, metas)
     return {
         "run_dir": str(track.path),

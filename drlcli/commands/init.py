@@ -4,7 +4,6 @@ in run.yaml, with the config; the weights themselves for a random init)."""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,7 @@ from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
 from ..run.directory import RunDir
 from ..run.files import init_files
-from ..run.layout import RUN_CONFIG_KIND
-from ..version import __version__
+from ..run.records import run_record
 
 
 @dataclass(frozen=True)
@@ -72,17 +70,6 @@ def init_run(
     return InitResult(
         str(run.path), config.method, info["name"], info["sha256"], info["source"], info["data_config"], info.get("hub")
     )
-
-
-def run_record(ptm_record: dict[str, Any], config: RunConfig) -> dict[str, Any]:
-    """run.yaml of a new run: its PTM section (``_init_ptm``) and config."""
-    return {
-        "kind": RUN_CONFIG_KIND,
-        "drl_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "ptm": ptm_record,
-        "config": config.to_dict(),
-    }
 
 
 def _init_ptm(

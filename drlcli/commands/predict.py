@@ -36,7 +36,7 @@ from ..device import resolve_device
 from ..errors import DataError, UsageError
 from ..precision import autocast, check_precision
 from ..progress import Progress, ProgressFn
-from ..run.load import load_run
+from ..run.load import HEAD_NAMES, answering_head, load_run
 from ..serving.formats import load_model
 from ..serving.modelfile import format_of
 
@@ -240,11 +240,13 @@ def load_classifier(
     device: str = "auto",
     ptm_weights: Path | None = None,
     trust_code: bool = False,
-) -> Classifier:
-    """An exported file (``model_path``; TorchScript and .pt2 only with ``trust_code``), else the run's model."""
+) -> tuple[Classifier, str | None]:
+    """An exported file (``model_path``; TorchScript and .pt2 only with ``trust_code``), else the run's
+    model, with the head a switched run answers from (``run.load.answering_head``; None otherwise)."""
     if model_path is not None:
-        return load_model(model_path, device=str(resolve_device(device)), trust_code=trust_code)
-    return load_run(run_dir, device=device, ptm_weights=ptm_weights).model
+        return load_model(model_path, device=str(resolve_device(device)), trust_code=trust_code), None
+    loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
+    return loaded.model, answering_head(loaded)
 
 
 def predict_sources(
@@ -277,14 +279,16 @@ def predict_sources(
     paths = expand_sources(sources)
     if progress is not None:
         progress(Progress("load", 0, 0, str(model_path or run_dir)))
-    model = load_classifier(
+    model, head = load_classifier(
         model_path=model_path, run_dir=run_dir, device=device, ptm_weights=ptm_weights, trust_code=trust_code
     )
+    stages = f" from {model.num_stages} stages" if model.num_stages else ""  # a graph export does not record them
     log.info(  # an export older than its run shows here: fewer classes and stages than `drl info` lists
-        "model %s: %d classes from %d stages (loaded in %.1fs)",
+        "model %s: %d classes%s%s (loaded in %.1fs)",
         model_path or run_dir,
         len(model.class_names),
-        model.num_stages,
+        stages,
+        f", answering from {HEAD_NAMES[head]}" if head in HEAD_NAMES else "",
         time.perf_counter() - start,
     )
     results = predict(model, paths, top_k=top_k, batch_size=batch_size, num_workers=num_workers, precision=precision)
@@ -292,7 +296,7 @@ def predict_sources(
         if progress is not None:
             progress(Progress("predict", stats.images, len(paths), num_failed=stats.failed))
         yield p
-    if stats.predicted:
+    if stats.predicted > batch_size:  # a rate after the first batch's one-off costs are spread over more
         log.info("%d images, %d failed, %.1f images/s", stats.images, stats.failed, stats.images_per_second)
     else:
-        log.info("%d images, %d failed", stats.images, stats.failed)
+        log.info("%d image%s, %d failed", stats.images, "" if stats.images == 1 else "s", stats.failed)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, RunStateError
 from ..progress import Progress, ProgressFn
 from ..run import forgotten
 from ..run.directory import RunDir
@@ -31,9 +31,9 @@ class VerifyResult:
         return asdict(self)
 
 
-def verify(run_dir: Path | str, *, progress: ProgressFn | None = None) -> VerifyResult:
+def verify(run_dir: Path | str | RunDir, *, progress: ProgressFn | None = None) -> VerifyResult:
     """Check every file the manifest lists (size, sha256, content) and the format; raise naming each damage."""
-    run = RunDir(run_dir)
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     return run.read_generation(lambda manifest: _verify(run, manifest, progress))
 
 
@@ -69,5 +69,8 @@ def _frozen_track(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | 
     metas = checked_metas(run, manifest)
     if not metas:
         return None
-    track, _, answers = tied_track(run, manifest, metas)
-    return {**verify(track.path, progress=progress).to_dict(), "answers": answers}
+    try:
+        track, _, answers = tied_track(run, manifest, metas)
+    except RunStateError as exc:  # a run of an earlier release, left between its two commits: damage to name
+        raise IntegrityError(str(exc)) from exc
+    return {**verify(track, progress=progress).to_dict(), "answers": answers}

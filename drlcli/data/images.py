@@ -165,6 +165,7 @@ def scan_class_folders(root: Path | str, *, what: str = "--data") -> ImageSet:
         raise DataError(f"{stray[0]} is a file directly under {what} {root}; put images in one sub-folder per class")
     if not entries:
         raise DataError(f"{what} {root} has no class folders; add one sub-folder of images per class")
+    _refuse_split_folders(entries, root, what)
     class_names, paths, labels = [], [], []
     for label, class_dir in enumerate(entries):
         files = _class_images(class_dir, root, what)
@@ -173,6 +174,23 @@ def scan_class_folders(root: Path | str, *, what: str = "--data") -> ImageSet:
         labels.extend([label] * len(files))
     refuse_near_duplicates(class_names, {}, what=f"{what} {root}")
     return ImageSet(root, tuple(class_names), tuple(paths), tuple(labels))
+
+
+SPLIT_NAMES = frozenset({"train", "training", "test", "testing", "val", "valid", "validation", "eval"})
+
+
+def _refuse_split_folders(entries: list[Path], root: Path, what: str) -> None:
+    """A drop's folder handed instead of its ``train/`` (class folders named like splits that hold
+    class folders themselves) would learn "train" and "test" as classes, test images included."""
+    splits = [p for p in entries if p.name.lower() in SPLIT_NAMES and any(c.is_dir() for c in p.iterdir())]
+    if splits:
+        train = next((p for p in splits if p.name.lower() in ("train", "training")), splits[0])
+        others = [p for p in splits if p != train]
+        hint = f" (and --eval-data {others[0]})" if others and what == "--data" else ""
+        raise DataError(
+            f"{what} {root} holds split folders ({', '.join(p.name for p in splits)}) of class folders, not "
+            f"classes: pass --data {train}{hint}"
+        )
 
 
 def _class_images(class_dir: Path, root: Path, what: str) -> list[Path]:
@@ -339,26 +357,37 @@ def _check_image(path: Path) -> str | None:
     return None
 
 
+MAX_NAMED = 10  # failed images named in one error
+
+
 def validate_images(
     images: LabelledImages,
     *,
     num_threads: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
-    """Decode every image of a folder once; the first failure is a DataError naming the file. (A
-    dataset's items were all decoded and checked when it was read: ``dataset_images``.)
-    ``progress(step, total)`` is called from the calling thread after each image is checked, in
-    order (step 1 to total; a dataset: once, total of total), so a bar can move during the minutes
-    a large folder takes; it sees no image after a failure."""
+    """Decode every image of a folder once; every failure is named in one DataError (the first
+    ``MAX_NAMED`` of them, with their count). (A dataset's items were all decoded and checked when it
+    was read: ``dataset_images``.) ``progress(step, total)`` is called from the calling thread after
+    each image is checked, in order (step 1 to total; a dataset: once, total of total), so a bar can
+    move during the minutes a large folder takes; it sees no image after a failure."""
     if not isinstance(images, ImageSet):
         if progress is not None:
             progress(len(images), len(images))
         return
     threads = num_threads or min(8, (os.cpu_count() or 1) + 2)
     total = len(images.paths)
+    failed: list[str] = []
     with ThreadPoolExecutor(threads) as pool:
         for step, (path, problem) in enumerate(zip(images.paths, pool.map(_check_image, images.paths)), 1):
             if problem:
-                raise DataError(f"image {path} {problem}; fix or remove the file")
-            if progress is not None:
+                failed.append(f"image {path} {problem}")
+            elif progress is not None and not failed:
                 progress(step, total)
+    if len(failed) == 1:
+        raise DataError(f"{failed[0]}; fix or remove the file")
+    if failed:
+        more = f"; and {len(failed) - MAX_NAMED} more" if len(failed) > MAX_NAMED else ""
+        raise DataError(
+            f"{len(failed)} images cannot be used: {'; '.join(failed[:MAX_NAMED])}{more}; fix or remove them"
+        )

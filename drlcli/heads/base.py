@@ -11,7 +11,7 @@ the heads what to take out instead of knowing them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class PerClass:
     axis: int
     seen: bool = False
     carried: bool = False
+    images: bool = False  # each slice counts its class's images: at most what its stage's record says
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class AnalyticHead(Protocol):
         checked as the next learn-stage reads them (ValueError when they do not fit)."""
         ...
 
+    def check_stages(self, stage_tensors: list[dict[str, Tensor]]) -> None:
+        """load and verify: the head's tensors of every committed stage (weights and totals merged)
+        in the shapes they have together (ValueError naming the first that is off)."""
+        ...
+
     def carry_stage(self, config: Any, features: Tensor, labels: Tensor, **kwargs: Any) -> Any:
         """learn-stage in a run whose method carries its network (``Method.carries_network``; the
         ridge head's ``carry.carry_stage``): the earlier classes moved with the network, for
@@ -120,3 +126,6 @@ class Head:
     rules: Callable[[Any, Any], None]  # (config, method) -> UsageError if the config breaks one
     # tensors carried by the newest stage only (its totals file), superseded by the next stage's
     running: tuple[str, ...] = ()
+    # the dtype drl writes each of its stage tensors in: "float" (float32 or float64) or one dtype's
+    # name ("float64", "int64"); a crafted file's other dtype is damage (``run.forgotten.check_tensors``)
+    dtypes: dict[str, str] = field(default_factory=dict)

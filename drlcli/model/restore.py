@@ -82,7 +82,7 @@ def restore_model(
         score_cfg=config.score,
         data_config=data_config,
         offset=method.offset,
-        head=_head(config, tensors, network, fit_error) if class_names else None,
+        head=_head(config, tensors, network, fit_error, len(class_names)) if class_names else None,
         open_set_rule=config.open_set.score,
         open_set_probe=probe_block(config.open_set.probe_depth, len(ptm.blocks)) if method.offset else None,
         probe_weight=config.open_set.probe_weight,
@@ -93,15 +93,18 @@ def restore_model(
 
 
 def _head(
-    config: RunConfig, tensors: Mapping[str, Tensor], network: nn.Module, fit_error: FitError
+    config: RunConfig, tensors: Mapping[str, Tensor], network: nn.Module, fit_error: FitError, num_classes: int
 ) -> nn.Module | None:
-    """The analytic head from its state (``head.*``), on the PTM's device; None for the prototype bank."""
+    """The analytic head from its state (``head.*``), scoring ``num_classes`` classes, on the PTM's
+    device; None for the prototype bank."""
     analytic = head_of(config)
     if analytic is None:
         return None
     try:
         head = analytic.load().from_state(with_prefix(tensors, HEAD))
         head.check_width(network.width)
+        if getattr(head, "num_classes", num_classes) != num_classes:
+            raise ValueError(f"the head scores {head.num_classes} classes, not the model's {num_classes}")
     except (RuntimeError, KeyError, ValueError) as exc:
         raise fit_error(None, exc) from exc
     return head.to(next(network.ptm.parameters()).device)

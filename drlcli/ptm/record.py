@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import UsageError
 
 MAX_INPUT_SIDE = 4096  # pixels; a PTM input above this is a crafted record, not a ViT
+MIN_CROP = 0.05  # crop_pct above it (timm's are 0.8 to 1): a smaller one resizes to 20x the input side and more
 
 
 PTM_SOURCES = ("random", "file", "hub", "hf-hub")  # hub: timm's own download; hf-hub: a hf-hub:ORG/NAME repo
@@ -70,8 +71,8 @@ def check_data_config(data_config: Any) -> None:
         raise UsageError(f"data_config must be a mapping, got {type(data_config).__name__}")
     _check_sizes(data_config)
     crop = data_config.get("crop_pct")
-    if crop is not None and not (_is_number(crop) and 0 < crop <= 2):
-        raise UsageError(f"data_config.crop_pct must be in (0, 2], got {crop!r}")
+    if crop is not None and not (_is_number(crop) and MIN_CROP < crop <= 1):
+        raise UsageError(f"data_config.crop_pct must be in ({MIN_CROP}, 1], got {crop!r}")
     for key, choices in (("interpolation", INTERPOLATIONS), ("crop_mode", CROP_MODES)):
         if key in data_config and data_config[key] not in choices:
             raise UsageError(f"data_config.{key} must be one of {list(choices)}, got {data_config[key]!r}")
@@ -99,3 +100,22 @@ def _is_number(value: Any, kind: type = float) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         return False
     return math.isfinite(value)
+
+
+def check_input_size(data_config: dict[str, Any], model: Any) -> None:
+    """A checked ``data_config``'s input size is one the PTM ``model`` takes: its patch embedding's
+    image size (a model of dynamic image size: at least one patch a side); ``UsageError`` otherwise."""
+    embed = getattr(model, "patch_embed", None)
+    size, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
+    if size is None:
+        return
+    found = tuple(data_config["input_size"][1:])
+    if getattr(model, "dynamic_img_size", False) and patch is not None:
+        fits = all(side >= step for side, step in zip(found, tuple(patch)))
+    else:
+        fits = found == tuple(size)
+    if not fits:
+        raise UsageError(
+            f"data_config.input_size {list(data_config['input_size'])} is not what the PTM takes, "
+            f"[3, {', '.join(map(str, size))}]"
+        )

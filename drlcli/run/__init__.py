@@ -20,8 +20,8 @@ Layout (format version 3; 1 and 2: runs of earlier releases, read as they are)::
     forgotten/rows-gGGGGGG.safetensors  what the forget of generation GGGGGG took out of the stage
                                files (one class's slices), kept so that ``--restore`` can put it back
     frozen/                    a switched run only (``Method.switches``, ``track.py``): its
-                               frozen track, a whole run directory of the default ``drl`` learning
-                               the same stages, which answers until the forward transfer says adapting pays
+                               frozen track's files (the frozen head learning the same stages),
+                               listed in this manifest and committed with the run's (format 4)
     .lock                      writer lock (flock) with the holder's pid, host and start time
     .staging/                  files being written; never trusted, cleaned by the next writer
     .checkpoint/               the last finished epoch of an interrupted learn-stage (not part

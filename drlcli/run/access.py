@@ -1,14 +1,16 @@
 """No-follow access to a run's files: every component below the run's root checked, never a
-link followed out of it; and the rule that no command's output lands inside a run."""
+link followed out of it; the rule that no command's output lands inside a run; and what to say
+where no run is."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import stat
 from pathlib import Path, PurePosixPath
 
 from .. import jsonio, storage
-from ..errors import IntegrityError, UsageError
+from ..errors import IntegrityError, RunStateError, UsageError
 from .layout import FORMAT, MANIFEST, MAX_RECORD_BYTES
 
 
@@ -85,3 +87,28 @@ def refuse_inside_run(path: Path | str, *, option: str) -> None:
             f"{option} {path} is inside the drl run directory {run}; writing there could destroy the run: "
             "pick a path outside it"
         )
+
+
+def no_run(path: Path) -> RunStateError:
+    """No run at ``path``: a run beside it with a similar name is named (a typo), else how to make one."""
+    if str(path) == ".":
+        return RunStateError(f"the current folder is not a drl run (no {MANIFEST}); pass --run RUN (or set DRL_RUN)")
+    near = nearby_run(path)
+    what = "does not exist" if not path.is_dir() else f"is not a drl run directory (no {MANIFEST})"
+    if near is not None:
+        return RunStateError(f"{path} {what}; did you mean --run {near}?")
+    return RunStateError(f"{path} {what}; a new run is made with `drl init --run {path}`")
+
+
+def nearby_run(path: Path, *, limit: int = 2000) -> Path | None:
+    """The run directory beside ``path`` whose name is closest to it (a typo), if one is close: among
+    the first ``limit`` entries of its parent, those holding a manifest."""
+    try:
+        with os.scandir(path.parent) as entries:
+            names = [e.name for _, e in zip(range(limit), entries) if e.name != path.name]
+    except OSError:
+        return None
+    for name in difflib.get_close_matches(path.name, names, n=5, cutoff=0.6):
+        if os.path.isfile(path.parent / name / MANIFEST):
+            return path.parent / name
+    return None

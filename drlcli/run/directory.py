@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import jsonio, storage
 from ..errors import IntegrityError, RunStateError, StorageError
-from .access import check_path, read_nofollow, real_dir
+from .access import check_path, no_run, read_nofollow, real_dir
 from .checkpoint import read_checkpoint
 from .files import decode_tensors, parser_for
 from .layout import (
@@ -24,6 +24,7 @@ from .layout import (
     FORGET_LOG,
     FORGOTTEN,
     FORMAT,
+    FROZEN_TRACK,
     LOCK,
     MANIFEST,
     OWN_FOLDERS,
@@ -92,9 +93,19 @@ class StageRecord:
 class RunDir:
     """Read access to a run directory; ``writer()`` gives the one write handle."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, *, nested: bool = False):
         self.path = Path(path)
         self._pinned: dict[str, int] = {}  # name -> descriptor, while read_generation reads (``_pinning``)
+        self._nested = nested  # a switched run's frozen track, read through that run (``track.py``)
+
+    def _refuse_track(self) -> None:
+        """A run's frozen track handed as a run of its own (``--run RUN/frozen``) is refused: it is
+        read and written only through its run, in that run's commits."""
+        if not self._nested and self.path.name == FROZEN_TRACK and os.path.lexists(self.path.parent / MANIFEST):
+            raise RunStateError(
+                f"{self.path} is the frozen track of run {self.path.parent}, read and written only through that "
+                f"run: pass --run {self.path.parent}"
+            )
 
     # ------------------------------------------------------------------ reading
 
@@ -102,13 +113,10 @@ class RunDir:
         return os.path.lexists(self.path / MANIFEST)  # a link there is refused by manifest(), not ignored
 
     def manifest(self) -> dict[str, Any]:
+        self._refuse_track()
         path = self.path / MANIFEST
-        if not self.path.is_dir():
-            raise RunStateError(
-                f"run directory {self.path} does not exist; create it with `drl init --run {self.path}`"
-            )
-        if not os.path.lexists(path):
-            raise RunStateError(f"{self.path} is not a drl run directory (no {MANIFEST}); create one with `drl init`")
+        if not self.path.is_dir() or not os.path.lexists(path):
+            raise no_run(self.path)
         try:
             data = jsonio.loads(read_nofollow(path))
         except (OSError, ValueError) as exc:
@@ -335,6 +343,7 @@ class RunDir:
         """Hold the writer lock for the block. Fails fast (RunBusyError) if another holds it.
         ``create`` (init) first checks the folder holds nothing of a user's under the run's names
         (and nothing at all unless ``allow_nonempty``), before the lock file is even opened."""
+        self._refuse_track()
         require_locks(self.path)
         created = create and not os.path.lexists(self.path)  # a failed init removes what it made
         if create:

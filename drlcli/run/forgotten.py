@@ -17,7 +17,8 @@ from .. import heads
 from ..data import ImageSet
 from ..errors import IntegrityError
 from ..heads import PerClass
-from .layout import STAGE_WEIGHTS, STATISTICS, TOTALS, forgotten_rows_file
+from ..heads.checks import check_stages, dtype_problem, images_problem, recorded_images, slices_of
+from .layout import STAGE_WEIGHTS, STATISTICS, TOTALS, forgotten_rows_file, stage_file
 from .records import check_stage_meta, read_record
 
 if TYPE_CHECKING:
@@ -169,7 +170,13 @@ def check_tensors(
     run: RunDir, index: int, file: str, tensors: dict[str, Tensor], classes: dict[int, list[str]]
 ) -> None:
     """Every per-class tensor of stage ``index``'s ``file`` has one slice per active class
-    (``classes``: stage -> active names); IntegrityError naming the stage otherwise."""
+    (``classes``: stage -> active names), every head tensor the dtype drl writes it in; IntegrityError
+    naming the stage otherwise."""
+    odd = dtype_problem(tensors)
+    if odd is not None:
+        raise IntegrityError(
+            f"stage {index} of run {run.path} is damaged ({stage_file(index, file)}: {odd}); restore it from a backup"
+        )
     for spec in PER_CLASS:
         tensor = tensors.get(spec.name)
         if spec.file != file or tensor is None:
@@ -182,16 +189,36 @@ def check_tensors(
             )
 
 
+def check_images(run: RunDir, stages: list[StageRecord], classes: dict[int, list[str]]) -> None:
+    """Every per-class count of images in the stages' files (a carried run's: the draws a learn-stage
+    makes follow them) at most the images each class's stage recorded; IntegrityError otherwise."""
+    metas = {s.index: s.meta for s in stages}
+    for stage in stages:
+        for spec in PER_CLASS:
+            tensor = {STAGE_WEIGHTS: stage.tensors, TOTALS: stage.totals}.get(spec.file, {}).get(spec.name)
+            if not spec.images or tensor is None:
+                continue
+            for position, (k, name) in enumerate(slices_of(spec, stage.index, classes)):
+                problem = images_problem(tensor.select(spec.axis, position), recorded_images(metas[k], name))
+                if problem:
+                    raise IntegrityError(
+                        f"stage {stage.index} of run {run.path} is damaged ({stage_file(stage.index, spec.file)}: "
+                        f"{spec.name} of class {name!r} {problem}); restore it from a backup"
+                    )
+
+
 def active_classes(
     run: RunDir, manifest: dict[str, Any], stages: list[StageRecord]
 ) -> tuple[ForgetLog, list[list[str]]]:
     """The forget log and each stage's active classes, every per-class tensor of the stages' weights
-    checked against them (``api.load_run``: a forgotten class is never scored)."""
+    checked against them (``api.load_run``: a forgotten class is never scored), every count of a
+    class's images against its stage's record."""
     log = read_log(run, manifest, {s.index: s.meta for s in stages})
     classes = {s.index: log.active(s.meta) for s in stages}
     for stage in stages:
         check_tensors(run, stage.index, STAGE_WEIGHTS, stage.tensors, classes)
         check_tensors(run, stage.index, TOTALS, stage.totals, classes)
+    check_images(run, stages, classes)
     return log, [classes[s.index] for s in stages]
 
 
@@ -208,6 +235,10 @@ def check(run: RunDir, manifest: dict[str, Any]) -> int:
     for stage in stages:
         check_stage_meta(run, stage.index, stage.meta)
     log, _ = active_classes(run, manifest, stages)
+    try:  # the heads' tensors together (the ridge's W against R), as a load reads them
+        check_stages([stage.merged for stage in stages])
+    except ValueError as exc:
+        raise IntegrityError(f"run {run.path} is damaged ({exc}); restore it from a backup") from exc
     state = ForgetState(run, manifest, stages, log)
     for index in state.indices:  # one at a time: a long ridge run's statistics do not fit in memory together
         check_tensors(run, index, STATISTICS, run.stage_statistics(index, manifest), state.classes)
@@ -284,6 +315,9 @@ def kept_rows(state: ForgetState, entry: Forgotten) -> dict[str, Tensor]:
         if where is not None and not entry.stage <= where[0] <= entry.last_stage:  # the forget took none there
             where = None
         problem = _slice_problem(state, key, piece, where)
+        if not problem and where is not None and where[1].images:  # what the next learn-stage draws follows
+            counted = images_problem(piece, recorded_images(state.metas[entry.stage], entry.name))
+            problem = f"{key} {counted}" if counted else None
         if problem:
             raise rows_error(state, entry, problem)
     missing = _missing_slices(state, entry, rows)

@@ -22,7 +22,11 @@ FORGET_FORMAT_VERSION = 2
 TOTALS_FORMAT_VERSION = 3  # the newest stage carries the run's running totals (``TOTALS``)
 
 
-READABLE_VERSIONS = (FORMAT_VERSION, FORGET_FORMAT_VERSION, TOTALS_FORMAT_VERSION)
+# a switched run's frozen head inside the run's own manifest (``track.py``): one commit a stage
+TRACK_FORMAT_VERSION = 4
+
+
+READABLE_VERSIONS = (FORMAT_VERSION, FORGET_FORMAT_VERSION, TOTALS_FORMAT_VERSION, TRACK_FORMAT_VERSION)
 
 
 MANIFEST = "manifest.json"
@@ -55,8 +59,12 @@ QUARANTINE = ".quarantine"
 FORGOTTEN = "forgotten"
 
 
-# a switched run's frozen track (``track.py``): the frozen default's own run directory, inside this one
+# a switched run's frozen track (``track.py``): the frozen default's files, listed in the run's own
+# manifest under this folder (a run written before format 4 kept a manifest of its own there)
 FROZEN_TRACK = "frozen"
+
+
+TRACK_PREFIX = f"{FROZEN_TRACK}/"
 
 
 # every name a run keeps at its top level: never a link, and never a user's file that init would take over
@@ -150,8 +158,11 @@ def current_file(manifest: dict[str, Any], name: str) -> str | None:
 
 
 def supersedable(name: str) -> bool:
-    """Whether ``name`` is a file a commit may supersede: a stage's weights or statistics, or a forget file."""
+    """Whether ``name`` is a file a commit may supersede: a stage's weights or statistics, or a forget
+    file, the run's own or its frozen track's."""
     parts = PurePosixPath(name).parts
+    if parts and parts[0] == FROZEN_TRACK:
+        parts = parts[1:]
     match = _REVISION.fullmatch(parts[-1]) if parts else None
     if match is None or len(parts) not in (2, 3):
         return False
@@ -166,8 +177,11 @@ def supersedable(name: str) -> bool:
 
 
 def format_version(files: dict[str, Any]) -> int:
-    """3 once a stage carries the run's totals, 2 once the run lists a forget file, else 1: older
-    releases must refuse what they would misread (summing totals as one stage's increments)."""
+    """4 once the run lists its frozen track's files, 3 once a stage carries the run's totals, 2 once
+    the run lists a forget file, else 1: older releases must refuse what they would misread (summing
+    totals as one stage's increments, looking for the frozen track's own manifest)."""
+    if any(name.startswith(TRACK_PREFIX) for name in files):
+        return TRACK_FORMAT_VERSION
     totals = TOTALS.partition(".")[0]
     if any(name.startswith(f"{STAGES}/") and name.rpartition("/")[2].startswith(totals) for name in files):
         return TOTALS_FORMAT_VERSION

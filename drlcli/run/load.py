@@ -13,18 +13,19 @@ import torch
 
 from ..config import RunConfig
 from ..device import resolve_device
-from ..errors import IntegrityError, PTMError
+from ..errors import IntegrityError, PTMError, UsageError
 from ..heads import PROTOTYPES, AnalyticHead, since_totals
 from ..heads.openset import BIAS, RMD_MEAN, RMD_MEAN_CARRIED, RMD_ROWS, RUNNING
 from ..methods import Method, head_of, method_of
 from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, restore_model, stage_prefix, with_prefix
 from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
+from ..ptm.record import check_input_size
 from .directory import RunDir, StageRecord
 from .forgotten import ForgetLog, active_classes, read_log
-from .layout import PTM_WEIGHTS
+from .layout import PTM_WEIGHTS, RUN_CONFIG
 from .records import check_stage_meta, checked_metas, non_finite, read_record
-from .track import FROZEN, settled, tied_track
+from .track import FROZEN, tied_track
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,12 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
         model = backbone.create_ptm(
             info["name"], source=PTMSource(weights_path=path), kwargs=kwargs, unsupported=IntegrityError
         )
+    try:  # the preprocessing the run records must give the images this PTM takes
+        check_input_size(record["ptm"]["data_config"], model)
+    except UsageError as exc:
+        raise IntegrityError(
+            f"{run.path / RUN_CONFIG} is not a valid run config ({exc}); restore it from a backup"
+        ) from exc
     found = backbone.fingerprint(model)
     if found != info["sha256"]:
         raise IntegrityError(
@@ -76,8 +83,19 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
     return model
 
 
+# what the head a switched run answers from is, for people
+HEAD_NAMES = {FROZEN: "the frozen PTM's head", "carried": "the adapted network's head"}
+
+
+def answering_head(loaded: LoadedRun) -> str | None:
+    """Which head a switched run answers from after its newest stage (``track.FROZEN``: the frozen
+    PTM's; ``track.CARRIED``: the adapted network's), None for a run of one head."""
+    switch = loaded.stage_metas[-1].get("switch") if loaded.stage_metas else None
+    return switch.get("answers") if isinstance(switch, dict) else None
+
+
 def load_run(
-    run_dir: Path | str, *, device: str = "auto", ptm_weights: Path | None = None, scoring: bool = True
+    run_dir: Path | str | RunDir, *, device: str = "auto", ptm_weights: Path | None = None, scoring: bool = True
 ) -> LoadedRun:
     """The run's model and records, all of one generation (``RunDir.read_generation``: a ``drl
     forget`` committing meanwhile makes it read the newer one). ``scoring`` False: an analytic head
@@ -85,7 +103,7 @@ def load_run(
 
     A switched run (``track.py``) whose newest stage answers from its frozen track gives that
     track's model, config and PTM record, with this run's directory, manifest and stage records."""
-    run = RunDir(run_dir)
+    run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     return run.read_generation(
         lambda manifest: _load(run, manifest, device=device, ptm_weights=ptm_weights, scoring=scoring)
     )
@@ -148,11 +166,12 @@ def _frozen_answers(
     track, _, answer = tied_track(run, manifest, metas)  # whichever track answers: the run's records hold both
     if answer != FROZEN:
         return None
-    loaded = load_run(track.path, device=device, ptm_weights=ptm_weights)
+    loaded = load_run(track, device=device, ptm_weights=ptm_weights)
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
     if loaded.model.class_names != [name for meta in metas for name in forgotten.active(meta)]:
-        settled(run, manifest)  # a forget between its two commits, which moved the run meanwhile
-        raise IntegrityError(f"the frozen track of run {run.path} changed while it was read; run the command again")
+        raise IntegrityError(
+            f"the frozen track of run {run.path} answers for other classes than the run; restore the run from a backup"
+        )
     return replace(loaded, run=run, manifest=manifest, stage_metas=metas, forgotten=forgotten)
 
 
@@ -235,6 +254,7 @@ def _head_state(
 ) -> dict[str, torch.Tensor]:
     """The analytic head's state from the stages' tensors; a crafted or damaged head tensor is damage."""
     try:
+        head.check_carried(stages[-1].totals)  # a carried run's classes, as its next learn-stage reads them
         module = head.from_stages([stage.merged for stage in stages], scoring=scoring)
         module.check_width(width)
         return module.state_dict()

@@ -5,6 +5,7 @@ stage.json, every field drl reads checked for the type it writes (a crafted reco
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,10 +14,22 @@ from ..config import RunConfig
 from ..errors import IntegrityError, UsageError
 from ..metrics import AccuracyReport, HistorySummary, Transfer, summarize_history
 from ..ptm.record import check_ptm_record
-from .layout import RUN_CONFIG
+from ..version import __version__
+from .layout import RUN_CONFIG, RUN_CONFIG_KIND
 
 if TYPE_CHECKING:
     from .directory import RunDir
+
+
+def run_record(ptm_record: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """run.yaml of a new run: its PTM section and config."""
+    return {
+        "kind": RUN_CONFIG_KIND,
+        "drl_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "ptm": ptm_record,
+        "config": config.to_dict(),
+    }
 
 
 def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], RunConfig]:

@@ -1,40 +1,181 @@
-"""A switched run's two tracks (``Method.switches``; issue 32): the carried run itself, and its
-frozen track, the frozen default's own run directory (``frozen/``, a ``drl`` run learning the same
-stages). After each stage the run answers from one of them: from the carried network once the
+"""A switched run's two tracks (``Method.switches``): the carried run itself, and its frozen track,
+the frozen default learning the same stages (a ``drl --preset frozen`` run's files, under
+``frozen/``). After each stage the run answers from one of them: from the carried network once the
 run's forward transfer (stage.json ``carry.transfer``, ``metrics.Transfer``) says adapting tells
 new classes apart better than the frozen PTM, and from the frozen track until then (stage 1 has no
-transfer to measure). Both tracks learn every stage; the frozen one commits its stage just before
-the run commits its own, so it holds the run's stages or, for the moment between the two commits
-(or after a crash in it), one more. Each stage's ``switch`` record holds the sha256 of the frozen
-track's record of the stage, so that no other run's stage records stand in for the track's."""
+transfer to measure).
+
+The track's files are listed in the run's own manifest (``TrackDir``, format 4): a stage, a forget
+or a restore of both tracks is one commit of the run (``TrackWriter`` hands the track's files to the
+run's writer), so no fault leaves the two apart. Each stage's ``switch`` record also holds the
+sha256 of the track's record of the stage. A run written before format 4 kept the track as a run
+directory of its own (its own manifest, committed just before the run's); it is read as it is, and
+the first command that writes to the run lists the track's files in the run's manifest
+(``adopt_track``)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from pathlib import Path
+import contextlib
+import os
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import storage
 from ..config import RunConfig
 from ..errors import IntegrityError, RunStateError
 from ..methods import method_of
 from ..metrics import Transfer
 from .access import real_dir
-from .directory import ListedFileGone, RunDir
+from .directory import RunDir
+from .files import init_files
 from .forgotten import ForgetState, read_log
-from .layout import FROZEN_TRACK, STAGE_META, stage_file
-from .lock import writer_active
-from .records import check_stage_meta, read_record, transfer_record
+from .layout import (
+    FORMAT,
+    FROZEN_TRACK,
+    LOCK,
+    MANIFEST,
+    RUN_CONFIG,
+    STAGE_META,
+    STAGES,
+    TRACK_PREFIX,
+    format_version,
+    sha256_bytes,
+    stage_file,
+)
+from .records import check_stage_meta, checked_metas, read_record, run_record, transfer_record
+from .writer import RunWriter
 
 CARRIED, FROZEN = "carried", "frozen"
 
+_STAGE_META = re.compile(rf"{STAGES}/([0-9]{{3,9}})/{re.escape(STAGE_META)}")
 
-def frozen_track(run: RunDir, *, create: bool = False) -> RunDir:
-    """The run's frozen track (made as an empty folder when ``create``); a link or file in its place
-    is refused (IntegrityError), so that no command follows a crafted run outside its folder."""
-    path = run.path / FROZEN_TRACK
-    real_dir(path, create=create)
-    return RunDir(path)
+
+def lists_track(manifest: dict[str, Any]) -> bool:
+    """Whether the run's manifest lists a frozen track's files (format 4)."""
+    return any(name.startswith(TRACK_PREFIX) for name in manifest["files"])
+
+
+def track_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The frozen track's files of the run's ``manifest``, as a manifest of the track's own (names
+    relative to ``frozen/``; its stages: those whose stage.json it lists)."""
+    files = {name[len(TRACK_PREFIX) :]: e for name, e in manifest["files"].items() if name.startswith(TRACK_PREFIX)}
+    stages = sorted(int(m[1]) for m in map(_STAGE_META.fullmatch, files) if m is not None)
+    superseded = [n[len(TRACK_PREFIX) :] for n in manifest.get("superseded", []) if n.startswith(TRACK_PREFIX)]
+    return {
+        "format": FORMAT,
+        "format_version": format_version(files),
+        "generation": manifest["generation"],
+        "committed": manifest.get("committed"),
+        "stages": stages,
+        "files": files,
+        "superseded": superseded,
+    }
+
+
+class TrackDir(RunDir):
+    """A switched run's frozen track, read from one generation of the run (``manifest``) and written
+    through the run's writer (``writer``): its every file is the run's, checked by the run's manifest."""
+
+    def __init__(self, run: RunDir, manifest: dict[str, Any], writer: RunWriter | None = None):
+        super().__init__(run.path / FROZEN_TRACK, nested=True)
+        self.parent, self._held, self._writer = run, manifest, writer
+
+    def exists(self) -> bool:
+        return f"{TRACK_PREFIX}{RUN_CONFIG}" in self._held["files"]
+
+    def manifest(self) -> dict[str, Any]:
+        if not self.exists():
+            raise IntegrityError(
+                f"switched run {self.parent.path} has lost its frozen track ({self.path}); restore the run from a backup"
+            )
+        return track_manifest(self._held)
+
+    @contextlib.contextmanager
+    def writer(self, *, create: bool = False, allow_nonempty: bool = False) -> Iterator[RunWriter]:
+        if self._writer is None:
+            raise RunStateError(f"{self.path} is written only with its run {self.parent.path}, under its lock")
+        writer = TrackWriter(self, self._writer)
+        writer.clean_staging()
+        yield writer
+
+
+class TrackWriter(RunWriter):
+    """The frozen track's writer: its commits are handed to the run's writer, whose next commit
+    publishes them with the run's own (``RunWriter.defer``)."""
+
+    def __init__(self, track: TrackDir, run_writer: RunWriter):
+        super().__init__(track)
+        self._run_writer = run_writer
+
+    def commit(
+        self,
+        files: dict[str, bytes],
+        *,
+        manifest: dict[str, Any] | None,
+        new_stage: int | None = None,
+        supersede: tuple[str, ...] = (),
+        adopt: dict[str, dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        self._run_writer.defer(
+            {TRACK_PREFIX + n: b for n, b in files.items()}, tuple(TRACK_PREFIX + n for n in supersede)
+        )
+        entries = {name: {"sha256": sha256_bytes(data), "bytes": len(data)} for name, data in files.items()}
+        kept = {k: v for k, v in (manifest["files"] if manifest else {}).items() if k not in supersede}
+        stages = [*(manifest["stages"] if manifest else []), *([new_stage] if new_stage is not None else [])]
+        generation = (manifest["generation"] + 1) if manifest else 1
+        return {"format": FORMAT, "generation": generation, "stages": stages, "files": {**kept, **entries}}
+
+    def delete_superseded(self, manifest: dict[str, Any]) -> None:
+        """Nothing: the run's writer deletes what the run's commits superseded."""
+
+
+def frozen_track(run: RunDir, manifest: dict[str, Any], *, writer: RunWriter | None = None) -> RunDir:
+    """The run's frozen track: a ``TrackDir`` of ``manifest``, or for a run written before format 4
+    that has not been written since, the track's run directory of its own (a link or file in its
+    place is refused, IntegrityError, so that no command follows a crafted run outside its folder)."""
+    legacy = run.path / FROZEN_TRACK
+    if not lists_track(manifest) and os.path.lexists(legacy / MANIFEST):
+        real_dir(legacy)
+        return RunDir(legacy, nested=True)
+    return TrackDir(run, manifest, writer)
+
+
+def adopt_track(run: RunDir, writer: RunWriter) -> None:
+    """Before a command writes to a switched run (under its lock): a track kept as a run directory of
+    its own (a run written before format 4) is listed in the run's manifest, its files in place, once
+    they are checked to be the run's (a stage ahead included: the next learn-stage of its data reuses
+    it); a run with no track yet gets one, the frozen default's
+    ``run.yaml`` (and the PTM's stored weights). One commit each; the run answers as before."""
+    manifest = run.manifest()
+    if lists_track(manifest) or not switched(run, manifest):
+        _drop_legacy_files(run)
+        return
+    legacy = run.path / FROZEN_TRACK / MANIFEST
+    if os.path.lexists(legacy):
+        metas = checked_metas(run, manifest)
+        # one stage ahead: an interrupted call, whose next call (same data) reuses the stage
+        track, held, _ = tied_track(run, manifest, metas, classes=False, ahead=True)
+        for name in held["files"]:
+            track.read_bytes(name, held)  # its checksum, before the run's manifest covers it
+        writer.commit({}, manifest=manifest, adopt={TRACK_PREFIX + n: e for n, e in held["files"].items()})
+        _drop_legacy_files(run)
+        return
+    record, config = read_record(run, manifest)
+    ptm = dict(record["ptm"])
+    if isinstance(ptm.get("weights_hint"), str):  # the recorded place, seen from ``frozen/``
+        ptm["weights_hint"] = os.path.join(os.pardir, ptm["weights_hint"])
+    state = run.ptm_weights(manifest) if run.has_ptm_weights(manifest) else None
+    files = init_files(run_record(ptm, frozen_config(config)), state)
+    writer.commit({TRACK_PREFIX + n: b for n, b in files.items()}, manifest=manifest)
+
+
+def _drop_legacy_files(run: RunDir) -> None:
+    """The manifest and lock a track kept before format 4, once the run's manifest lists the track."""
+    for name in (MANIFEST, LOCK):
+        path = run.path / FROZEN_TRACK / name
+        if os.path.lexists(path) and not os.path.islink(path):
+            storage.discard(path)
 
 
 def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
@@ -85,27 +226,18 @@ def _frozen_default(own: RunConfig, config: RunConfig) -> bool:
 
 
 def tied_track(
-    run: RunDir,
-    manifest: dict[str, Any],
-    metas: list[dict[str, Any]],
-    *,
-    classes: bool = True,
-    ahead: bool = False,
-    wait: bool = True,
+    run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]], *, classes: bool = True, ahead: bool = False
 ) -> tuple[RunDir, dict[str, Any], str]:
     """A switched run's frozen track, its manifest and the track the run answers from (``answering``,
-    which checks the run's switch records), the frozen track checked against the run's records: the frozen
-    default's config, each of the run's stages recorded there as the run's ``switch`` records say
-    (sha256 of its stage.json), the same classes answered (unless not ``classes``). With ``ahead``
-    (learn-stage, under the run's lock) it may hold one more stage. Else the track one stage ahead,
-    or answering for other classes, is what another process between its two commits leaves for a
-    moment: with ``wait`` (a reader, not holding the run's lock) this waits while a writer holds the
-    lock (at most a minute) and raises ``ListedFileGone`` once the run has moved on
-    (``RunDir.read_generation`` then reads the newer generation); else (a crash between the two
-    commits) RunStateError or IntegrityError naming the command that completes it; any other
-    mismatch: IntegrityError."""
+    which checks the run's switch records), the frozen track checked against the run's records: the
+    frozen default's config, each of the run's stages recorded there as the run's ``switch`` records
+    say (sha256 of its stage.json), the same classes answered (unless not ``classes``). With ``ahead``
+    (adopting a track kept before format 4, whose commit came first) it may hold one more stage. A
+    track kept before format 4 one stage ahead, or answering for other classes, is what a command of
+    an earlier release interrupted between its two commits left: RunStateError or IntegrityError
+    naming the command that completes it; any other mismatch: IntegrityError."""
     answer = answering(run, metas)
-    track = frozen_track(run)
+    track = frozen_track(run, manifest)
     if not track.exists():
         raise IntegrityError(
             f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
@@ -120,7 +252,7 @@ def tied_track(
                 "from a backup"
             )
         indices = track.stage_indices(held)
-        if len(indices) < len(metas):
+        if len(indices) < len(metas) or indices[: len(metas)] != [meta["stage"] for meta in metas]:
             raise IntegrityError(
                 f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"
             )
@@ -135,22 +267,21 @@ def tied_track(
             check_stage_meta(track, index, meta)
         return held, indices, _active(track, held, track_metas[: len(metas)]) if classes else []
 
-    # the track commits first: a forget there supersedes (deletes) files a reader may be about to
-    # read, so the track is read as one whole generation of its own (``RunDir.read_generation``)
+    # a forget supersedes (deletes) files a reader may be about to read: the track is read as one
+    # whole generation (``RunDir.read_generation``; a TrackDir's is its run's, which then reads again)
     held, indices, theirs = track.read_generation(read_track)
     ours = _active(run, manifest, metas) if classes else []
-    if len(indices) > len(metas) + 1:
+    if len(indices) > len(metas) + (1 if ahead else 0):
+        if len(indices) == len(metas) + 1:
+            raise RunStateError(
+                f"the frozen track of run {run.path} holds a stage {len(metas) + 1} the run has not committed (a "
+                "learn-stage of an earlier drl release was interrupted between its two commits): run that "
+                "learn-stage again with the same data"
+            )
         raise IntegrityError(
             f"the frozen track of run {run.path} holds {len(indices)} stages, the run {len(metas)}; restore the run from a backup"
         )
-    if (len(indices) > len(metas) and not ahead) or theirs != ours:
-        if wait:
-            settled(run, manifest)
-        if len(indices) > len(metas):
-            raise RunStateError(
-                f"the frozen track of run {run.path} holds a stage {len(metas) + 1} the run has not committed (a "
-                "learn-stage was interrupted between its two commits): run that learn-stage again with the same data"
-            )
+    if theirs != ours:
         differ = sorted(set(ours) ^ set(theirs)) or ["their order"]
         raise IntegrityError(
             f"the frozen track of run {run.path} answers for other classes ({', '.join(differ[:5])}): a forget or "
@@ -159,32 +290,23 @@ def tied_track(
     return track, held, answer
 
 
-def settled(run: RunDir, manifest: dict[str, Any], *, limit: float = 60.0) -> None:
-    """For a reader that found the tracks apart: wait while another process holds the run's writer
-    lock (it may be between its two commits), then ``ListedFileGone`` if the run's generation moved
-    past ``manifest`` (``RunDir.read_generation`` reads again), else return."""
-    deadline = time.monotonic() + limit
-    while True:
-        if run.manifest()["generation"] != manifest["generation"]:
-            raise ListedFileGone(f"run {run.path} changed while it was read; run the command again")
-        if not writer_active(run.path) or time.monotonic() > deadline:
-            return
-        time.sleep(0.05)
-
-
 def _active(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]]) -> list[str]:
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
     return [name for meta in metas for name in forgotten.active(meta)]
 
 
-def on_frozen_track(state: ForgetState, name: str, purge: bool | None, apply: Callable[[Path], Any]) -> None:
+def on_frozen_track(
+    state: ForgetState, writer: RunWriter, name: str, purge: bool | None, apply: Callable[[RunDir], Any]
+) -> None:
     """``drl forget`` in a switched run, once the run's own checks passed: ``apply`` (the same forget,
-    ``purge`` True or False, or restore, ``purge`` None) to its frozen track first, unless an
-    interrupted call already did it there (the class is already out, purged, or back)."""
+    ``purge`` True or False, or restore, ``purge`` None) to its frozen track, written through the
+    run's ``writer`` (published by the run's commit), unless the track already has it (the class
+    already out, purged, or back: a track adopted from a run written before format 4)."""
     if not state.indices or not switched(state.run, state.manifest):
         return
     metas = [state.metas[i] for i in state.indices]
-    track, _, _ = tied_track(state.run, state.manifest, metas, classes=False, wait=False)
+    tied_track(state.run, state.manifest, metas, classes=False)
+    track = frozen_track(state.run, state.manifest, writer=writer)
     held = ForgetState.read(track)
     if purge is None:
         needed = held.active_stage(name) is None
@@ -192,7 +314,7 @@ def on_frozen_track(state: ForgetState, name: str, purge: bool | None, apply: Ca
         kept = [f.kept for f in held.log.forgotten if f.name == name]
         needed = held.active_stage(name) is not None or (purge and bool(kept) and kept[-1])
     if needed:
-        apply(track.path)
+        apply(track)
 
 
 def _crafted(run: RunDir, stage: Any, why: str) -> IntegrityError:

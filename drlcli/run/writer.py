@@ -48,6 +48,14 @@ class RunWriter:
     def __init__(self, run: RunDir):
         self.run = run
         self._quarantine: Path | None = None  # this writer's .quarantine/<time>/, made on first use
+        # a switched run's frozen track's files and supersedes (run-relative names), published by
+        # this writer's next commit (``defer``): the track and the run commit as one
+        self._deferred: tuple[dict[str, bytes], list[str]] = ({}, [])
+
+    def defer(self, files: dict[str, bytes], supersede: tuple[str, ...]) -> None:
+        """Publish ``files`` and supersede ``supersede`` with the next ``commit`` (dropped with it)."""
+        self._deferred[0].update(files)
+        self._deferred[1].extend(supersede)
 
     def clean_staging(self) -> None:
         """Tidy what interrupted writers left. Only the run's own temporary names are deleted;
@@ -133,12 +141,16 @@ class RunWriter:
         manifest: dict[str, Any] | None,
         new_stage: int | None = None,
         supersede: tuple[str, ...] = (),
+        adopt: dict[str, dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Publish ``files`` (run-relative name → bytes; names must be new) with a new manifest.
-        ``supersede``: listed files the new manifest drops (a stage file rewritten under a new name,
-        an old forget file); they are deleted once the new manifest is in place."""
+        """Publish ``files`` (run-relative name → bytes; names must be new) with a new manifest, with
+        what ``defer`` handed it. ``supersede``: listed files the new manifest drops (a stage file
+        rewritten under a new name, an old forget file); they are deleted once the new manifest is in
+        place. ``adopt``: files already in place, checked by the caller, listed as they are."""
+        deferred, self._deferred = self._deferred, ({}, [])
+        files, supersede = {**files, **deferred[0]}, (*supersede, *deferred[1])
         old_files = dict(manifest["files"]) if manifest else {}
-        clash = sorted(set(files) & set(old_files))
+        clash = sorted((set(files) | set(adopt or {})) & set(old_files))
         if clash:
             raise RunStateError(f"{clash[0]} is already committed; committed files are never rewritten")
         unknown = [name for name in supersede if name not in old_files or not supersedable(name)]
@@ -150,7 +162,7 @@ class RunWriter:
         data = None
         try:
             make_dirs(self.run.path, PurePosixPath(STAGING, staging.name))
-            entries = self._place(files, staging, finals, placed)
+            entries = {**(adopt or {}), **self._place(files, staging, finals, placed)}
             new_manifest = _next_manifest(manifest, entries, new_stage, supersede)
             data = encode_json(new_manifest)
             storage.write_atomic(self.run.path / MANIFEST, data, tmp=staging / MANIFEST)  # the commit point

@@ -29,6 +29,7 @@ from ..methods import method_of
 from ..model import CLASS_STAGE, IncrementalModel, model_tensors, restore_model, with_prefix
 from ..ptm import backbone
 from ..ptm.backbone import PTMSource
+from ..ptm.record import check_input_size
 from ..run.files import TENSOR_DTYPES
 from ..version import __version__
 from . import modelfile
@@ -91,6 +92,10 @@ def load_export(path: Path | str, *, device: str = "cpu") -> IncrementalModel:
         spec["ptm"]["name"], source=PTMSource(random_init=True), kwargs=kwargs, unsupported=IntegrityError
     )
     config = _config(path, spec["config"])
+    try:
+        check_input_size(spec["data_config"], ptm)
+    except UsageError as exc:
+        raise IntegrityError(f"{path} has a malformed data_config ({exc}); export it again") from exc
     with _fitting(path):
         backbone.load_state(ptm, with_prefix(tensors, PTM_PREFIX), origin=str(path))
     offset = method_of(config).offset
@@ -129,6 +134,9 @@ def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     odd = next((f"{k} ({v.dtype})" for k, v in tensors.items() if v.dtype not in TENSOR_DTYPES), None)
     if odd is not None:
         raise IntegrityError(f"{path} holds tensor {odd} of a dtype drl never writes; export it again")
+    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:  # a run refuses the same tensors: an export never answers from them
+        raise IntegrityError(f"{path} holds tensor {bad} with NaN or infinite values; export it again")
     modelfile.check_version(path, metadata.get("format_version"), FORMAT_VERSION, what="drl export", also=READS)
     spec = modelfile.parse_spec(path, metadata.get("spec", ""))
     modelfile.check_spec_sha256(path, spec)

@@ -19,6 +19,7 @@ from ..methods import method_of
 from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
+from ..run.track import adopt_track
 from ..tracking import TensorBoardLog, check_tensorboard_dir
 from .context import Evaluated, Fitted, Record, Sources, StageContext, Trained
 from .fit import carried_start, fit_features
@@ -64,7 +65,7 @@ def learn_stage(
     The phases, in order: prepare (read the run and the data) -> the idempotence check -> check
     the data -> train or resume -> prototypes (and an analytic head's fit) -> evaluate -> record
     -> commit. A switched run's frozen track (``switch.py``) learns the stage the same way once the
-    run's records are read, and commits just before the run does.
+    run's records are read, and its files are committed with the run's.
     """
     start = time.perf_counter()
     check_precision(precision, resolve_device(device))
@@ -101,8 +102,8 @@ class _Options:
 
 @dataclass(frozen=True)
 class _Learned:
-    """A stage learned and recorded, not yet committed (with a switched run's frozen track's, which
-    commits just before it)."""
+    """A stage learned and recorded, not yet committed (with a switched run's frozen track's, whose
+    files the run's commit publishes)."""
 
     stage: StageContext
     trained: Trained
@@ -115,8 +116,7 @@ class _Learned:
 
     def commit(self, start: float) -> StageResult:
         if self.frozen is not None:
-            commit_stage(*self.frozen)
-            distributed.barrier()
+            commit_stage(*self.frozen)  # handed to the run's writer: published by the run's commit
         commit_stage(self.stage, self.record)
         distributed.barrier()  # every rank returns only once the stage is committed
         return learned_result(self.stage, self.trained, self.fitted, self.evaluated, self.record, start=start)
@@ -127,11 +127,13 @@ def _learn(
 ) -> StageResult | _Learned:
     """Every phase but the commit, under the run's lock (held by ``locks`` until the caller commits):
     the committed stage's result if this data is already learned, else the stage to commit. A
-    switched run's frozen track learns the stage first (``switch.py``), holding its own lock too, and
-    commits only once this run's stage is recorded: a failure before leaves both tracks as they were."""
+    switched run's frozen track learns the stage first (``switch.py``); its files are committed with
+    the run's, so that a failure anywhere leaves both tracks as they were, or both with the stage."""
     # under torchrun only rank 0 locks and writes (the run, the event files); the others read the
     # same committed state
     writer = locks.enter_context(run.writer()) if distributed.is_main() else None
+    if writer is not None:
+        adopt_track(run, writer)  # a run written before format 4: its frozen track into its manifest
     distributed.barrier()  # rank 0 holds the lock (or failed, which stops every rank)
     records = read_records(run, sources, options.progress)
     unchanged = already_committed(records)
@@ -144,9 +146,10 @@ def _learn(
         records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
         own = replace(options, train_overrides=workers, restart=False, progress=relay(options.progress), keep_f0=True)
-        frozen = _learn(frozen_track_of(records), sources, own, locks, None)
-        if isinstance(frozen, StageResult):  # committed by a call interrupted between the two commits
-            outcome, frozen = committed_frozen(frozen), None
+        track = frozen_track_of(records, writer)
+        frozen = _learn(track, sources, own, locks, None)
+        if isinstance(frozen, StageResult):  # committed alone by an earlier release's interrupted call
+            outcome, frozen = committed_frozen(track, frozen), None
         else:
             outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
             # the frozen PTM's f_0 of the stage's images, for the run's forward transfer

@@ -76,7 +76,7 @@ def prepare(
     if progress is not None:
         progress(Progress("load", 0, 0, "the PTM and the run's stages"))
     # the head as learn-stage reads it: the stage fits a new one (with every class's covariances) from the tensors
-    loaded = run_load.load_run(run.path, device=device, ptm_weights=ptm_weights, scoring=False)
+    loaded = run_load.load_run(run, device=device, ptm_weights=ptm_weights, scoring=False)
     stage = StageContext(
         run=run,
         writer=writer,

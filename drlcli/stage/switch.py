@@ -1,25 +1,22 @@
 """learn-stage in a switched run (``Method.switches``, ``run/track.py``): the run's frozen track (the
-frozen default's own run, made at stage 1) learns the stage too, and commits it just before the
-run's own commit; the stage's forward transfer picks the track the run answers from, and
+frozen default's files inside the run) learns the stage too, and its files are committed with the
+run's, in one commit; the stage's forward transfer picks the track the run answers from, and
 stage.json's ``switch`` says which, with both tracks' top-1 on the stage's evaluation and the
-sha256 of the frozen track's stage record, which ties that track to the run."""
+sha256 of the frozen track's stage record."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import distributed
-from ..commands.init import run_record
 from ..errors import RunStateError
 from ..metrics import AccuracyReport
 from ..progress import ProgressFn
 from ..run.directory import RunDir
-from ..run.files import init_files
 from ..run.layout import STAGE_META, sha256_bytes, stage_file
-from ..run.records import read_record
-from ..run.track import CARRIED, FROZEN, frozen_config, frozen_track, tied_track
+from ..run.track import CARRIED, FROZEN, frozen_track, tied_track
+from ..run.writer import RunWriter
 from .context import Evaluated, Fitted, Record, Records
 from .record import StageResult
 
@@ -39,27 +36,53 @@ def learned_frozen(record: Record, report: AccuracyReport | None, index: int) ->
     return FrozenStage(report, float(record.meta["metrics"]["learn_seconds"]), sha256_bytes(meta))
 
 
-def committed_frozen(result: StageResult) -> FrozenStage:
-    """The frozen track's stage an interrupted call committed (its next call reuses it)."""
-    track = RunDir(result.run_dir or "")
+def committed_frozen(track: RunDir, result: StageResult) -> FrozenStage:
+    """The frozen track's stage a call of an earlier release, interrupted between its two commits,
+    committed alone (adopted into the run's manifest with it, ``track.adopt_track``): reused."""
     manifest = track.manifest()
-    seconds = track.stage_meta(result.stage, manifest)["metrics"].get("learn_seconds") or 0.0
+    seconds = track.stage_meta(result.stage, manifest)["metrics"].get("learn_seconds")
+    seconds = seconds if isinstance(seconds, (int, float)) else 0.0
     return FrozenStage(result.eval, float(seconds), manifest["files"][stage_file(result.stage, STAGE_META)]["sha256"])
 
 
-def frozen_track_of(records: Records) -> RunDir:
-    """The run's frozen track, as this stage needs it (checked or made by rank 0, under the run's lock)."""
+def frozen_track_of(records: Records, writer: RunWriter | None) -> RunDir:
+    """The run's frozen track, checked by rank 0 to be the run's (under the run's lock), written
+    through the run's ``writer``. It may hold one more stage (left by a call of an earlier release
+    interrupted between its two commits), of this very data: learn-stage then reuses it."""
     if distributed.is_main():
-        _check_track(records)
+        _, held, _ = tied_track(records.run, records.manifest, records.metas, classes=False, ahead=True)
+        track = frozen_track(records.run, records.manifest)
+        if len(held["stages"]) > len(records.metas):
+            _same_data(records, track.stage_meta(held["stages"][-1], held))
     distributed.barrier()
-    return frozen_track(records.run)
+    return frozen_track(records.run, records.manifest, writer=writer)
+
+
+def _same_data(records: Records, last: dict[str, Any]) -> None:
+    """The track's extra stage is of the data (and the registered eval data) this call learns."""
+    same = (last.get("classes"), last.get("data_fingerprint")) == (
+        list(records.images.class_names),
+        records.fingerprint,
+    )
+    registered = (last.get("eval_data") or {}).get("fingerprint") if isinstance(last.get("eval_data"), dict) else None
+    given = records.eval_images.fingerprint() if records.eval_images is not None and records.eval_data_dir else None
+    if not same or registered != given:
+        classes = last.get("classes") if isinstance(last.get("classes"), list) else []
+        names = ", ".join(map(str, classes[:3])) + (", ..." if len(classes) > 3 else "")
+        raise RunStateError(
+            f"the frozen track of run {records.run.path} holds a stage {len(records.metas) + 1} of other data "
+            f"({names}), committed by an interrupted learn-stage of an earlier release: learn that data again "
+            "first, with the same --eval-data"
+        )
 
 
 def relay(progress: ProgressFn | None) -> ProgressFn | None:
     """``progress``, each event marked as the frozen track's."""
     if progress is None:
         return None
-    return lambda event: progress(replace(event, detail=f"frozen track: {event.detail}".strip()))
+    return lambda event: progress(
+        replace(event, detail=f"frozen track: {event.detail}" if event.detail else "frozen track")
+    )
 
 
 def answered(fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evaluated:
@@ -79,48 +102,3 @@ def answered(fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evalu
     }
     report = evaluated.report if answer == CARRIED else frozen.report
     return replace(evaluated, report=report, switch=switch)
-
-
-def _check_track(records: Records) -> None:
-    """The frozen track as this stage needs it: made at the run's stage 1, else holding the run's
-    stages (its records tied to the run's) or one more of this data, committed by a call interrupted
-    between the two commits, which its learn-stage then reuses."""
-    run, stages = records.run, len(records.metas)
-    track = frozen_track(run, create=not stages)
-    if not stages and not track.exists():
-        _init_track(records, track)
-    _, manifest, _ = tied_track(run, records.manifest, records.metas, classes=False, ahead=True, wait=False)
-    held = [track.stage_meta(i, manifest) for i in track.stage_indices(manifest)]
-    if len(held) == stages + 1:
-        last = held[-1]
-        same = (last.get("classes"), last.get("data_fingerprint")) == (
-            list(records.images.class_names),
-            records.fingerprint,
-        )
-        registered = (
-            (last.get("eval_data") or {}).get("fingerprint") if isinstance(last.get("eval_data"), dict) else None
-        )
-        given = records.eval_images.fingerprint() if records.eval_images is not None and records.eval_data_dir else None
-        if not same or registered != given:
-            raise RunStateError(
-                f"the frozen track of run {run.path} holds a stage {stages + 1} of other data ({_names(last)}), "
-                "committed by an interrupted learn-stage: learn that data again first, with the same --eval-data"
-            )
-
-
-def _init_track(records: Records, track: RunDir) -> None:
-    """The frozen track's run directory: the run's PTM (its recorded place, seen from ``frozen/``, or
-    its stored random weights) under the frozen default's config."""
-    run = records.run
-    record, config = read_record(run, records.manifest)
-    ptm = dict(record["ptm"])
-    if isinstance(ptm.get("weights_hint"), str):
-        ptm["weights_hint"] = os.path.join(os.pardir, ptm["weights_hint"])
-    state = run.ptm_weights(records.manifest) if run.has_ptm_weights(records.manifest) else None
-    with track.writer(create=True) as writer:
-        writer.commit(init_files(run_record(ptm, frozen_config(config)), state), manifest=None)
-
-
-def _names(meta: dict[str, Any]) -> str:
-    classes = meta.get("classes") if isinstance(meta.get("classes"), list) else []
-    return ", ".join(map(str, classes[:3])) + (", ..." if len(classes) > 3 else "")

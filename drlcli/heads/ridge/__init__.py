@@ -103,6 +103,8 @@ CARRY_Q = {name: f"{name}_carried" for name in ("q_fit", "q_val")}
 CARRY = f"{PREFIX}carry_"
 CARRY_PER_CLASS = tuple(f"{CARRY}{name}" for name in ("mean", "factor", "rank", "spread", "count", "group", "parts"))
 CARRY_LINEAR = f"{CARRY}linear"
+# each class's images (its Gaussian's count, its fit and held-out counts): at most what its stage recorded
+CARRY_IMAGES = (f"{CARRY}count", f"{CARRY}parts")
 # the newest stage's totals: W and what the covariances share, the Grams and scatters summed so far
 RUNNING = (
     WEIGHT, COV_SHARED, COV_PARAMS, "gram_fit", "gram_val", "counts", LAMBDA, COV_SCATTER, COV_COUNTS,
@@ -117,9 +119,23 @@ PER_CLASS = (
     PerClass("totals", WEIGHT, 1, seen=True),  # W (M, C), solved again by each stage, in the newest's totals
     PerClass("statistics", "q_fit", 1),  # Q (M, n) of the stage's own classes (statistics.Statistics)
     PerClass("statistics", "q_val", 1),
-    *(PerClass("totals", name, 0, seen=True, carried=True) for name in (*CARRY_COV.values(), *CARRY_PER_CLASS)),
+    *(
+        PerClass("totals", name, 0, seen=True, carried=True, images=name in CARRY_IMAGES)
+        for name in (*CARRY_COV.values(), *CARRY_PER_CLASS)
+    ),
     *(PerClass("totals", name, 1, seen=True, carried=True) for name in CARRY_Q.values()),
 )
+
+# the dtype each stage tensor is written in (``Head.dtypes``): the carried Gaussians are drawn from in
+# float64 and counted in int64, as ``carry.ClassGaussians`` makes them; the rest are read as floats
+DTYPES = {
+    **{name: "float" for name in (PROJECTION, WEIGHT, COV_MEAN, COV_COVARIANCE, COV_FACTOR, COV_TRACE)},
+    **{name: "float" for name in (COV_SHARED, COV_PARAMS, COV_SCATTER, COV_COUNTS, LAMBDA, "gram_fit", "gram_val")},
+    **{name: "float" for name in ("counts", "q_fit", "q_val", *CARRY_COV.values(), *CARRY_Q.values())},
+    LAYOUT: "int64",
+    **{f"{CARRY}{name}": "float64" for name in ("mean", "factor", "spread", "linear")},
+    **{f"{CARRY}{name}": "int64" for name in ("rank", "count", "group", "parts")},
+}
 
 
 def _load() -> AnalyticHead:
@@ -166,4 +182,5 @@ HEAD = Head(
     stages_read=_stages_read,
     layout_grid=_layout_grid,
     rules=_rules,
+    dtypes=DTYPES,
 )

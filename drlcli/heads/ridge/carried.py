@@ -193,19 +193,7 @@ def carry_stage(
         maps = TokenMaps.fit(_tokens(before, width, layout), tokens, cfg.carry_lambda)
         moved, move = old.moved(maps), maps.move
     if carried is None:
-        sums = expected_sums(
-            moved,
-            parts,
-            projection=projection.to(STAT_DTYPE),
-            layout_cells=layout**2,
-            draws=cfg.carry_draws,
-            generator=torch.Generator().manual_seed(config.train.seed + stage_index),
-            device=device,
-            exact_mean=cfg.carry_mean == "exact",
-            gram_draws=cfg.carry_gram_draws,
-            split_rows=cfg.carry_grams == "split",
-        )
-        carried = Carried.of_draws(sums, lam, rank)
+        carried = Carried.of_draws(_drawn(config, moved, parts, projection, layout, stage_index, device), lam, rank)
     meta = {
         "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow
         "map_lambda": cfg.carry_lambda,
@@ -219,12 +207,44 @@ def carry_stage(
     return CarryStep(carried, moved.joined(own), torch.cat([parts, own_parts]), meta)
 
 
+def _drawn(
+    config: RunConfig,
+    gaussians: ClassGaussians,
+    parts: Tensor,
+    projection: Tensor,
+    layout: int,
+    stage_index: int,
+    device: torch.device | str,
+) -> DrawnSums:
+    """The earlier classes' sums drawn from their Gaussians (``expected_sums``), as the run's options
+    say; IntegrityError when they are not finite (Gaussians of a crafted spread or mean)."""
+    cfg = config.ranpac
+    sums = expected_sums(
+        gaussians,
+        parts,
+        projection=projection.to(STAT_DTYPE),
+        layout_cells=layout**2,
+        draws=cfg.carry_draws,
+        generator=torch.Generator().manual_seed(config.train.seed + stage_index),
+        device=device,
+        exact_mean=cfg.carry_mean == "exact",
+        gram_draws=cfg.carry_gram_draws,
+        split_rows=cfg.carry_grams == "split",
+    )
+    stats = sums.statistics
+    if not all(bool(torch.isfinite(t).all()) for t in (stats.gram_fit, stats.gram_val, stats.q_fit, stats.q_val)):
+        raise IntegrityError(
+            "the run's carried classes do not fit (their drawn sums are not finite); restore it from a backup"
+        )
+    return sums
+
+
 def carried_classes(totals: dict[str, Tensor]) -> tuple[ClassGaussians, Tensor]:
     """A carried run's classes as its newest totals hold them: their Gaussians and (C, 2) image
     counts, every shape and value checked (ValueError, or KeyError for a missing tensor)."""
     gaussians = ClassGaussians.from_tensors(totals, CARRY)
     parts = totals[PARTS]
-    if tuple(parts.shape) != (len(gaussians), 2) or parts.dtype.is_floating_point or bool((parts < 0).any()):
+    if tuple(parts.shape) != (len(gaussians), 2) or parts.dtype != torch.int64 or bool((parts < 0).any()):
         raise ValueError(f"{PARTS} must be ({len(gaussians)}, 2) image counts")
     return gaussians, parts
 

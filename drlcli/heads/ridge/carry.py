@@ -201,12 +201,13 @@ class ClassGaussians:
         for name, (tensor, want) in expected.items():
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{prefix}{name} must be {want}, not {tuple(tensor.shape)}")
-        if ranks.dtype.is_floating_point or bool(((ranks < 0) | (ranks > factors.shape[1])).any()):
+        _check_dtypes(parts, prefix)
+        if bool(((ranks < 0) | (ranks > factors.shape[1])).any()):
             raise ValueError(f"{prefix}rank must be integers within 0..{factors.shape[1]}")
-        if parts["counts"].dtype.is_floating_point or bool((parts["counts"] < 1).any()):
+        if bool((parts["counts"] < 1).any()):
             raise ValueError(f"{prefix}count must be positive integers")
         groups = parts["groups"]
-        if groups.dtype.is_floating_point or bool(((groups < -1) | (groups >= len(linears))).any()):
+        if bool(((groups < -1) | (groups >= len(linears))).any()):
             raise ValueError(f"{prefix}group must be integers within -1..{len(linears) - 1}")
         spreads = parts["spreads"]
         if not bool(torch.isfinite(spreads).all()) or bool((spreads < 0).any()):
@@ -223,6 +224,20 @@ _FIELDS = {  # stored name -> field
     "group": "groups",
     "linear": "linears",
 }
+
+
+def _check_dtypes(parts: dict[str, Tensor], prefix: str) -> None:
+    """The rows (mean, factor, linear) in one floating dtype, float32 or float64 (a run's: float64), the
+    spreads float64, the ranks, counts and groups int64, as ``of`` makes them; ValueError otherwise."""
+    for name, field in _FIELDS.items():
+        tensor, want = parts[field], parts["means"].dtype
+        if field in ("ranks", "counts", "groups"):
+            want = torch.int64
+        elif field == "spreads" or want not in (torch.float32, torch.float64):
+            want = torch.float64
+        if tensor.dtype != want:
+            kind = "integers" if want == torch.int64 else "floats"
+            raise ValueError(f"{prefix}{name} must be {kind} ({want}), not {tensor.dtype}")
 
 
 def _pad(factors: Tensor, width: int) -> Tensor:

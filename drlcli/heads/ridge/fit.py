@@ -35,6 +35,7 @@ from .carried import carry_stage as _carry_stage
 from .carried import check_carried as _check_carried
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RanpacHead, expand, head_input, joined_rows, random_projection
+from .head import check_stages as _check_stages
 from .statistics import (
     STAT_DTYPE,
     Statistics,
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
 from_state = RanpacHead.from_state
 from_stages = RanpacHead.from_stages
 carry_stage = _carry_stage  # a carried run's stage (``carried.py``)
-check_carried = _check_carried  # forget --restore: the carried classes about to be committed
+check_carried = _check_carried  # forget --restore and load: the carried classes, as a learn-stage reads them
+check_stages = _check_stages  # load and verify: R and W together
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class RanpacHead(nn.Module):
         cov_lowrank: LowRankPrecisions | None = None,
     ):
         super().__init__()
+        _check_weight(projection, weight)
         self.layout_grid = layout  # g: the input ends with the PTM's g² layout rows (0: none)
         self.register_buffer("layout", torch.tensor(layout) if layout else None)
         self.register_buffer("projection", projection.float().contiguous())  # (d, M)
@@ -123,6 +124,11 @@ class RanpacHead(nn.Module):
             diff = x[:, None, :] - self.cov_mean  # (B, C, d)
             distance = (torch.einsum("bcd,cde->bce", diff, self.cov_precision) * diff).sum(-1)  # (B, C)
         return standardise(scores) - self.cov_weight * standardise(distance)
+
+    @property
+    def num_classes(self) -> int:
+        """The classes it scores: W's columns."""
+        return self.weight.shape[1]
 
     @property
     def covariance_width(self) -> int | None:
@@ -204,6 +210,26 @@ class RanpacHead(nn.Module):
             torch.tensor(cov_weight),
             layout=layout,
         )
+
+
+def _check_weight(projection: Tensor, weight: Tensor) -> None:
+    """R (rows, M) and W (M, C), floating; ValueError naming the tensor that is not."""
+    if projection.dim() != 2 or not projection.is_floating_point():
+        raise ValueError(f"{PROJECTION} is {projection.dtype} of shape {tuple(projection.shape)}, not (rows, M) floats")
+    if weight.dim() != 2 or weight.shape[0] != projection.shape[1] or not weight.is_floating_point():
+        size = projection.shape[1]
+        raise ValueError(f"{WEIGHT} is {weight.dtype} of shape {tuple(weight.shape)}, not ({size}, classes) floats")
+
+
+def check_stages(stage_tensors: list[dict[str, Tensor]]) -> None:
+    """``AnalyticHead.check_stages``: R in stage 1's weights and W, in every stage that holds one, of
+    R's M rows (a run without the ridge head holds neither); ValueError naming what is off."""
+    weights = [tensors[WEIGHT] for tensors in stage_tensors if WEIGHT in tensors]
+    projection = stage_tensors[0].get(PROJECTION) if stage_tensors else None
+    if projection is None and weights:
+        raise ValueError(f"stage 1 lacks {PROJECTION}, which W's rows follow")
+    for weight in weights:
+        _check_weight(projection, weight)
 
 
 def _dense_parts(

@@ -1,0 +1,86 @@
+"""Runs written by an earlier release keep working (``tests/data/legacy-runs``, made at b4fbb16 by
+``tests/data/make_legacy_runs.py``): each loads with the same answers to the digit, evaluates,
+exports and learns its next stage. A switched run of that release kept its frozen track as a run of
+its own; the first command that writes to it lists the track's files in the run's manifest (format
+4, one commit a stage), dropping a stage an interrupted call left in the track alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from drlcli import evaluate, export_run, forget_class, learn_stage, load_model
+from drlcli.api import verify
+from drlcli.errors import IntegrityError, RunStateError
+from drlcli.run.directory import RunDir
+from drlcli.run.load import load_run
+
+LEGACY = Path(__file__).parent / "data" / "legacy-runs"
+ANSWERS = json.loads((LEGACY / "answers.json").read_text())
+IMAGES = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(LEGACY / name, tmp_path / name))
+
+
+def _answers(model) -> dict:
+    return {"classes": list(model.class_names), "scores": model.classify(IMAGES)[0]}
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_a_run_of_an_earlier_release_answers_exports_and_learns(name, tmp_path):
+    run = _copy(name, tmp_path)
+    want = ANSWERS[name]
+    found = _answers(load_run(run, device="cpu").model)
+    assert found["classes"] == want["classes"]
+    assert torch.allclose(found["scores"], torch.tensor(want["scores"]), atol=1e-6)
+    verify(run)
+    assert evaluate(run, data_dir=LEGACY / "data" / "stage1", device="cpu").report.top1 is not None
+    export_run(run, tmp_path / "model.drl")
+    assert torch.allclose(load_model(tmp_path / "model.drl").classify(IMAGES)[0], found["scores"], atol=1e-5)
+    result = learn_stage(run, data_dir=LEGACY / "data" / "stage3", device="cpu")
+    assert result.stage == 3
+    loaded = load_run(run, device="cpu")
+    assert list(loaded.model.class_names) == want["classes"] + ["class_06", "class_07"]
+    verify(run)
+    if name == "switched":  # its frozen track now in the run's manifest: one manifest, format 4
+        assert not (run / "frozen" / "manifest.json").exists()
+        assert RunDir(run).manifest()["format_version"] == 4
+
+
+def test_a_switched_run_left_between_its_two_commits_is_named_then_completed(tmp_path, monkeypatch):
+    """That release committed the frozen track's stage before the run's: an interruption between the
+    two left the track one stage ahead. verify names it (exit 5); learn-stage of other data is refused
+    naming the data to learn, changing nothing; learn-stage of that data reuses the track's stage."""
+    run = _copy("switched", tmp_path)
+    with monkeypatch.context() as patch:  # the earlier release wrote the track as a run of its own
+        patch.setattr(RunDir, "_refuse_track", lambda self: None)
+        learn_stage(run / "frozen", data_dir=LEGACY / "data" / "stage3", device="cpu")
+    with pytest.raises(IntegrityError, match="interrupted between its two commits"):
+        verify(run)
+    other = shutil.copytree(LEGACY / "data" / "stage1", tmp_path / "other")
+    for folder in other.iterdir():
+        folder.rename(other / folder.name.replace("class_0", "class_1"))
+    with pytest.raises(RunStateError, match="holds a stage 3 of other data"):
+        learn_stage(run, data_dir=other, device="cpu")
+    with pytest.raises(RunStateError, match="run that learn-stage again with the same data"):
+        load_run(run, device="cpu")
+    result = learn_stage(run, data_dir=LEGACY / "data" / "stage3", device="cpu")
+    assert result.stage == 3 and result.switch["answers"] in ("frozen", "carried")
+    verify(run)
+    assert RunDir(run).manifest()["format_version"] == 4
+    assert load_run(run, device="cpu").model.class_names[-2:] == ["class_06", "class_07"]
+    assert learn_stage(run, data_dir=other, device="cpu").stage == 4
+
+
+def test_forget_in_a_switched_run_of_an_earlier_release(tmp_path):
+    run = _copy("switched", tmp_path)
+    forget_class(run, "class_02")
+    assert "class_02" not in load_run(run, device="cpu").model.class_names
+    assert RunDir(run).manifest()["format_version"] == 4 and not (run / "frozen" / "manifest.json").exists()
+    verify(run)
