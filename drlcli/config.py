@@ -19,8 +19,16 @@ from types import MappingProxyType
 from typing import Any
 
 from . import heads, jsonio, methods, storage
-from .errors import UsageError
-from .options import SHARED_SECTIONS, OpenSetConfig, ScoreConfig, TrainConfig, as_dict, build_section, check_section
+from .errors import UsageError, shown
+from .options import (
+    SHARED_SECTIONS,
+    OpenSetConfig,
+    ScoreConfig,
+    TrainConfig,
+    as_dict,
+    build_section,
+    check_section,
+)
 
 MAX_CONFIG_FILE_BYTES = 1 << 20  # a --config file: a few sections of options, never megabytes
 
@@ -76,12 +84,12 @@ class RunConfig:
         if not isinstance(data, dict):
             raise UsageError(f"config must be a mapping, got {type(data).__name__}")
         known = config_sections()
-        unknown = sorted(set(data) - set(known) - {"method"})
+        unknown = sorted(set(data) - set(known) - {"method"}, key=str)  # YAML keys may be numbers
         if unknown:
-            raise UsageError(f"unknown config key(s) {unknown}; known keys: {sorted({*known, 'method'})}")
+            raise UsageError(f"unknown config key(s) {shown(unknown)}; known keys: {sorted({*known, 'method'})}")
         method = data.get("method", "drl")
         if not isinstance(method, str):
-            raise UsageError(f"config.method must be str, got {method!r}")
+            raise UsageError(f"config.method must be str, got {shown(method)}")
         built = {
             name: build_section(known[name], value, f"config.{name}") for name, value in data.items() if name in known
         }
@@ -95,7 +103,7 @@ class RunConfig:
         spec = methods.get_method(method)
         if preset is not None and preset not in spec.presets:
             known = list(spec.presets) or "none"
-            raise UsageError(f"method {method} has no preset {preset!r}; its presets: {known}")
+            raise UsageError(f"method {method} has no preset {shown(preset)}; its presets: {known}")
         preset = spec.default_preset if preset is None else preset
         base = cls(method=method, train=spec.train_defaults).to_dict()
         layers = [spec.defaults, spec.presets[preset] if preset else {}, data or {}]
@@ -126,7 +134,7 @@ class RunConfig:
             raise UsageError(f"config {path} must be a YAML mapping of sections")
         named = data.pop("preset", None)  # the file may name its method's preset; --preset wins
         if named is not None and not isinstance(named, str):
-            raise UsageError(f"config {path}: preset must be a preset's name, got {named!r}")
+            raise UsageError(f"config {path}: preset must be a preset's name, got {shown(named)}")
         return cls.for_method(method or data.get("method", "drl"), data, preset=preset or named)
 
     def with_train(self, **overrides: Any) -> RunConfig:

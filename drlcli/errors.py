@@ -6,6 +6,34 @@ raises them and never prints. Exit codes are part of the public contract (README
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
+SHOWN_CHARS = 80  # of a value quoted in a message: enough to recognise it, never the whole of a crafted one
+
+
+class _Bounded(reprlib.Repr):
+    """``reprlib``'s bounded repr: it walks at most a few items a level and a few levels, so a value
+    that is huge, or a shared structure that expands to 10^9 nodes, costs the same as a small one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, SHOWN_CHARS, SHOWN_CHARS, SHOWN_CHARS
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 6
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int past Python's 4,300-digit limit raises; such an int is shown by its size alone
+        if x.bit_length() > 4 * SHOWN_CHARS:
+            return f"<an integer of about {int(x.bit_length() * 0.30103) + 1} digits>"
+        return super().repr_int(x, level)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for a message, cut to about ``SHOWN_CHARS`` characters with "...": a value a
+    user or a crafted file gave is quoted, never pasted whole into a one-line error."""
+    text = _Bounded().repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
 
 class DrlError(Exception):
     """Base class. ``exit_code`` is what the CLI exits with; ``kind`` names it in JSON output."""

@@ -63,11 +63,22 @@ def load_yaml(data: bytes | str) -> Any:
     try:
         return yaml.load(data, Loader=_bounded_loader())  # noqa: S506 (a SafeLoader, bounded)
     except yaml.YAMLError as exc:
-        raise ValueError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        raise ValueError(_yaml_problem(exc)) from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except MemoryError:
         raise ValueError("too large to parse") from None
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """One line saying what is wrong and where: ``expected ',' or ']', but got '<stream end>' (line 1,
+    column 3)``, not the first of PyYAML's lines (``while parsing a flow sequence``)."""
+    problem = getattr(exc, "problem", None)
+    if not problem:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    mark = getattr(exc, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{problem}{where}"
 
 
 _LOADER: type | None = None
@@ -84,8 +95,8 @@ def _bounded_loader() -> type:
 
 def _make_loader() -> type:
     import yaml
-    from yaml.constructor import ConstructorError
     from yaml.composer import ComposerError
+    from yaml.constructor import ConstructorError
 
     class BoundedLoader(yaml.SafeLoader):
         """A node composed counts 1; an alias counts the nodes of what it repeats (its anchor's
@@ -115,11 +126,23 @@ def _make_loader() -> type:
                 self.sizes[anchor] = self.composed + self.repeated - before
             return node
 
+        def construct_object(self, node: Any, deep: bool = False) -> Any:
+            """PyYAML's constructors raise IndexError, KeyError, AttributeError or ValueError for a
+            tagged scalar they cannot build (``!!int ''``, ``!!bool x``, ``!!timestamp x``): a YAMLError here."""
+            try:
+                return super().construct_object(node, deep)
+            except (LookupError, AttributeError, TypeError, ArithmeticError, ValueError) as exc:
+                problem = f"{node.tag} {str(node.value)[:40]!r} does not build ({type(exc).__name__}: {exc})"
+                raise ConstructorError(None, None, problem[:200], node.start_mark) from None
+
         def construct_yaml_int(self, node: Any) -> int:
             text = str(node.value).replace("_", "")
             if len(text.lstrip("+-")) > MAX_INT_DIGITS:
                 raise ConstructorError(
-                    None, None, f"an integer of {len(text)} digits is too long (at most {MAX_INT_DIGITS})", None
+                    None,
+                    None,
+                    f"an integer of {len(text)} digits is too long (at most {MAX_INT_DIGITS})",
+                    node.start_mark,
                 )
             return super().construct_yaml_int(node)
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .errors import shown
+
 
 @dataclass(frozen=True)
 class AccuracyReport:
@@ -194,8 +196,9 @@ class Transfer:
         if not isinstance(d, dict):
             raise ValueError("transfer must be a mapping")
         values = [d.get(k) for k in ("better", "worse", "images")]
-        if not all(type(v) is int and v >= 0 for v in values) or values[0] + values[1] > values[2]:
-            raise ValueError(f"transfer counts {values} are not better + worse <= images, each >= 0")
+        # at most 2^63 - 1 each: a crafted 10^400 is an int no float holds (the gain's bound takes its root)
+        if not all(type(v) is int and 0 <= v < 2**63 for v in values) or values[0] + values[1] > values[2]:
+            raise ValueError(f"transfer counts {shown(values)} are not better + worse <= images, each in [0, 2^63)")
         return cls(*values)
 
 

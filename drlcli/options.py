@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
-from .errors import UsageError
+from .errors import UsageError, shown
 
 MAX_DIM = 16_384  # adapter and FFN widths: 8x ViT-g's; a typo such as 10^8 is refused before it allocates
 
@@ -55,9 +55,9 @@ def build_section(cls: type, data: Any, where: str) -> Any:
         raise UsageError(f"{where} must be a mapping, got {type(data).__name__}")
     hints = get_type_hints(cls)
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers: no mixed comparisons
     if unknown:
-        raise UsageError(f"unknown {where} key(s) {unknown}; known keys: {sorted(known)}")
+        raise UsageError(f"unknown {where} key(s) {shown(unknown)}; known keys: {sorted(known)}")
     return cls(**{name: _coerce(value, hints[name], f"{where}.{name}") for name, value in data.items()})
 
 
@@ -70,12 +70,20 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             return None
         raise UsageError(f"{where} must not be empty")
     if isinstance(value, bool) != (target is bool) or not _ACCEPTS[target](value):
-        raise UsageError(f"{where} must be {target.__name__}, got {value!r}")
+        raise UsageError(f"{where} must be {target.__name__}, got {shown(value)}")
     if target is float:
-        if not math.isfinite(value):
-            raise UsageError(f"{where} must be a finite number, got {value}")
+        if not _finite(value):
+            raise UsageError(f"{where} must be a finite number, got {shown(value)}")
         return float(value)
     return value
+
+
+def _finite(value: float) -> bool:
+    """Finite, and for an int one a float can hold (``math.isfinite(10**400)`` raises OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 _ACCEPTS = {  # what a YAML value may be for a field of each type (bools are told apart before)
@@ -86,17 +94,31 @@ _ACCEPTS = {  # what a YAML value may be for a field of each type (bools are tol
 }
 
 
+def parse_value(raw: str, where: str) -> Any:
+    """A command-line ``KEY=VALUE``'s value as a YAML scalar (``32``, ``0.5``, ``true``, ``ce``) by the
+    one bounded YAML parser (``jsonio.load_yaml``): a malformed value, a tag or a 5,000-digit number is
+    a ``UsageError`` naming ``where`` (the option), never a crash."""
+    from . import jsonio
+
+    try:
+        return jsonio.load_yaml(raw)
+    except ValueError as exc:
+        raise UsageError(
+            f"{where}: {shown(raw)} is not a value drl reads ({exc}); write a number, true/false or a name"
+        ) from None
+
+
 def check_section(name: str, section: Any) -> None:
     """``UsageError`` naming the first field of ``section`` outside its choices or range."""
     default = type(section)()
     for item in fields(section):
         value, within, choices = getattr(section, item.name), item.metadata.get("range"), item.metadata.get("choices")
         if choices is not None and value not in choices:
-            raise UsageError(f"{name}.{item.name} must be one of {list(choices)}, got {value!r}")
-        if within is not None and value is not None and (not math.isfinite(value) or value not in within):
+            raise UsageError(f"{name}.{item.name} must be one of {list(choices)}, got {shown(value)}")
+        if within is not None and value is not None and (not _finite(value) or value not in within):
             fallback = getattr(default, item.name)
             hint = "" if fallback is None else f" (default {fallback})"
-            raise UsageError(f"{name}.{item.name} must be a number in {within}{hint}, got {value}")
+            raise UsageError(f"{name}.{item.name} must be a number in {within}{hint}, got {shown(value)}")
 
 
 def as_dict(section: Any) -> dict[str, Any]:

@@ -453,7 +453,7 @@ def test_crafted_kept_rows_and_manifest_are_refused(run):
     assert (run / "run.yaml").is_file() and (run / rows).is_file()
     _relist(run, rows, manifest_edit=lambda m: m.__setitem__("format_version", 4))
     result, out = drl_json("verify", "--run", run)
-    assert result.exit_code == 5 and "this drl reads versions 1, 2, 3" in out["error"]["message"]
+    assert result.exit_code == 5 and "this drl reads versions 1, 2, 3, 4" in out["error"]["message"]
 
 
 def test_a_new_run_is_format_3(ridge_run):

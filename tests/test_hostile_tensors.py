@@ -224,7 +224,9 @@ BAD_DATA_CONFIGS = [
 
 @pytest.mark.parametrize("key, value", BAD_DATA_CONFIGS)
 def test_an_export_s_data_config_out_of_range_is_refused(exported, tmp_path, key, value):
-    crafted = _craft_export(exported, tmp_path / "c.drl", spec_change=lambda s: s["data_config"].__setitem__(key, value))
+    crafted = _craft_export(
+        exported, tmp_path / "c.drl", spec_change=lambda s: s["data_config"].__setitem__(key, value)
+    )
     with pytest.raises(IntegrityError, match="data_config"):
         load_model(crafted)
 

@@ -88,6 +88,8 @@ def benchmark(
     (``seeds``: ``1993,1994``; else ``settings.seed`` alone), then run them. ``seed_given``: whether
     ``settings.seed`` was chosen rather than the default (it contradicts ``seeds``)."""
     variants = parse_methods(methods)
+    for text in settings.rescore:  # refused now, not after the data is read and split
+        parse_score(text)
     if seeds is None:
         check_settings(settings, [Path(settings.out_dir)])
         return run_benchmark(settings, variants, progress=progress, log=log)

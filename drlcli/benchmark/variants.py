@@ -8,10 +8,9 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-import yaml
-
 from ..config import RunConfig, config_sections
-from ..errors import UsageError
+from ..errors import UsageError, shown
+from ..options import parse_value
 
 SECTIONS = config_sections()
 
@@ -41,13 +40,13 @@ def _resolve_key(key: str) -> tuple[str, str]:
         section, name = key.split(".", 1)
         if section in SECTIONS and name in {f.name for f in fields(SECTIONS[section])}:
             return section, name
-        raise UsageError(f"unknown variant option {key!r}; use a config key such as train.lr or ipa.gate")
+        raise UsageError(f"unknown variant option {shown(key)}; use a config key such as train.lr or ipa.gate")
     owners = [s for s, cls in SECTIONS.items() if key in {f.name for f in fields(cls)}]
     if len(owners) == 1:
         return owners[0], key
     if not owners:
-        raise UsageError(f"unknown variant option {key!r}; use a config key such as lr, loss, gate or rule")
-    raise UsageError(f"variant option {key!r} is ambiguous; write it as one of {[f'{s}.{key}' for s in owners]}")
+        raise UsageError(f"unknown variant option {shown(key)}; use a config key such as lr, loss, gate or rule")
+    raise UsageError(f"variant option {shown(key)} is ambiguous; write it as one of {[f'{s}.{key}' for s in owners]}")
 
 
 def parse_variant(text: str) -> Variant:
@@ -58,13 +57,13 @@ def parse_variant(text: str) -> Variant:
     method, overrides, preset = parts[0], {}, None
     for part in parts[1:]:
         if "=" not in part:
-            raise UsageError(f"variant option {part!r} in {text!r} is not KEY=VALUE; use e.g. drl/loss=ce")
+            raise UsageError(f"variant option {shown(part)} in {shown(text)} is not KEY=VALUE; use e.g. drl/loss=ce")
         key, raw = part.split("=", 1)
         if key == "preset":
             preset = raw
             continue
         section, name = _resolve_key(key)
-        overrides.setdefault(section, {})[name] = yaml.safe_load(raw)
+        overrides.setdefault(section, {})[name] = parse_value(raw, f"--methods {method}/{key}")
     variant = Variant(text.strip(), method, overrides, preset)
     variant.config(epochs=None, seed=0)  # validate now, before any work
     return variant
@@ -86,13 +85,13 @@ def parse_score(text: str) -> dict[str, Any]:
     out = {}
     for part in [p for p in text.split("/") if p]:
         if "=" not in part:
-            raise UsageError(f"--rescore {text!r}: {part!r} is not KEY=VALUE; use e.g. beta=0 or rule=concat")
+            raise UsageError(f"--rescore {shown(text)}: {shown(part)} is not KEY=VALUE; use e.g. beta=0 or rule=concat")
         key, raw = part.split("=", 1)
         section, name = _resolve_key(key if "." in key else f"score.{key}")
         if section != "score":
-            raise UsageError(f"--rescore takes score options (rule, rho, beta, tau), not {key!r}")
+            raise UsageError(f"--rescore takes score options (rule, rho, beta, tau), not {shown(key)}")
         if name == "head":  # a ridge head is fitted at learn time; rescoring re-scores the prototype bank
             raise UsageError("--rescore re-scores the prototype bank (rule, rho, beta, tau); head is chosen at init")
-        out[name] = yaml.safe_load(raw)
+        out[name] = parse_value(raw, f"--rescore {key}")
     RunConfig.for_method("drl", {"score": out})  # validate the values now
     return out

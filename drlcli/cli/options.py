@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 
 from ..config import RunConfig, config_sections
-from ..errors import EXIT_CODES, UsageError
+from ..errors import EXIT_CODES, UsageError, shown
 from ..methods import METHODS
-from ..options import MAX_WORKERS, PRECISIONS, TrainConfig
+from ..options import MAX_WORKERS, PRECISIONS, TrainConfig, parse_value
 
 # "\b" keeps click from re-wrapping the list into one paragraph
 EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
@@ -87,6 +86,6 @@ def parse_ptm_args(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise UsageError(f"--ptm-arg {item!r} must look like KEY=VALUE (e.g. img_size=32)")
-        out[key] = yaml.safe_load(value)
+            raise UsageError(f"--ptm-arg {shown(item)} must look like KEY=VALUE (e.g. img_size=32)")
+        out[key] = parse_value(value, f"--ptm-arg {key}")
     return out

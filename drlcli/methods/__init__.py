@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import UsageError
+from ..errors import UsageError, shown
 from ..heads import HEADS, Head
 from . import drl, ease, ranpac, simplecil
 from .base import Method, StageNetwork
@@ -35,7 +35,7 @@ def get_method(name: str) -> Method:
     """The method called ``name``; ``UsageError`` naming the choices for any other name."""
     method = METHODS.get(name) if isinstance(name, str) else None
     if method is None:
-        raise UsageError(f"unknown method {name!r}; choose one of {list(METHODS)}")
+        raise UsageError(f"unknown method {shown(name)}; choose one of {list(METHODS)}")
     return method
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import DrlError, PTMError, UsageError
+from ..errors import DrlError, PTMError, UsageError, shown
 from ..seeding import seeded
 
 # The only keyword arguments that reach ``timm.create_model``: the ViT's shape, as ``init --ptm-arg``
@@ -140,13 +140,13 @@ def check_ptm_kwargs(kwargs: Any, *, origin: str, error: type[DrlError] = UsageE
     for key, value in kwargs.items():
         if key not in PTM_KWARGS:
             raise error(
-                f"PTM keyword argument {key!r} from {origin} is not allowed (drl passes only {allowed}); remove it"
+                f"PTM keyword argument {shown(key)} from {origin} is not allowed (drl passes only {allowed}); remove it"
             )
         kind, low, high = PTM_KWARGS[key]
         if not _is_kind(value, kind) or not low <= value <= high:
             want = {bool: "true or false", int: "an int", float: "a number"}[kind]
             want += "" if kind is bool else f" in [{low:g}, {high:g}]"
-            raise error(f"PTM keyword argument {key}={value!r} from {origin} must be {want}")
+            raise error(f"PTM keyword argument {key}={shown(value)} from {origin} must be {want}")
     return dict(kwargs)
 
 
@@ -155,7 +155,7 @@ def _is_kind(value: Any, kind: type) -> bool:
         return kind is bool and isinstance(value, bool)
     if kind is int:
         return isinstance(value, int)
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))  # 10**400: no float
 
 
 def hub_offline() -> bool:

@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, shown
 
 MAX_INPUT_SIDE = 4096  # pixels; a PTM input above this is a crafted record, not a ViT
 MIN_CROP = 0.05  # crop_pct above it (timm's are 0.8 to 1): a smaller one resizes to 20x the input side and more
@@ -44,7 +44,7 @@ def check_ptm_record(ptm: Any) -> None:
         if not isinstance(ptm.get(key), kind):
             raise UsageError(f"ptm.{key} must be a {kind.__name__}, got {type(ptm.get(key)).__name__}")
     if ptm["source"] not in PTM_SOURCES:
-        raise UsageError(f"ptm.source must be one of {list(PTM_SOURCES)}, got {ptm['source']!r}")
+        raise UsageError(f"ptm.source must be one of {list(PTM_SOURCES)}, got {shown(ptm['source'])}")
     if not isinstance(ptm.get("weights_hint"), (str, type(None))):
         raise UsageError("ptm.weights_hint must be a relative path or null")
     if ptm["source"] == "hf-hub":
@@ -60,7 +60,7 @@ def check_hub_record(hub: Any) -> None:
     for key, pattern in (("repo", HUB_REPO), ("revision", HUB_COMMIT), ("weights_sha256", SHA256)):
         value = hub.get(key)
         if not (isinstance(value, str) and pattern.fullmatch(value) and ".." not in value and "--" not in value):
-            raise UsageError(f"ptm.hub.{key} is not a valid {key.replace('_', ' ')}, got {value!r}")
+            raise UsageError(f"ptm.hub.{key} is not a valid {key.replace('_', ' ')}, got {shown(value)}")
 
 
 def check_data_config(data_config: Any) -> None:
@@ -72,22 +72,24 @@ def check_data_config(data_config: Any) -> None:
     _check_sizes(data_config)
     crop = data_config.get("crop_pct")
     if crop is not None and not (_is_number(crop) and MIN_CROP < crop <= 1):
-        raise UsageError(f"data_config.crop_pct must be in ({MIN_CROP}, 1], got {crop!r}")
+        raise UsageError(f"data_config.crop_pct must be in ({MIN_CROP}, 1], got {shown(crop)}")
     for key, choices in (("interpolation", INTERPOLATIONS), ("crop_mode", CROP_MODES)):
         if key in data_config and data_config[key] not in choices:
-            raise UsageError(f"data_config.{key} must be one of {list(choices)}, got {data_config[key]!r}")
+            raise UsageError(f"data_config.{key} must be one of {list(choices)}, got {shown(data_config[key])}")
 
 
 def _check_sizes(data_config: dict[str, Any]) -> None:
     """input_size [3, H, W] within bounds; mean and std 3 finite numbers each, std > 0."""
     size = data_config.get("input_size")
     if not (_numbers(size, 3, int) and size[0] == 3 and all(1 <= v <= MAX_INPUT_SIDE for v in size)):
-        raise UsageError(f"data_config.input_size must be [3, H, W] with H, W in [1, {MAX_INPUT_SIDE}], got {size!r}")
+        raise UsageError(
+            f"data_config.input_size must be [3, H, W] with H, W in [1, {MAX_INPUT_SIDE}], got {shown(size)}"
+        )
     for key in ("mean", "std"):
         if not _numbers(data_config.get(key), 3):
-            raise UsageError(f"data_config.{key} must be 3 numbers (finite), got {data_config.get(key)!r}")
+            raise UsageError(f"data_config.{key} must be 3 numbers (finite), got {shown(data_config.get(key))}")
     if not all(v > 0 for v in data_config["std"]):
-        raise UsageError(f"data_config.std must be > 0, got {data_config['std']!r}")
+        raise UsageError(f"data_config.std must be > 0, got {shown(data_config['std'])}")
 
 
 def _numbers(values: Any, count: int, kind: type = float) -> bool:
@@ -99,7 +101,10 @@ def _is_number(value: Any, kind: type = float) -> bool:
     """A finite int or float (not a bool); ``kind=int`` asks for an int."""
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         return False
-    return math.isfinite(value)
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond any float (10**400): no number a transform can use
+        return False
 
 
 def check_input_size(data_config: dict[str, Any], model: Any) -> None:

@@ -47,13 +47,36 @@ def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], 
 
 
 _STAGE_META_TYPES = {
-    "stage": int,
     "classes": list,
     "images_per_class": dict,
     "data_fingerprint": str,
-    "num_params": int,
     "metrics": dict,
 }
+MAX_COUNT = 2**63 - 1  # a count drl writes (stage, images, parameters) fits an int64 and, roughly, a float
+
+
+def is_count(value: Any) -> bool:
+    """A whole number drl counts with: an int (not a bool) in [0, ``MAX_COUNT``]."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def is_number(value: Any) -> bool:
+    """An int or float (not a bool) that is a finite float: ``1e400`` parses as inf, ``10**400`` as an
+    int no float holds; either would break the arithmetic and formatting that read it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _is_percent(value: Any) -> bool:
+    return is_number(value) and 0 <= value <= 100
+
+
+def _is_optional_percent(value: Any) -> bool:
+    return value is None or _is_percent(value)
 
 
 def checked_metas(run: RunDir, manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -75,6 +98,9 @@ def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
     for key, kind in _STAGE_META_TYPES.items():
         if not isinstance(meta.get(key), kind):
             return f"{key} is not a {kind.__name__}"
+    for key in ("stage", "num_params"):
+        if not is_count(meta.get(key)):
+            return f"{key} is not a count (an int in [0, 2^63))"
     if meta["stage"] != index:
         return f"it says it is stage {meta['stage']}"
     if not meta["classes"] or not all(isinstance(c, str) and c for c in meta["classes"]):
@@ -82,21 +108,84 @@ def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
     eval_data = meta.get("eval_data")
     if eval_data is not None and not (isinstance(eval_data, dict) and isinstance(eval_data.get("path"), str)):
         return "eval_data has no path"
-    return _metrics_problem(meta)
+    return next((problem for check in _PARTS if (problem := check(meta)) is not None), None)
+
+
+def _images_problem(meta: dict[str, Any]) -> str | None:
+    """``images_per_class``: a count of images for each class name."""
+    bad = next((name for name, count in meta["images_per_class"].items() if not is_count(count)), None)
+    return None if bad is None else f"images_per_class.{bad} is not a count of images"
+
+
+def _open_set_problem(meta: dict[str, Any]) -> str | None:
+    """``open_set`` (absent before the "unknown" answer's calibration): its thresholds finite numbers."""
+    entry = meta.get("open_set")
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        return "open_set is not a mapping"
+    bad = next(
+        (k for k in ("threshold", "rmd_threshold") if entry.get(k) is not None and not is_number(entry[k])), None
+    )
+    return None if bad is None else f"open_set.{bad} is not a finite number"
+
+
+def _switch_problem(meta: dict[str, Any]) -> str | None:
+    """``switch`` and ``carry.transfer`` (a switched or carried run's): when present, as drl writes them."""
+    if "switch" in meta and switch_record(meta) is None:
+        return "switch is not a switch record (answers, top-1 percentages, frozen_seconds, frozen_stage_sha256)"
+    carry = meta.get("carry")
+    if carry is not None and not isinstance(carry, dict):
+        return "carry is not a mapping"
+    if carry is not None and "transfer" in carry and transfer_record(meta) is None:
+        return "carry.transfer is not forward-transfer counts (better + worse <= images, for the stage and the run)"
+    return None
 
 
 def _metrics_problem(meta: dict[str, Any]) -> str | None:
     """What is wrong with a stage's ``metrics`` (None: nothing): the evaluation, train and seconds."""
-    try:
-        history_of([meta])
-    except (TypeError, ValueError, AttributeError) as exc:
-        return f"metrics are malformed: {exc}"
+    problem = _eval_problem(meta["metrics"].get("eval"))
+    if problem is not None:
+        return f"metrics.eval{problem}"
     train = meta["metrics"].get("train")
     if train is not None and not isinstance(train, dict):
         return "metrics.train is not a mapping"
     seconds = {"train.seconds": (train or {}).get("seconds"), "learn_seconds": meta["metrics"].get("learn_seconds")}
-    bad = next((name for name, value in seconds.items() if value is not None and not _is_seconds(value)), None)
+    present = {"train.seconds": "seconds" in (train or {}), "learn_seconds": "learn_seconds" in meta["metrics"]}
+    bad = next((name for name, value in seconds.items() if present[name] and not _is_seconds(value)), None)
     return f"metrics.{bad} is not a number of seconds" if bad else None
+
+
+_EVAL_FIELDS = {  # an AccuracyReport's fields as stage.json holds them, and what each must be
+    "top1": _is_percent,
+    "num_images": is_count,
+    "old": _is_optional_percent,
+    "new": _is_optional_percent,
+    "top5": _is_optional_percent,
+}
+
+
+def _eval_problem(evaluation: Any) -> str | None:
+    """What is wrong with ``metrics.eval`` (an ``AccuracyReport``; falsy: no evaluation), as the rest of
+    the field's name (``.top1 is not ...``); None: nothing."""
+    if not evaluation:
+        return None
+    if not isinstance(evaluation, dict):
+        return " is not a mapping"
+    unknown = sorted(set(evaluation) - {*_EVAL_FIELDS, "groups"})
+    if unknown:
+        return f" holds {unknown[0]!r}, no accuracy drl reports"
+    for key, ok in _EVAL_FIELDS.items():
+        if not ok(evaluation.get(key)) and (key in evaluation or key in ("top1", "num_images")):
+            return f".{key} is not {'a count' if key == 'num_images' else 'a percentage'}"
+    groups = evaluation.get("groups", {})
+    if not isinstance(groups, dict):
+        return ".groups is not a mapping"
+    bad = next((g for g, v in groups.items() if not (g.isdigit() and len(g) < 10 and _is_percent(v))), None)
+    return None if bad is None else f".groups.{bad[:20]} is not a stage's percentage"
+
+
+_PARTS = (_images_problem, _open_set_problem, _switch_problem, _metrics_problem)
 
 
 def _is_seconds(value: Any) -> bool:
@@ -159,10 +248,10 @@ def switch_record(meta: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(top1, dict):
         return None
     scores = {k: top1.get(k) for k in ("carried", "frozen")}
-    if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in scores.values()):
+    if not all(_is_optional_percent(v) for v in scores.values()):
         return None
     seconds, sha = record.get("frozen_seconds"), record.get("frozen_stage_sha256")
-    if not (isinstance(seconds, int | float) and not isinstance(seconds, bool) and isinstance(sha, str)):
+    if not (_is_seconds(seconds) and isinstance(sha, str)):
         return None
     return {"answers": record["answers"], "top1": scores, "frozen_seconds": seconds, "frozen_stage_sha256": sha}
 

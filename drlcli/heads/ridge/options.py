@@ -14,7 +14,9 @@ class RanpacConfig:
     """Random projection + ReLU + ridge regression from accumulated statistics (``heads/ridge``)."""
 
     # M, width of the random projection; None: min(3000, 16 d) (3000 for DeiT-Tiny)
-    proj_dim: int | None = option(None, within=Range(1, 65_536))
+    # M: the head holds (M, M) float64 Grams and factorises them: 16,384 is 2 GiB each (65,536 passed
+    # init and failed every learn-stage allocating 34 GB); RanPAC's own M is 10,000
+    proj_dim: int | None = option(None, within=Range(1, 16_384))
     # of each stage's images, held out in the statistics to choose λ
     val_fraction: float = option(0.2, within=Range(0, 1, low_open=True, high_open=True))
     lambda_min_exp: int = option(-8, within=Range(-30, 30))  # λ grid: 10^min .. 10^max, one per decade (RanPAC's)
