@@ -16,6 +16,7 @@ text (its 4,300-digit limit raises a ``ValueError`` whose advice, to raise the l
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -81,19 +82,10 @@ def _yaml_problem(exc: Exception) -> str:
     return f"{problem}{where}"
 
 
-_LOADER: type | None = None
-
-
+@functools.cache
 def _bounded_loader() -> type:
     """``yaml.SafeLoader`` that counts the nodes aliases repeat and refuses long integers (built once,
     on first use: yaml is imported only by the commands that read YAML)."""
-    global _LOADER
-    if _LOADER is None:
-        _LOADER = _make_loader()
-    return _LOADER
-
-
-def _make_loader() -> type:
     import yaml
     from yaml.composer import ComposerError
     from yaml.constructor import ConstructorError
@@ -132,8 +124,9 @@ def _make_loader() -> type:
             try:
                 return super().construct_object(node, deep)
             except (LookupError, AttributeError, TypeError, ArithmeticError, ValueError) as exc:
-                problem = f"{node.tag} {str(node.value)[:40]!r} does not build ({type(exc).__name__}: {exc})"
-                raise ConstructorError(None, None, problem[:200], node.start_mark) from None
+                value = repr(node.value[:40]) if isinstance(node.value, str) else "node"
+                problem = f"{node.tag} {value} does not build ({type(exc).__name__}: {str(exc)[:80]})"
+                raise ConstructorError(None, None, problem, node.start_mark) from None
 
         def construct_yaml_int(self, node: Any) -> int:
             text = str(node.value).replace("_", "")

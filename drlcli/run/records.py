@@ -151,8 +151,7 @@ def _metrics_problem(meta: dict[str, Any]) -> str | None:
     if train is not None and not isinstance(train, dict):
         return "metrics.train is not a mapping"
     seconds = {"train.seconds": (train or {}).get("seconds"), "learn_seconds": meta["metrics"].get("learn_seconds")}
-    present = {"train.seconds": "seconds" in (train or {}), "learn_seconds": "learn_seconds" in meta["metrics"]}
-    bad = next((name for name, value in seconds.items() if present[name] and not _is_seconds(value)), None)
+    bad = next((name for name, value in seconds.items() if value is not None and not _is_seconds(value)), None)
     return f"metrics.{bad} is not a number of seconds" if bad else None
 
 
