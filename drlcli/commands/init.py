@@ -12,12 +12,14 @@ import torch
 
 from ..config import RunConfig
 from ..errors import UsageError
+from ..methods import method_of
 from ..progress import Progress, ProgressFn
 from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
 from ..run.directory import RunDir
 from ..run.files import init_files
 from ..run.records import run_record
+from ..run.track import track_init_files
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,11 @@ def init_run(
             ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
         )
         record = run_record(ptm_record, config)
-        writer.commit(init_files(record, model.state_dict() if random_init else None), manifest=None)
+        state = model.state_dict() if random_init else None
+        files = init_files(record, state)
+        if method_of(config).switches(config):  # its frozen track, committed with it from the start
+            files.update(track_init_files(record, config, state))
+        writer.commit(files, manifest=None)
     info = record["ptm"]
     return InitResult(
         str(run.path), config.method, info["name"], info["sha256"], info["source"], info["data_config"], info.get("hub")

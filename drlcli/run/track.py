@@ -162,12 +162,19 @@ def adopt_track(run: RunDir, writer: RunWriter) -> None:
         _drop_legacy_files(run)
         return
     record, config = read_record(run, manifest)
-    ptm = dict(record["ptm"])
-    if isinstance(ptm.get("weights_hint"), str):  # the recorded place, seen from ``frozen/``
-        ptm["weights_hint"] = os.path.join(os.pardir, ptm["weights_hint"])
     state = run.ptm_weights(manifest) if run.has_ptm_weights(manifest) else None
+    writer.commit(track_init_files(record, config, state), manifest=manifest)
+
+
+def track_init_files(record: dict[str, Any], config: RunConfig, state: Any) -> dict[str, bytes]:
+    """A switched run's frozen track as ``drl init`` writes it (run-relative names): the frozen
+    default's run.yaml with the run's PTM (its recorded place seen from ``frozen/``) and its stored
+    weights ``state`` (a --random-init run's)."""
+    ptm = dict(record["ptm"])
+    if isinstance(ptm.get("weights_hint"), str):
+        ptm["weights_hint"] = os.path.join(os.pardir, ptm["weights_hint"])
     files = init_files(run_record(ptm, frozen_config(config)), state)
-    writer.commit({TRACK_PREFIX + n: b for n, b in files.items()}, manifest=manifest)
+    return {TRACK_PREFIX + n: b for n, b in files.items()}
 
 
 def _drop_legacy_files(run: RunDir) -> None:
