@@ -134,7 +134,7 @@ def _mean(values: list[float]) -> float | None:
 # The run's counts so far say that adapting transfers when better - worse is above chance (McNemar's
 # one-sided test at 5 %) and at least ``GAIN`` % of the images compared. On the research replays the
 # sketches gain 3 to 5 % from stage 2 or 3 on, the photos of Caltech-101 0.2 % (where carrying cost
-# 0.7 to 1 A_T); docs/research/adaptation-bounds.md, fourteenth round. They say that adapting stalls
+# 0.7 to 1 A_T); docs/research/adaptation-bounds.md at b4fbb16, fourteenth round. They say that adapting stalls
 # when even the gain's one-sided upper bound is under ``GAIN`` (a paused switched run,
 # ``first_session.pause``, then trains no further stage while they say so).
 

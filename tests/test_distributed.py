@@ -172,7 +172,10 @@ def test_a_switched_run_under_torchrun_learns_both_tracks(tmp_path, stage_folder
         assert done.returncode == 0, _rank_lines(done.stderr)
         out = json.loads(done.stdout)
         assert out["eval"]["top1"] == out["switch"]["top1"][out["switch"]["answers"]]
-    track = RunDir(run / "frozen")
+    from drlcli.run.track import frozen_track
+
+    own = RunDir(run)
+    track = frozen_track(own, own.manifest())
     assert [track.stage_meta(i)["world_size"] for i in (1, 2)] == [2, 2]
     assert load_run(run, device="cpu").model.num_stages == 2
 

@@ -149,39 +149,27 @@ def test_a_reader_whose_generation_is_superseded_mid_read_reads_it_whole(tmp_pat
     assert name not in api.load_run(run, device="cpu").model.class_names
 
 
-def test_a_forget_between_its_two_commits_mid_read_sends_the_reader_to_the_newer_generation(
+def test_a_forget_mid_read_of_the_frozen_track_sends_the_reader_to_the_newer_generation(
     tmp_path, stage_folders, monkeypatch
 ):
-    """Deterministic, a switched run (the default): another process's forget commits on the frozen
-    track (which commits first) right after this reader took the track's manifest, deleting the
-    track's superseded forget log, and commits on the run while the reader waits on its lock.
-    Before: exit 5 "frozen/forgotten/log-g….json is missing". Now the reader reads the track's
-    generation it took, whole, waits for the writer, and answers from the newer generation."""
-    from drlcli.run import track
-
+    """Deterministic, a switched run (the default): another process's forget commits (both tracks, one
+    commit) right after this reader took the run's manifest and began on the frozen track, deleting
+    the track's superseded forget log. The reader reads the whole newer generation instead."""
     run, name = _forgetting_run(tmp_path, stage_folders)
-    assert (run / "frozen").is_dir()  # the default keeps its frozen track
+    assert (run / "frozen").is_dir() and not (run / "frozen" / "manifest.json").exists()
     forget_class(run, name)
     restore_class(run, name)  # each track now lists a forget log, which the next forget supersedes
     real, fired = RunDir.stage_meta, []
 
-    def stage_meta_after_the_track_commit(self, index, manifest=None):
+    def stage_meta_after_a_forget(self, index, manifest=None):
         if self.path == run / "frozen" and not fired:
-            fired.append("track")
-            forget_class(run / "frozen", name)  # the writer's first commit
+            fired.append("forget")
+            forget_class(run, name)
         return real(self, index, manifest)
 
-    def writer_still_active(path):
-        if fired == ["track"]:
-            fired.append("run")
-            forget_class(run, name)  # its second commit (the track's part is done: not repeated)
-            return True
-        return False
-
-    monkeypatch.setattr(RunDir, "stage_meta", stage_meta_after_the_track_commit)
-    monkeypatch.setattr(track, "writer_active", writer_still_active)
+    monkeypatch.setattr(RunDir, "stage_meta", stage_meta_after_a_forget)
     loaded = api.load_run(run, device="cpu")
-    assert fired == ["track", "run"] and name not in loaded.model.class_names
+    assert fired == ["forget"] and name not in loaded.model.class_names
 
 
 def test_a_file_gone_before_the_reader_opened_it_sends_it_to_the_newer_generation(tmp_path, stage_folders, monkeypatch):

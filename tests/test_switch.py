@@ -465,3 +465,39 @@ def test_the_transfer_passes_itself_when_the_frozen_track_listed_other_images(tm
     monkeypatch.setattr(ImageSet, "fingerprint", lambda self: f"listing {next(listing)}")
     result = _learn(run, stage_folders[1:2])[0]
     assert "transfer" in phases and result.carry["transfer"]["images"] > 0
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_a_resumed_stage_does_not_learn_the_frozen_track_again(tmp_path, stage_folders, monkeypatch):
+    """The frozen track's stage rides in the interrupted stage's epoch checkpoint (checksummed with
+    it): the resumed call commits it as learned, without the track's pass, and answers as a call
+    that was never interrupted."""
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    _init(run)
+    _init(straight)
+    _transfers(monkeypatch, False)
+    train, test = stage_folders[0]
+
+    def stop_in_the_second_epoch(event):
+        if event.phase == "train" and event.epoch == 2:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu", progress=stop_in_the_second_epoch)
+    events = []
+    result = learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu", progress=events.append)
+    assert result.resumed_from_epoch == 1
+    assert not [e for e in events if (e.detail or "").startswith("frozen track")]  # no pass of the track
+    reference = learn_stage(straight, data_dir=train, eval_data_dir=test, device="cpu")
+    assert result.switch["top1"] == reference.switch["top1"] and result.eval == reference.eval
+    verify(run)
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    ours, theirs = (load_run(p, device="cpu").model.classify(images)[0] for p in (run, straight))
+    assert torch.equal(ours, theirs)
+    assert (
+        load_run(_track(run), device="cpu").model.class_names
+        == load_run(_track(straight), device="cpu").model.class_names
+    )

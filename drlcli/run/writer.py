@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from .. import storage
@@ -113,8 +114,20 @@ class RunWriter:
 
     def save_checkpoint(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         """Replace the checkpoint atomically: tensors under a fresh name, then the meta (with the
-        tensors' sha256 and its own) by rename from a fresh temporary name."""
+        tensors' sha256 and its own) by rename from a fresh temporary name. What ``defer`` holds
+        (a switched run's frozen track's stage) is kept in it too (``deferred_files``), so that a
+        resumed stage does not learn it again."""
         folder = self.run.path / CHECKPOINT
+        files, supersede = self._deferred
+        if files:
+            tensors = {
+                **tensors,
+                **{DEFERRED + n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in files.items()},
+            }
+            meta = {
+                **meta,
+                "deferred": {"files": {n: sha256_bytes(b) for n, b in files.items()}, "supersede": supersede},
+            }
         data = encode_tensors(tensors)
         name = f"{uuid.uuid4().hex}.safetensors"
         try:
@@ -228,6 +241,30 @@ class RunWriter:
             f"{reason}; nothing was committed, the previous state is intact"
             + ("; free some disk space" if exc.errno == errno.ENOSPC else "")
         )
+
+
+DEFERRED = "deferred/"  # the checkpoint's tensors holding a deferred file's bytes
+
+
+def deferred_files(meta: dict[str, Any], tensors: dict[str, Tensor]) -> tuple[dict[str, bytes], list[str]] | None:
+    """What ``save_checkpoint`` kept of ``defer`` (files, supersede), each file's bytes checked against
+    its sha256 in the sealed meta; None when it kept none or any of it does not check out."""
+    held = meta.get("deferred")
+    if not isinstance(held, dict) or not isinstance(held.get("files"), dict):
+        return None
+    supersede = held.get("supersede")
+    if not isinstance(supersede, list) or not all(isinstance(n, str) for n in supersede):
+        return None
+    files = {}
+    for name, sha in held["files"].items():
+        tensor = tensors.get(DEFERRED + name)
+        if tensor is None or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            return None
+        data = tensor.numpy().tobytes()
+        if sha256_bytes(data) != sha:
+            return None
+        files[name] = data
+    return files, supersede
 
 
 def _next_manifest(

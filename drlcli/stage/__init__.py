@@ -20,13 +20,22 @@ from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..run.track import adopt_track
+from ..run.writer import RunWriter
 from ..tracking import TensorBoardLog, check_tensorboard_dir
-from .context import Evaluated, Fitted, Record, Sources, StageContext, Trained
+from .context import Evaluated, Fitted, Record, Records, Sources, StageContext, Trained
 from .fit import carried_start, fit_features
 from .prepare import already_committed, check_classes, check_data, prepare, read_records
 from .record import StageResult, commit_stage, evaluate_stage, learned_result, record_stage
 from .resume import train_or_resume
-from .switch import answered, committed_frozen, frozen_track_of, learned_frozen, relay
+from .switch import (
+    FrozenStage,
+    answered,
+    committed_frozen,
+    frozen_track_of,
+    learned_frozen,
+    relay,
+    resumed_frozen,
+)
 
 
 def learn_stage(
@@ -102,24 +111,42 @@ class _Options:
 
 @dataclass(frozen=True)
 class _Learned:
-    """A stage learned and recorded, not yet committed (with a switched run's frozen track's, whose
-    files the run's commit publishes)."""
+    """A stage learned and recorded, not yet committed (a switched run's frozen track's files are
+    already with the run's writer, which publishes them in the same commit)."""
 
     stage: StageContext
     trained: Trained
     fitted: Fitted
     evaluated: Evaluated
     record: Record
-    # a switched run's frozen track's stage and record, its model and the tensors it read to learn
-    # dropped, so that it does not hold them while the run itself learns
-    frozen: tuple[StageContext, Record] | None = None
 
     def commit(self, start: float) -> StageResult:
-        if self.frozen is not None:
-            commit_stage(*self.frozen)  # handed to the run's writer: published by the run's commit
         commit_stage(self.stage, self.record)
         distributed.barrier()  # every rank returns only once the stage is committed
         return learned_result(self.stage, self.trained, self.fitted, self.evaluated, self.record, start=start)
+
+
+def _learn_frozen(
+    records: Records, writer: RunWriter | None, sources: Sources, options: _Options, locks: contextlib.ExitStack
+) -> tuple[FrozenStage, tuple[Any, str] | None]:
+    """A switched run's frozen track's stage (``switch.py``), learned and handed to the run's writer,
+    unless the interrupted call this one resumes kept it (``resumed_frozen``) or an earlier release's
+    committed it alone: what the run's record takes of it, and its f_0 of the stage's images with
+    their fingerprint, for the run's forward transfer (None: not computed)."""
+    track = frozen_track_of(records, writer)
+    kept = None if options.restart else resumed_frozen(records, writer)
+    if kept is not None:
+        return kept, None
+    frozen = _learn(track, sources, replace(options, restart=False), locks, None)
+    if isinstance(frozen, StageResult):  # committed alone by an earlier release's interrupted call
+        return committed_frozen(track, frozen), None
+    # handed to the run's writer now (``RunWriter.defer``): published by the run's commit, and kept in
+    # the run's epoch checkpoints meanwhile, for a call that resumes this one
+    commit_stage(frozen.stage, frozen.record)
+    return learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index), (
+        frozen.fitted.f0,
+        frozen.stage.fingerprint,
+    )
 
 
 def _learn(
@@ -140,22 +167,13 @@ def _learn(
     if unchanged is not None:
         return unchanged
     check_classes(records.images, records.eval_images, records.learned)
-    frozen = outcome = frozen_f0 = None
+    outcome = frozen_f0 = None
     if method_of(records.config).switches(records.config):
         overrides = options.train_overrides or {}
         records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
-        own = replace(options, train_overrides=workers, restart=False, progress=relay(options.progress), keep_f0=True)
-        track = frozen_track_of(records, writer)
-        frozen = _learn(track, sources, own, locks, None)
-        if isinstance(frozen, StageResult):  # committed alone by an earlier release's interrupted call
-            outcome, frozen = committed_frozen(track, frozen), None
-        else:
-            outcome = learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index)
-            # the frozen PTM's f_0 of the stage's images, for the run's forward transfer
-            frozen_f0 = (frozen.fitted.f0, frozen.stage.fingerprint)
-            loaded = replace(frozen.stage.loaded, model=None, stage_tensors=[], stage_totals=[])
-            frozen = (replace(frozen.stage, loaded=loaded), frozen.record)
+        own = replace(options, train_overrides=workers, progress=relay(options.progress), keep_f0=True)
+        outcome, frozen_f0 = _learn_frozen(records, writer, sources, own, locks)
     stage = prepare(
         run,
         writer,
@@ -178,4 +196,4 @@ def _learn(
     if outcome is not None:  # the run answers from the track the stage's forward transfer picks
         evaluated = answered(fitted, evaluated, outcome)
     record = record_stage(stage, trained, fitted, evaluated)
-    return _Learned(stage, trained, fitted, evaluated, record, frozen)
+    return _Learned(stage, trained, fitted, evaluated, record)

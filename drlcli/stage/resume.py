@@ -18,6 +18,7 @@ from ..errors import DivergedError, IntegrityError, RunStateError
 from ..progress import Progress, ProgressFn
 from ..ptm import backbone
 from ..run.directory import RunDir
+from ..run.writer import DEFERRED
 from .context import StageContext, Trained
 from .first_session import training_images
 from .train import TrainProgress, train_stage
@@ -177,7 +178,8 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
             f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} with other data or options "
             f"({', '.join(differs)}); re-run with the same ones to resume, or pass --restart to discard it"
         )
-    return TrainState(meta["epoch"], tensors, list(meta["epoch_losses"]), float(meta["seconds"]), meta["steps"])
+    state = {k: v for k, v in tensors.items() if not k.startswith(DEFERRED)}  # a frozen track's stage: not training's
+    return TrainState(meta["epoch"], state, list(meta["epoch_losses"]), float(meta["seconds"]), meta["steps"])
 
 
 _CHECKPOINT_META_TYPES = {"epoch": int, "epoch_losses": list, "seconds": (int, float), "steps": int, "train": dict}

@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .. import distributed
-from ..errors import RunStateError
+from .. import distributed, jsonio
+from ..errors import IntegrityError, RunStateError
 from ..metrics import AccuracyReport
 from ..progress import ProgressFn
 from ..run.directory import RunDir
-from ..run.layout import STAGE_META, sha256_bytes, stage_file
+from ..run.layout import FROZEN_TRACK, STAGE_META, TRACK_PREFIX, sha256_bytes, stage_file
+from ..run.records import check_stage_meta
 from ..run.track import CARRIED, FROZEN, frozen_track, tied_track
-from ..run.writer import RunWriter
+from ..run.writer import RunWriter, deferred_files
 from .context import Evaluated, Fitted, Record, Records
 from .record import StageResult
 
@@ -43,6 +44,44 @@ def committed_frozen(track: RunDir, result: StageResult) -> FrozenStage:
     seconds = track.stage_meta(result.stage, manifest)["metrics"].get("learn_seconds")
     seconds = seconds if isinstance(seconds, (int, float)) else 0.0
     return FrozenStage(result.eval, float(seconds), manifest["files"][stage_file(result.stage, STAGE_META)]["sha256"])
+
+
+def resumed_frozen(records: Records, writer: RunWriter | None) -> FrozenStage | None:
+    """The frozen track's stage an interrupted call of this stage learned and kept in its epoch
+    checkpoint (``RunWriter.save_checkpoint``): handed to ``writer`` again, so that the resumed call
+    does not repeat the track's pass; None (every rank agrees) when there is none for this data."""
+    found = records.run.checkpoint() if writer is not None else None
+    kept = None
+    if found is not None and found[0].get("generation") == records.manifest["generation"]:
+        kept = deferred_files(*found)
+    name = TRACK_PREFIX + stage_file(len(records.metas) + 1, STAGE_META)
+    outcome = None
+    if kept is not None and name in kept[0]:
+        meta = _track_meta(kept[0][name])
+        if meta is not None and _same(records, meta):
+            writer.defer(kept[0], tuple(kept[1]))
+            seconds = meta["metrics"].get("learn_seconds")
+            report = AccuracyReport(**meta["metrics"]["eval"]) if meta["metrics"].get("eval") else None
+            outcome = FrozenStage(report, float(seconds or 0.0), sha256_bytes(kept[0][name]))
+    return distributed.broadcast_object(outcome)
+
+
+def _track_meta(data: bytes) -> dict[str, Any] | None:
+    """A kept stage.json of the track, checked like every stage record (None: not one)."""
+    try:
+        meta = jsonio.loads(data)
+        check_stage_meta(RunDir(FROZEN_TRACK), int(meta["stage"]), meta)
+    except (ValueError, KeyError, TypeError, IntegrityError):
+        return None
+    return meta
+
+
+def _same(records: Records, meta: dict[str, Any]) -> bool:
+    try:
+        _same_data(records, meta)
+    except RunStateError:
+        return False
+    return True
 
 
 def frozen_track_of(records: Records, writer: RunWriter | None) -> RunDir:

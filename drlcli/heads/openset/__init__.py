@@ -1,7 +1,7 @@
 """Open-set answers: "unknown" for an image unlike every class the model has learned.
 
 Two rules, both from class-level statistics of the subspace-0 feature f_0 (the PTM's; stage 1's for
-``ease``), chosen by ``open_set.score`` (``docs/research/unknown-answer.md``):
+``ease``), chosen by ``open_set.score`` (``docs/research/unknown-answer.md`` at b4fbb16):
 
 - ``rmd`` (the default): the relative Mahalanobis distance (Ren et al. 2021) on x, the unit vector
   along [f_0/‖f_0‖, w t/‖t‖] (``rmd_input``), t the class token after an earlier PTM block, through
@@ -51,7 +51,7 @@ class's mean as moved (``RMD_MEAN_CARRIED``), which the run reads in place of th
   test). An rmd threshold is set against the statistics of its commit, which later classes move.
   Over three class orders the share of known test images rejected for a 5 % target was 5.1 %
   (Caltech-101) and 4.9 % (Caltech-101-Sketch); scoring the stage's classes alone with a plain
-  quantile, as before, gave 5.3 % and 2.1 % on f_0 (``docs/research/unknown-answer.md``, calibration).
+  quantile, as before, gave 5.3 % and 2.1 % on f_0 (``docs/research/unknown-answer.md`` at b4fbb16, calibration).
 
 The folder: ``rmd.py`` the scores and their statistics (``Moments``, ``RmdKnown``, ``CosineKnown``),
 ``calibrate.py`` the thresholds a stage sets at commit time, ``report.py`` the open-set metrics of

@@ -44,7 +44,7 @@ standardising each over the classes (z(s) = (s − mean) / std) and added: z(rid
 stage stores its classes' μ_c and S_c (weights file, one row per class) and its summed
 within-class scatter with its image and class counts (statistics file); the newest stage's
 weights hold the pooled S and (w, a, b). The precisions are computed when the head is built, so
-every class's P_c uses the newest S (``docs/research/class-covariances.md``: freezing them at their own stage lost
+every class's P_c uses the newest S (``docs/research/class-covariances.md`` at b4fbb16: freezing them at their own stage lost
 the gain on Caltech-101).
 
 The PTM's layout (``ranpac.layout_grid`` g > 0; drl's default g 2, not RanPAC's): the ridge's input

@@ -1,5 +1,5 @@
 """Old classes carried across a stage that moves the network (issue 32; research in
-``docs/research/adaptation-bounds.md``, eighth to eleventh rounds).
+``docs/research/adaptation-bounds.md`` at b4fbb16, eighth to eleventh rounds).
 
 When a stage retrains the network the ridge head reads, the earlier classes' sums (G, Q) describe
 features that no longer exist, and a run keeps no image to recompute them. What it can keep is
@@ -17,7 +17,7 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
   classes' images would give, from draws of these Gaussians.
 
 Pure tensor maths: ``carried.py`` puts it together for one stage of a carried run (``ranpac
---preset carried``); the research harness (``benchmarks/research/adapt``) replays its runs through it.
+--preset carried``); the research harness (``benchmarks/research/adapt`` at b4fbb16) replays its runs through it.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@
   the PTM's first six blocks, trained with cross-entropy at every stage and held near each stage's
   start, the earlier classes carried as class Gaussians by the ridge head; the frozen PTM's run is
   kept beside it (the run's frozen track) and answers until the run's forward transfer says adapting
-  pays, and the set stops training where it no longer can (docs/research/adaptation-bounds.md).
+  pays, and the set stops training where it no longer can (docs/research/adaptation-bounds.md at b4fbb16).
 - the IPA network (``network.py``, the ``ipa`` section), one pass for every subspace, the PTM's
   subspace plus one per stage, each stage trained with DAS + distillation (``stage/train.py``).
   ``--preset frozen`` reads the PTM's subspace alone, so it trains nothing (``train.skip_unread``);
   ``--preset paper`` is the paper's recipe, every stage trained and scored by the prototype bank.
 
-Scoring, chosen on validation splits (``docs/research/ptm-layout.md`` and the rounds before it): the
+Scoring, chosen on validation splits (``docs/research/ptm-layout.md`` at b4fbb16 and the rounds before it): the
 analytic ridge head on the (adapted or frozen) PTM subspace and the PTM's 2 x 2 layout, with class
 covariances (``score.head: ridge``, ``heads/ridge``), which beat the paper's reweighted cosine to the
 prototype bank on Caltech-101 and Caltech-101-Sketch."""
@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
     from ...config import RunConfig
 
-# class covariances of rank 16 (docs/research/covariance-rank.md): flat in the classes, as accurate and
+# class covariances of rank 16 (docs/research/covariance-rank.md at b4fbb16): flat in the classes, as accurate and
 # λ searched from the stage before's over at most 128 classes (flat in the stages and classes:
-# docs/performance.md, docs/research/lambda-search.md)
+# docs/performance.md, docs/research/lambda-search.md at b4fbb16)
 RIDGE_DEFAULTS = {
     "covariance_weight": 4.0,
     "covariance_rank": 16,

@@ -1,6 +1,6 @@
 """One AdaptFormer set inside the PTM, read by the ridge head (the ``first_session`` section):
 RanPAC's first-session adaptation (``ranpac --preset published``: stage 1 only, frozen afterwards)
-and drl's default, the switched carried schedule (issue 32; docs/research/adaptation-bounds.md):
+and drl's default, the switched carried schedule (issue 32; docs/research/adaptation-bounds.md at b4fbb16):
 the set trained again at every stage and held near each stage's start, the earlier classes carried
 as class Gaussians, the frozen default kept beside it as the run's frozen track and answering until
 the run's forward transfer says adapting pays, the set's training paused where it no longer can.
