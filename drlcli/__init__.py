@@ -1,4 +1,4 @@
-"""drl: class-incremental learning on a frozen pre-trained ViT (IPA network + DAS).
+"""drl: add classes to a pre-trained ViT classifier stage by stage, without old data and without forgetting.
 
 The public API: each function backs one CLI command.
 

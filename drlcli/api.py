@@ -2,6 +2,8 @@
 return, re-exported from the modules that own them (``commands/``, ``stage/``, ``run/``). Nothing
 is defined here; ``import drlcli`` gives the same names lazily."""
 
+from .commands.card import CardResult, model_card
+from .commands.check_data import DataCheck, check_data
 from .commands.evaluate import EvalResult, evaluate
 from .commands.export import ExportResult, export_run
 from .commands.forget import ForgetResult, forget_class, restore_class
@@ -22,6 +24,8 @@ from .stage.record import StageResult
 __all__ = [
     "EVAL_BATCH_SIZE",
     "TOP_K",
+    "CardResult",
+    "DataCheck",
     "EvalResult",
     "ExportResult",
     "ForgetResult",
@@ -33,6 +37,7 @@ __all__ = [
     "ProgressFn",
     "StageResult",
     "VerifyResult",
+    "check_data",
     "check_stage_meta",
     "evaluate",
     "export_run",
@@ -44,6 +49,7 @@ __all__ = [
     "load_export",
     "load_model",
     "load_run",
+    "model_card",
     "predict_sources",
     "resolve_device",
     "restore_class",

@@ -127,7 +127,7 @@ def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None)
     sets = []
     for meta in loaded.stage_metas:
         entry = meta.get("eval_data")
-        if not entry:
+        if not entry or "path" not in entry:  # none, or held out of its drop (--eval-fraction): no folder
             continue
         path = loaded.run.path / entry["path"]
         if not path.is_dir():

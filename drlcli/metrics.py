@@ -72,6 +72,53 @@ def most_confused(
     return [{"true": class_names[t], "predicted": class_names[p], "count": count} for (t, p), count in ranked[:top]]
 
 
+def confusion_matrix(predictions: Tensor, targets: Tensor, num_classes: int) -> Tensor:
+    """(C, C) int64 counts: row = true class, column = predicted class."""
+    flat = targets.long().cpu() * num_classes + predictions.long().cpu()
+    return torch.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+@dataclass(frozen=True)
+class ClassScores:
+    """Per class precision, recall and F1 (fractions; None where the class was neither a target nor
+    predicted) and support; the macro and support-weighted averages over the classes that were
+    (scikit-learn's ``classification_report``: an undefined ratio counts 0)."""
+
+    precision: list[float | None]
+    recall: list[float | None]
+    f1: list[float | None]
+    support: list[int]
+    macro: tuple[float, float, float]
+    weighted: tuple[float, float, float]
+
+
+def class_scores(confusion: Tensor) -> ClassScores:
+    """Precision, recall and F1 of every class from a confusion matrix (rows true, columns predicted)."""
+    c = confusion.double()
+    hits, support, predicted = c.diagonal(), c.sum(1), c.sum(0)
+    precision = torch.where(predicted > 0, hits / predicted.clamp(min=1), torch.zeros_like(hits))
+    recall = torch.where(support > 0, hits / support.clamp(min=1), torch.zeros_like(hits))
+    both = precision + recall
+    f1 = torch.where(both > 0, 2 * precision * recall / both.clamp(min=1e-300), torch.zeros_like(hits))
+    seen = (support > 0) | (predicted > 0)
+    weights = support / support.sum().clamp(min=1)
+
+    def column(values: Tensor) -> list[float | None]:
+        return [round(float(v), 6) if s else None for v, s in zip(values, seen.tolist())]
+
+    def averages(weight: Tensor) -> tuple[float, float, float]:
+        return tuple(round(float((v * weight).sum()), 6) for v in (precision, recall, f1))
+
+    return ClassScores(
+        column(precision),
+        column(recall),
+        column(f1),
+        [int(s) for s in support.tolist()],
+        averages(seen.double() / max(int(seen.sum()), 1)),
+        averages(weights),
+    )
+
+
 @dataclass(frozen=True)
 class HistorySummary:
     """A_t per stage (None where a stage had no evaluation data), Ā, last, forgetting, and the

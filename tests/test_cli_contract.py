@@ -74,10 +74,14 @@ def _cases(root, run, test_dir, bench_data):
         ),
         "demo": (["--out", root / "demo", "--epochs", "1", "--device", "cpu"], ["--out", root / "demo"], 7),
         "forget": (["--run", run, "--class", "class_00"], ["--run", run, "--class", "nope"], 3),
+        "check-data": (["--run", run, "--data", test_dir.parent / "train"], ["--run", run, "--data", root], 3),
     }
 
 
-COMMANDS = ["init", "learn-stage", "eval", "export", "predict", "verify", "info", "benchmark", "demo", "forget"]
+COMMANDS = [
+    *("init", "learn-stage", "eval", "export", "predict", "verify", "info", "benchmark", "demo", "forget"),
+    "check-data",
+]
 
 
 def test_the_contract_covers_every_command():

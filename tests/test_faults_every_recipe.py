@@ -92,12 +92,14 @@ def _same(a, b) -> bool:
 
 def _sweep(faults: FailAt, mode: str, source: Path, tmp_path: Path, command, states: list, test: Path) -> set[int]:
     """Fail every storage call of ``command(run)`` in turn (on a copy of ``source``): each time the run
-    verifies and answers as one of ``states`` (its index is returned). Where the outcome changes, and
+    verifies and answers as one of ``states`` (its index is returned; a run whose manifest is the
+    source's, byte for byte, reads the source's listed files: the first state, once it verifies). Where the outcome changes, and
     at every eighth call, ``eval`` and ``predict`` answer too and, where the run is at an earlier
     state, ``command`` run again reaches the last one."""
     faults.arm(None)
     command(Path(shutil.copytree(source, tmp_path / "count")))
     num_calls = len(faults.calls)
+    untouched = (source / "manifest.json").read_bytes()
     outcomes: list[int] = []
     for k in range(1, num_calls + 1):
         run = Path(shutil.copytree(source, tmp_path / f"k{mode}{k:03d}"))
@@ -109,8 +111,12 @@ def _sweep(faults: FailAt, mode: str, source: Path, tmp_path: Path, command, sta
         except StorageError as exc:
             assert mode != "crash" and "(injected at storage call" in str(exc), (k, exc)
         faults.arm(None)
-        found = _answers(run, test, commands=False)
-        matches = [i for i, answers in enumerate(states) if _same(found, answers)]
+        if (run / "manifest.json").read_bytes() == untouched:  # nothing committed: the first state's files
+            verify(run)
+            matches = [0]
+        else:
+            found = _answers(run, test, commands=False)
+            matches = [i for i, answers in enumerate(states) if _same(found, answers)]
         assert matches, (k, mode, faults.calls[k - 1] if k <= len(faults.calls) else None)
         if not outcomes or matches[0] != outcomes[-1] or k % 8 == 0 or k == num_calls:
             _answers(run, test)

@@ -451,7 +451,7 @@ def test_crafted_kept_rows_and_manifest_are_refused(run):
         result, out = drl_json("forget", "--run", run, "--restore", GONE)
         assert result.exit_code == 5 and "malformed" in out["error"]["message"], (bad, out)
     assert (run / "run.yaml").is_file() and (run / rows).is_file()
-    _relist(run, rows, manifest_edit=lambda m: m.__setitem__("format_version", 4))
+    _relist(run, rows, manifest_edit=lambda m: m.__setitem__("format_version", 9))
     result, out = drl_json("verify", "--run", run)
     assert result.exit_code == 5 and "this drl reads versions 1, 2, 3, 4" in out["error"]["message"]
 

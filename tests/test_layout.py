@@ -27,7 +27,7 @@ LAYERS = [
             "precision",
         ),
     ),
-    (1, ("metrics", "synthetic")),
+    (1, ("metrics", "synthetic", "csvsafe")),
     (2, ("ptm", "data")),
     (3, ("heads", "methods", "config")),
     (4, ("model",)),

@@ -4,6 +4,7 @@ own each command, ``commands/``, ``stage/``, ``benchmark/``).
     app.py       the Typer app, its top-level options (--version), the entry point
     commands.py  the commands on a run: parse options, make one library call, hand the result to render
     bench.py     benchmark and demo
+    check.py     check-data (its command and renderer)
     boundary.py  the one error boundary: every failure -> one ``error:`` line and its exit code
     output.py    stdout/stderr plumbing: logging, progress (rich bar or plain lines), JSON emitters
     render.py    the text of each command's result (what ``--json`` prints as one object)
@@ -14,7 +15,7 @@ Results go to stdout (text, or one JSON object with ``--json``); logs and progre
 
 import time  # noqa: F401  (drlcli.cli.time: tests pin the progress clock through it)
 
-from . import bench  # noqa: F401  (it and commands.py, which it imports first, register the commands)
+from . import bench, check  # noqa: F401  (they and commands.py, which they import first, register the commands)
 from .app import app, main
 from .output import Reporter, setup_logging
 

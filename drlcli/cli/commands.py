@@ -10,27 +10,32 @@ import typer
 
 from ..errors import UsageError
 from ..options import MAX_SEED, MAX_WORKERS
-from . import output, render
+from . import render
 from .app import app
 from .boundary import command, execute
 from .options import (
     CONFIG_SECTIONS,
     PRESETS,
+    CardOpt,
     DeviceOpt,
     ExportFormat,
     JsonOpt,
     MethodName,
     PrecisionName,
     PrecisionOpt,
+    PredictFormat,
+    PredictFormatOpt,
     PtmArgOpt,
     QuietOpt,
     RandomInitOpt,
+    ReportOpt,
     RunOpt,
     TensorBoardOpt,
     VerboseOpt,
     WeightsOpt,
     WorkersOpt,
     parse_ptm_args,
+    predict_style,
     train_default,
 )
 from .output import Reporter
@@ -63,7 +68,9 @@ def init(
     preset: str | None = typer.Option(
         None,
         "--preset",
-        help=f"A named recipe of the method under --config's sections ({PRESETS}; docs/methods.md).",
+        help=f"A named recipe of the method under --config's sections ({PRESETS}). drl's default trains one "
+        "adapter set where adapting pays and answers from the frozen PTM's head until it does; frozen is that head "
+        "alone, carried the adapted network alone, paper the DRL paper's IPA network + DAS (docs/methods.md).",
     ),
     seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
     allow_nonempty: bool = typer.Option(
@@ -108,6 +115,12 @@ def init(
 def learn_stage(
     data: Path = typer.Option(..., "--data", help="Folder with one sub-folder of images per new class."),
     eval_data: Path | None = typer.Option(None, "--eval-data", help="Test folder, registered for later evals."),
+    eval_fraction: float | None = typer.Option(
+        None,
+        "--eval-fraction",
+        help="Instead of --eval-data: hold out this fraction (0 to 1) of each class of --data as the stage's "
+        "evaluation set, seeded by the run's train seed, never trained on (not evaluated again by eval --all-seen).",
+    ),
     epochs: int | None = typer.Option(
         None,
         "--epochs",
@@ -154,6 +167,7 @@ def learn_stage(
             run,
             data_dir=data,
             eval_data_dir=eval_data,
+            eval_fraction=eval_fraction,
             train_overrides=overrides,
             device=device,
             ptm_weights=ptm_weights,
@@ -186,6 +200,7 @@ def eval_(
         None, "--plot", help="Also draw A_t and each stage group's accuracy per stage (.png/.svg/.pdf; plot extra)."
     ),
     confusions: int = typer.Option(5, "--confusions", min=0, help="How many most-confused class pairs to list."),
+    report: Path | None = ReportOpt,
     unknown_data: Path | None = typer.Option(
         None,
         "--unknown-data",
@@ -213,6 +228,7 @@ def eval_(
             ptm_weights=ptm_weights,
             confusions=confusions,
             plot_path=plot,
+            report_dir=report,
             unknown_dir=unknown_data,
             num_workers=workers,
             precision=precision.value,
@@ -283,21 +299,23 @@ def predict(
     device: str = DeviceOpt,
     ptm_weights: Path | None = WeightsOpt,
     run: Path = RunOpt,
-    as_json: bool = typer.Option(False, "--json", help="JSON lines (one object per image) even on a terminal."),
+    fmt: PredictFormat | None = PredictFormatOpt,
+    as_json: bool = typer.Option(False, "--json", help="Same as --format jsonl (JSON lines even on a terminal)."),
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """Top-k classes per image: JSON lines on stdout (a table on a terminal); exit 3 if any image failed."""
-    json_lines = as_json or not output.stdout_is_a_terminal()
+    as_json = as_json or fmt == PredictFormat.jsonl  # --json is --format jsonl (errors as JSON too)
     with command(
         name="predict", as_json=as_json, quiet=quiet, verbose=verbose, device=device, interrupted="interrupted"
     ) as reporter:
         from ..commands.predict import PredictStats, predict_sources
 
+        style = predict_style(fmt, as_json)
         reporter.phase(f"loading {model or 'the run'}")
 
         stats = PredictStats()
-        for p in predict_sources(
+        results = predict_sources(
             sources,
             model_path=model,
             run_dir=run,
@@ -310,8 +328,9 @@ def predict(
             precision=precision.value,
             stats=stats,
             progress=reporter,
-        ):
-            reporter.result(render.prediction(p.to_dict(), json_lines=json_lines))
+        )
+        for i, p in enumerate(results):
+            reporter.result(render.prediction(p.to_dict(), style=style, top_k=top_k, first=i == 0))
     if stats.failed:
         raise typer.Exit(3)
 
@@ -331,9 +350,10 @@ def verify(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, 
 
 
 @app.command(short_help="Stages, classes, PTM, forgotten classes and the model's growth per stage (no PTM load).")
-def info(run: Path = RunOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:
+def info(run: Path = RunOpt, card: bool = CardOpt, as_json: bool = JsonOpt, quiet: bool = QuietOpt, verbose: bool = VerboseOpt) -> None:  # fmt: skip
     """Stages, classes, PTM, and the model's growth per stage: parameters and bytes, cumulative (no PTM load)."""
-    execute(lambda _: _api().info(run), render.info, name="info", as_json=as_json, quiet=quiet, verbose=verbose)
+    call, shown = ("model_card", render.card) if card else ("info", render.info)
+    execute(lambda _: getattr(_api(), call)(run), shown, name="info", as_json=as_json, quiet=quiet, verbose=verbose)
 
 
 @app.command(short_help="Forget a learned class (a new generation of the run without it), or --restore one.")

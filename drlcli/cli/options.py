@@ -26,6 +26,7 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress or log lines o
 VerboseOpt = typer.Option(
     False, "--verbose", "-v", help="More on stderr: per-epoch losses, timings, the trace of an internal error."
 )
+CardOpt = typer.Option(False, "--card", help="Print the run's model card (Markdown, as export writes beside a file).")
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 WeightsOpt = typer.Option(
     None, "--ptm-weights", envvar="DRL_PTM_WEIGHTS", help="Local PTM weights (.safetensors); env DRL_PTM_WEIGHTS."
@@ -89,3 +90,31 @@ def parse_ptm_args(items: list[str]) -> dict[str, Any]:
             raise UsageError(f"--ptm-arg {shown(item)} must look like KEY=VALUE (e.g. img_size=32)")
         out[key] = parse_value(value, f"--ptm-arg {key}")
     return out
+
+
+# drl predict --format: JSON lines, text lines (a person's terminal) or CSV (csvsafe.prediction_rows)
+PredictFormat = Enum("PredictFormat", {f: f for f in ("jsonl", "text", "csv")}, type=str)
+PredictFormatOpt = typer.Option(
+    None,
+    "--format",
+    help="jsonl (one JSON object per image), text (a line per image) or csv (header path,class_1,score_1,...,"
+    "unknown,error; formula-like names get a leading '). Default: jsonl when stdout is a file or pipe, text on a "
+    "terminal.",
+)
+ReportOpt = typer.Option(
+    None,
+    "--report",
+    help="Also write per_class.csv (precision, recall, F1, support), confusion.csv, confusion.png and stages.csv "
+    "into this folder (created; outside any run; the png needs the plot extra).",
+)
+
+
+def predict_style(fmt: Any, as_json: bool) -> str:
+    """predict's output format: ``--format``, ``--json`` (= ``--format jsonl``), else by stdout."""
+    if as_json and fmt is not None and fmt.value != "jsonl":
+        raise UsageError(f"--json is --format jsonl; it contradicts --format {fmt.value}: pass one of them")
+    if fmt is not None:
+        return fmt.value
+    from .output import stdout_is_a_terminal
+
+    return "jsonl" if as_json or not stdout_is_a_terminal() else "text"

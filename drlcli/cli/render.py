@@ -12,6 +12,7 @@ import shlex
 from typing import Any
 
 from .. import jsonio
+from ..csvsafe import csv_text, prediction_rows
 from .output import printable_data
 
 
@@ -67,6 +68,12 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     ]
     lines += [f"stage {s['stage']}: " + transfer_line(s["transfer"]) for s in stages if s.get("transfer")]
     lines += [f"stage {s['stage']}: " + switch_line(s["switch"]) for s in stages if s.get("switch")]
+    lines += [
+        f"stage {s['stage']}: evaluated on {e['num_images']} images held out of its drop (--eval-fraction "
+        f"{e['held_out']:g}, seed {e['seed']}); eval --all-seen does not evaluate them again"
+        for s in stages
+        if isinstance(e := s.get("eval_data"), dict) and "held_out" in e
+    ]
     lines += [
         f"stage {s['stage']}: the carried network was not trained (the run's forward transfer said adapting stalls)"
         for s in stages
@@ -250,6 +257,8 @@ def evaluate(r: dict[str, Any]) -> str:
         )
     if r["plot"]:
         lines.append(f"plot: {r['plot']}")
+    if r.get("report"):
+        lines.append(f"report: {r['report']} (per_class.csv, confusion.csv, confusion.png, stages.csv)")
     return _text(lines)
 
 
@@ -260,14 +269,18 @@ def export(r: dict[str, Any]) -> str:
             f"exported {r['num_classes']} classes, {r['num_stages']} stages{_answering(r)} to {r['path']} "
             f"({r['format']}, {r['bytes'] / 2**20:.1f} MiB{check})"
         ]
+        + ([f"model card: {r['card']}"] if r.get("card") else [])
     )
 
 
-def prediction(p: dict[str, Any], *, json_lines: bool) -> str:
-    """One image's line: its JSON object (``json_lines``, exact), else ``path: class score, ...`` with
-    the path, classes and error text escaped (``printable``): one line per image, whatever the names."""
-    if json_lines:
+def prediction(p: dict[str, Any], *, style: str, top_k: int = 5, first: bool = False) -> str:
+    """One image's line: its JSON object (``style`` jsonl, exact), its CSV row (csv, after the header
+    when ``first``: ``csvsafe.prediction_rows``), else ``path: class score, ...`` with the path, classes
+    and error text escaped (``printable``): one line per image, whatever the names."""
+    if style == "jsonl":
         return jsonio.dumps(p)
+    if style == "csv":
+        return csv_text(prediction_rows(p, top_k=top_k, header=first), lineterminator="\n")[:-1]
     p = printable_data(p)
     if "error" in p:
         return f"{p['path']}: error: {p['error']}"
@@ -287,6 +300,11 @@ def verify(r: dict[str, Any]) -> str:
             "learn-stage to resume it, or add --restart"
         )
     return _text(lines)
+
+
+def card(r: dict[str, Any]) -> str:
+    """``info --card``: the model card's lines as ``commands/card.py`` wrote them (already inert: escaped there)."""
+    return "\n".join(r["lines"])  # the card ends with its newline
 
 
 def info(r: dict[str, Any]) -> str:

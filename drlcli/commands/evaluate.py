@@ -24,6 +24,7 @@ from ..precision import check_precision
 from ..progress import Progress, ProgressFn
 from ..run.load import LoadedRun, answering_head, load_run
 from ..run.records import history_of
+from .report import check_report_dir, write_report
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class EvalResult:
     plot: str | None = None  # the --plot file written
     open_set: OpenSetReport | None = None  # with --unknown-data
     answers: str | None = None  # a switched run: the head that answered (``run.load.answering_head``)
+    report_dir: str | None = None  # the --report folder written (``report.py``)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -49,6 +51,7 @@ class EvalResult:
             "num_stages": self.num_stages,
             "num_classes": self.num_classes,
             "plot": self.plot,
+            "report": self.report_dir,
         }
 
 
@@ -63,6 +66,7 @@ def evaluate(
     ptm_weights: Path | None = None,
     confusions: int = 5,
     plot_path: Path | None = None,
+    report_dir: Path | None = None,
     unknown_dir: Path | None = None,
     num_workers: int = 0,
     precision: str = "fp32",
@@ -71,7 +75,8 @@ def evaluate(
     """Top-1 on a labelled folder (``data_dir``), a torch Dataset of (image, label) pairs (``data``,
     int labels named by ``class_names``: ``data.dataset_images``) or every registered eval set
     (``all_seen``); the accuracy history, the ``confusions`` most frequent mistakes, optionally a
-    figure of the history (``plot_path``, needs the ``plot`` extra) and, with ``unknown_dir`` (class
+    figure of the history (``plot_path``, needs the ``plot`` extra), the report's files (``report_dir``:
+    per-class precision/recall/F1, the confusion matrix as CSV and picture, the stage table) and, with ``unknown_dir`` (class
     folders of classes the run has not learned), how well the "unknown" answer separates them
     (``openset.py``). Images load in ``num_workers`` worker processes; the network runs in
     ``precision`` (fp32, bf16, or fp16 on CUDA)."""
@@ -84,6 +89,8 @@ def evaluate(
     check_precision(precision, resolve_device(device))
     if plot_path is not None:
         check_plot_path(plot_path)
+    if report_dir is not None:
+        check_report_dir(report_dir)
     if progress is not None:
         progress(Progress("load", 0, 0, "the PTM and the run's stages"))
     loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
@@ -101,13 +108,18 @@ def evaluate(
     predictions = ranked[:, 0]
     report = accuracy_report(predictions, targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
     history = history_of(loaded.stage_metas)
-    plot = None
+    ptm = loaded.record["ptm"]["name"]
+    title = f"{loaded.config.method}, {ptm}: {model.num_stages} stages, top-1 now {report.top1:.2f}%"
+    plot = written = None
     if plot_path is not None and distributed.is_main():
         if progress is not None:
             progress(Progress("plot", 0, 0, str(plot_path)))
-        ptm = loaded.record["ptm"]["name"]
-        title = f"{loaded.config.method}, {ptm}: {model.num_stages} stages, top-1 now {report.top1:.2f}%"
         plot = str(history_plot(history, plot_path, title=title))
+    if report_dir is not None and distributed.is_main():
+        if progress is not None:
+            progress(Progress("report", 0, 0, str(report_dir)))
+        stages = model.class_stage.tolist()
+        written = str(write_report(report_dir, predictions, targets, model.class_names, stages, history, title=title))
     return EvalResult(
         report,
         history,
@@ -118,6 +130,7 @@ def evaluate(
         plot,
         open_set,
         answering_head(loaded),
+        written,
     )
 
 
@@ -129,7 +142,14 @@ def _eval_sets(loaded: LoadedRun, data_dir: Path | None, data: Any, class_names:
         return [eval_set(images, loaded.model, what="--data" if data_dir is not None else "data")]
     sets = registered_eval_sets(loaded)
     if not sets:
-        raise UsageError("no eval data is registered; pass --eval-data to learn-stage, or use --data DIR")
+        held = [m["stage"] for m in loaded.stage_metas if "held_out" in (m.get("eval_data") or {})]
+        also = (
+            f" (stage(s) {', '.join(map(str, held))} evaluated on images held out of their drop, --eval-fraction: "
+            "those have no folder to evaluate again)"
+            if held
+            else ""
+        )
+        raise UsageError(f"no eval data is registered{also}; pass --eval-data to learn-stage, or use --data DIR")
     return sets
 
 

@@ -1,5 +1,6 @@
 """``drl export``: the run's current model as one file, ``.drl`` or a serving graph (TorchScript,
-``.pt2``, ONNX: ``serving/``); the format comes from the file's name. Reads the run, never writes it."""
+``.pt2``, ONNX: ``serving/``); the format comes from the file's name; its model card beside it
+(``FILE.md``, ``commands/card.py``). Reads the run, never writes it."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import RunStateError, UsageError
 from ..progress import Progress, ProgressFn
+from ..ptm.hub import file_sha256
 from ..run.access import refuse_inside_run
 from ..run.load import answering_head, load_run
 from ..serving.drlfile import write_export
 from ..serving.formats import check_extras, write_graph
 from ..serving.graph import GRAPH_FORMATS
 from ..serving.modelfile import FORMAT_SUFFIX, format_of
+from .card import ExportFacts, card_text, read_facts, write_card
 
 FORMATS = ("drl", *GRAPH_FORMATS)
 
@@ -29,6 +32,7 @@ class ExportResult:
     run_dir: str | None = None
     check_max_abs_diff: float | None = None  # graphs: |scores - eager scores| on a random check batch
     answers: str | None = None  # a switched run: the head exported (``run.load.answering_head``)
+    card: str | None = None  # the model card written beside the file (``commands/card.py``): FILE.md
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,11 +73,18 @@ def export_run(
     loaded = load_run(run_dir, device="cpu", ptm_weights=ptm_weights)
     if progress is not None:
         progress(Progress("export", 0, 0, f"writing {out_path}" + ("" if fmt == "drl" else " and checking it")))
+    facts = read_facts(loaded.run)  # the model card's records: of the generation exported
+    if facts.generation != loaded.manifest["generation"]:
+        raise RunStateError(
+            f"{loaded.run.path} changed while it was exported (a forget or restore committed); export again"
+        )
     model, diff = loaded.model, None
     if fmt == "drl":
         size = write_export(model, loaded.record["ptm"], loaded.config, out_path)
     else:
         size, diff = write_graph(model, loaded.record["ptm"], loaded.config, Path(out_path), fmt=fmt)
+    written = ExportFacts(Path(out_path).name, fmt, size, file_sha256(Path(out_path)))
+    card = write_card(Path(out_path), card_text(facts, written))
     return ExportResult(
         str(out_path),
         size,
@@ -83,4 +94,5 @@ def export_run(
         str(loaded.run.path),
         diff,
         answering_head(loaded),
+        str(card),
     )

@@ -79,6 +79,9 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "cumulative_params": cum_params,
                 "cumulative_bytes": cum_bytes,  # every stage so far (base_bytes not included)
                 "accuracy": evaluation["top1"] if evaluation else None,
+                # its eval set: a folder registered for later evals ({path, ...}), or held out of the drop
+                # (--eval-fraction: {held_out, seed, num_images, ...}, evaluated at this stage only); null: none
+                "eval_data": meta.get("eval_data"),
                 "train_seconds": train_metrics(meta).get("seconds"),
                 "unknown_threshold": _threshold(meta),  # the open-set calibration (openset.py); null before it
                 "unknown_rmd_threshold": _threshold(meta, "rmd_threshold"),  # the rmd score's; null before it

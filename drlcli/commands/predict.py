@@ -249,6 +249,14 @@ def load_classifier(
     return loaded.model, answering_head(loaded)
 
 
+def _log_loaded(model: Classifier, head: str | None, source: Any, seconds: float) -> None:
+    """What was loaded: an export older than its run shows here (fewer classes and stages than
+    `drl info` lists); a graph export records no stages; a switched run says which head answers."""
+    stages = f" from {model.num_stages} stages" if model.num_stages else ""
+    answering = f", answering from {HEAD_NAMES[head]}" if head in HEAD_NAMES else ""
+    log.info("model %s: %d classes%s%s (loaded in %.1fs)", source, len(model.class_names), stages, answering, seconds)
+
+
 def predict_sources(
     sources: Iterable[str],
     *,
@@ -282,15 +290,7 @@ def predict_sources(
     model, head = load_classifier(
         model_path=model_path, run_dir=run_dir, device=device, ptm_weights=ptm_weights, trust_code=trust_code
     )
-    stages = f" from {model.num_stages} stages" if model.num_stages else ""  # a graph export does not record them
-    log.info(  # an export older than its run shows here: fewer classes and stages than `drl info` lists
-        "model %s: %d classes%s%s (loaded in %.1fs)",
-        model_path or run_dir,
-        len(model.class_names),
-        stages,
-        f", answering from {HEAD_NAMES[head]}" if head in HEAD_NAMES else "",
-        time.perf_counter() - start,
-    )
+    _log_loaded(model, head, model_path or run_dir, time.perf_counter() - start)
     results = predict(model, paths, top_k=top_k, batch_size=batch_size, num_workers=num_workers, precision=precision)
     for p in timed(results, stats):
         if progress is not None:

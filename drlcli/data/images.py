@@ -179,18 +179,24 @@ def scan_class_folders(root: Path | str, *, what: str = "--data") -> ImageSet:
 SPLIT_NAMES = frozenset({"train", "training", "test", "testing", "val", "valid", "validation", "eval"})
 
 
+def _holds_folders(path: Path) -> bool:
+    return path.name.lower() in SPLIT_NAMES and any(child.is_dir() for child in path.iterdir())
+
+
 def _refuse_split_folders(entries: list[Path], root: Path, what: str) -> None:
     """A drop's folder handed instead of its ``train/`` (class folders named like splits that hold
     class folders themselves) would learn "train" and "test" as classes, test images included."""
-    splits = [p for p in entries if p.name.lower() in SPLIT_NAMES and any(c.is_dir() for c in p.iterdir())]
-    if splits:
-        train = next((p for p in splits if p.name.lower() in ("train", "training")), splits[0])
-        others = [p for p in splits if p != train]
-        hint = f" (and --eval-data {others[0]})" if others and what == "--data" else ""
-        raise DataError(
-            f"{what} {root} holds split folders ({', '.join(p.name for p in splits)}) of class folders, not "
-            f"classes: pass --data {train}{hint}"
-        )
+    splits = [p for p in entries if _holds_folders(p)]
+    if not splits:
+        return
+    trains = [p for p in splits if p.name.lower() in ("train", "training")]
+    train = (trains or splits)[0]
+    others = [p for p in splits if p != train]
+    hint = f" (and --eval-data {others[0]})" if others and what == "--data" else ""
+    raise DataError(
+        f"{what} {root} holds split folders ({', '.join(p.name for p in splits)}) of class folders, not "
+        f"classes: pass --data {train}{hint}"
+    )
 
 
 def _class_images(class_dir: Path, root: Path, what: str) -> list[Path]:

@@ -106,9 +106,17 @@ def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
     if not meta["classes"] or not all(isinstance(c, str) and c for c in meta["classes"]):
         return "classes is not a list of names"
     eval_data = meta.get("eval_data")
-    if eval_data is not None and not (isinstance(eval_data, dict) and isinstance(eval_data.get("path"), str)):
+    if eval_data is not None and not (isinstance(eval_data, dict) and _eval_data_found(eval_data)):
         return "eval_data has no path"
     return next((problem for check in _PARTS if (problem := check(meta)) is not None), None)
+
+
+def _eval_data_found(entry: dict[str, Any]) -> bool:
+    """A registered eval set has a path; one held out of its drop (--eval-fraction) a fraction instead."""
+    if "held_out" in entry:
+        fraction = entry["held_out"]
+        return is_number(fraction) and 0 < fraction < 1 and "path" not in entry
+    return isinstance(entry.get("path"), str)
 
 
 def _images_problem(meta: dict[str, Any]) -> str | None:

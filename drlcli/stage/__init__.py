@@ -46,6 +46,7 @@ def learn_stage(
     data: Any = None,
     eval_data: Any = None,
     class_names: Sequence[str] | None = None,
+    eval_fraction: float | None = None,
     train_overrides: dict[str, Any] | None = None,
     device: str = "auto",
     ptm_weights: Path | None = None,
@@ -60,7 +61,9 @@ def learn_stage(
     images as PIL images or tensors, labels as class names or ints indexing ``class_names``
     (``data.dataset_images``). Every item is read once up front, to check it and to fingerprint
     the data. A dataset's eval set counts in this stage's evaluation but, having no path, is not
-    registered for later ones (``eval --all-seen``).
+    registered for later ones (``eval --all-seen``). ``eval_fraction`` (0 < F < 1, instead of
+    ``eval_data``): hold out that seeded fraction of each class of the data as the stage's eval set,
+    never trained on (``data/split.py``); stage.json's ``eval_data`` records it, with no path.
 
     Each finished epoch is checkpointed; an interrupted call resumes from its last epoch when run
     again with the same data, options and precision (``restart`` discards it instead). Running
@@ -86,9 +89,8 @@ def learn_stage(
         contextlib.ExitStack() as locks,
         TensorBoardLog(tensorboard_dir) if main and tensorboard_dir else contextlib.nullcontext() as tracker,
     ):
-        learned = _learn(
-            RunDir(run_dir), Sources(data_dir, eval_data_dir, data, eval_data, class_names), options, locks, tracker
-        )
+        sources = Sources(data_dir, eval_data_dir, data, eval_data, class_names, eval_fraction)
+        learned = _learn(RunDir(run_dir), sources, options, locks, tracker)
         if isinstance(learned, StageResult):
             return learned
         result = learned.commit(start)

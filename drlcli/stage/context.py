@@ -50,6 +50,8 @@ class StageContext:
     precision: str  # the network forward's: fp32 | bf16 | fp16
     tracker: TensorBoardLog | None  # --tensorboard's event files (rank 0)
     progress: ProgressFn | None
+    # --eval-fraction: ``eval_images`` were held out of the drop ({"held_out": F, "seed": s}); None: not
+    held_out: dict[str, Any] | None = None
 
     @property
     def model(self) -> IncrementalModel:
@@ -161,6 +163,7 @@ class Sources:
     data: Any
     eval_data: Any
     class_names: Sequence[str] | None
+    eval_fraction: float | None = None  # hold out this fraction of each class of ``data`` as the eval set
 
 
 @dataclass(frozen=True)
@@ -177,3 +180,4 @@ class Records:
     eval_data_dir: Path | None
     fingerprint: str  # of ``images``
     run: RunDir
+    held_out: dict[str, Any] | None = None  # ``eval_images`` held out of the drop (``StageContext.held_out``)

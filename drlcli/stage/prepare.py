@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data import LabelledImages, refuse_near_duplicates, validate_images
+from ..data.split import check_fraction, split_held_out
 from ..errors import DataError, UsageError
 from ..evaluation import check_class_names_use, labelled_images
 from ..methods import method_of
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 def read_records(run: RunDir, data: Sources, progress: ProgressFn | None) -> Records:
     """The run's records and the data's listings (under the run's lock): seconds, not minutes."""
+    check_eval_fraction(data)
     if progress is not None:
         progress(Progress("read", 0, 0, "the run's records and the data folders"))
     manifest = run.manifest()
@@ -47,6 +49,10 @@ def read_records(run: RunDir, data: Sources, progress: ProgressFn | None) -> Rec
     if images is None:
         raise UsageError("pass the new classes' images: data_dir (a folder) or data (a Dataset)")
     eval_images = labelled_images(data.eval_data_dir, data.eval_data, data.class_names, what="eval_data")
+    held_out = None
+    if data.eval_fraction is not None:
+        images, eval_images = split_held_out(images, data.eval_fraction, seed=config.train.seed)
+        held_out = {"held_out": data.eval_fraction, "seed": config.train.seed}
     return Records(
         manifest=manifest,
         config=config,
@@ -57,7 +63,19 @@ def read_records(run: RunDir, data: Sources, progress: ProgressFn | None) -> Rec
         eval_data_dir=data.eval_data_dir,
         fingerprint=images.fingerprint(),  # stats every file: once
         run=run,
+        held_out=held_out,
     )
+
+
+def check_eval_fraction(data: Sources) -> None:
+    """--eval-fraction is in (0, 1) and stands instead of --eval-data (UsageError otherwise)."""
+    if data.eval_fraction is None:
+        return
+    check_fraction(data.eval_fraction)
+    if data.eval_data_dir is not None or data.eval_data is not None:
+        raise UsageError(
+            "--eval-fraction holds out part of --data as the stage's evaluation set; pass it or --eval-data, not both"
+        )
 
 
 def prepare(
@@ -94,6 +112,7 @@ def prepare(
         precision=precision,
         tracker=tracker,
         progress=progress,
+        held_out=records.held_out,
     )
     if stage.method.carries_network(stage.config) and loaded.stage_metas:
         stage.earlier_transfer()  # a crafted record stops the call before any training

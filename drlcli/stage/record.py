@@ -204,7 +204,16 @@ def _train_metrics(trained: Trained, fitted: Fitted) -> dict[str, Any] | None:
 
 def _eval_data_entry(stage: StageContext) -> dict[str, Any] | None:
     """--eval-data as registered for later evaluations: relative to the run, with its classes and
-    fingerprint (a folder only: a dataset has no path to find it again)."""
+    fingerprint (a folder only: a dataset has no path to find it again). A set held out of the drop
+    (--eval-fraction) has no path: its fraction, seed, classes, fingerprint and size, for people
+    (``eval --all-seen`` does not evaluate it again)."""
+    if stage.eval_images is not None and stage.held_out is not None:
+        return {
+            **stage.held_out,
+            "classes": list(stage.eval_images.class_names),
+            "fingerprint": stage.eval_images.fingerprint(),
+            "num_images": len(stage.eval_images),
+        }
     if stage.eval_images is None or stage.eval_data_dir is None:
         return None
     return {
