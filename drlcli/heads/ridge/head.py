@@ -53,7 +53,9 @@ def check_layout(value: Tensor | None) -> int:
     if value is None:
         return 0
     if value.numel() != 1 or value.dtype != torch.int64 or not 0 <= int(value) <= MAX_LAYOUT_GRID:
-        raise ValueError(f"{LAYOUT} must be one int64 in [0, {MAX_LAYOUT_GRID}], got {value.dtype} of shape {tuple(value.shape)}")
+        raise ValueError(
+            f"{LAYOUT} must be one int64 in [0, {MAX_LAYOUT_GRID}], got {value.dtype} of shape {tuple(value.shape)}"
+        )
     return int(value)
 
 
