@@ -1,6 +1,7 @@
 """The package's shape (issue 31): imports run one way, from the command layer down to storage,
 never back up and never in a loop (imports inside functions count; ``TYPE_CHECKING`` ones do not),
-no module is over 400 lines, and ``ranpac`` is named only by the ridge head and its method."""
+no module is over 400 lines, no function's cyclomatic complexity (radon's) is over 12, and ``ranpac``
+is named only by the ridge head and its method."""
 
 from __future__ import annotations
 
@@ -146,6 +147,34 @@ def test_no_module_is_over_400_lines():
         str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400
     }
     assert not long, long
+
+
+MAX_COMPLEXITY = 12  # radon's cyclomatic complexity: its branches, boolean operators and comprehension conditions
+
+
+def _functions(blocks: list) -> list:
+    """Every function radon found among ``blocks``: methods of classes (nested ones too) and closures."""
+    from radon.visitors import Class
+
+    found = []
+    for block in blocks:
+        if isinstance(block, Class):
+            found += _functions([*block.methods, *block.inner_classes])
+        else:
+            found += [block, *_functions(block.closures)]
+    return found
+
+
+def test_no_function_is_over_complexity_12():
+    from radon.complexity import cc_visit
+
+    over = sorted(
+        f"{p.relative_to(PACKAGE)}:{f.lineno} {f.fullname} ({f.complexity})"
+        for p in PACKAGE.rglob("*.py")
+        for f in _functions(cc_visit(p.read_text()))
+        if f.complexity > MAX_COMPLEXITY
+    )
+    assert not over, f"{len(over)} functions over complexity {MAX_COMPLEXITY}:\n" + "\n".join(over)
 
 
 def test_ranpac_is_named_only_by_the_ridge_head_and_its_method():

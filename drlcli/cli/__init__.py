@@ -8,6 +8,7 @@ own each command, ``commands/``, ``stage/``, ``benchmark/``).
     boundary.py  the one error boundary: every failure -> one ``error:`` line and its exit code
     output.py    stdout/stderr plumbing: logging, progress (rich bar or plain lines), JSON emitters
     render.py    the text of each command's result (what ``--json`` prints as one object)
+    stage_lines.py  a stage's decisions as lines (first session, carry, transfer, switch), for render
     options.py   options shared by several commands, choices, the exit-code epilog
 
 Results go to stdout (text, or one JSON object with ``--json``); logs and progress to stderr.

@@ -14,6 +14,7 @@ from typing import Any
 from .. import jsonio
 from ..csvsafe import csv_text, prediction_rows
 from .output import printable_data
+from .stage_lines import carry_lines, first_session_line, switch_line, transfer_line
 
 
 def _text(lines: list[str]) -> str:
@@ -63,12 +64,14 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
             f"{s['cumulative_params']:>11,} {size:>7} {s['cumulative_bytes'] / 2**20:>8.2f} "
             f"{_pct(s['accuracy']):>6}"
         )
-    lines += [
-        f"stage {s['stage']}: " + first_session_line(s["first_session"]) for s in stages if s.get("first_session")
-    ]
-    lines += [f"stage {s['stage']}: " + transfer_line(s["transfer"]) for s in stages if s.get("transfer")]
-    lines += [f"stage {s['stage']}: " + switch_line(s["switch"]) for s in stages if s.get("switch")]
-    lines += [
+    for key, line in (("first_session", first_session_line), ("transfer", transfer_line), ("switch", switch_line)):
+        lines += [f"stage {s['stage']}: " + line(s[key]) for s in stages if s.get(key)]
+    return lines + _growth_notes(stages)
+
+
+def _growth_notes(stages: list[dict[str, Any]]) -> list[str]:
+    """The notes under the growth table: a stage's held-out eval set, a paused stage, the marks (+, *)."""
+    lines = [
         f"stage {s['stage']}: evaluated on {e['num_images']} images held out of its drop (--eval-fraction "
         f"{e['held_out']:g}, seed {e['seed']}); eval --all-seen does not evaluate them again"
         for s in stages
@@ -90,51 +93,6 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
             "this stage; see its learn-stage output); its parameters are the head's it solved"
         )
     return lines
-
-
-def first_session_line(d: dict[str, Any]) -> str:
-    """Stage 1's first-session decision (``first_session.decide``), for people."""
-    scores = f"held-out top-1 {d['adapted_top1']:.2f} adapted, {d['frozen_top1']:.2f} frozen, on {d['held_out']} images"
-    if d["kept"] == "adapted":
-        return f"first session: the adapted PTM is kept ({scores})"
-    return f"first session: the frozen PTM is kept, the adapters are not stored ({scores})"
-
-
-def transfer_line(d: dict[str, Any]) -> str:
-    """A carried stage's forward transfer (``metrics.Transfer``), for people."""
-    if d["transfers"]:
-        verdict = "adapting transfers to new classes here"
-    elif d.get("stalls"):
-        verdict = (
-            f"adapting does not transfer to new classes here: even its upper bound, {d['ceiling']:+.1f} %, is under "
-            f"the {d['floor']:g} % a switch needs (a switched run with first_session.pause transfer trains its carried network "
-            "no further while that holds)"
-        )
-    else:
-        verdict = (
-            f"adapting does not transfer to new classes here yet (its upper bound is {d['ceiling']:+.1f} %; the "
-            "frozen PTM (`drl --preset frozen`) may answer as well)"
-        )
-    so_far = f"run so far {d['gain']:+.1f} % of {d['run']['images']} images: {verdict}"
-    if not d["images"]:  # metrics.measure: a stage of one class has nothing to tell apart
-        return (
-            f"forward transfer: not measured at this stage (it compares the stage's own classes; it has one); {so_far}"
-        )
-    return (
-        f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
-        f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; {so_far}"
-    )
-
-
-def switch_line(d: dict[str, Any]) -> str:
-    """Which track a switched run answers from after a stage (``run/track.py``), for people."""
-    top1 = {k: "n/a" if v is None else f"{v:.2f}" for k, v in d["top1"].items()}
-    if d["answers"] == "carried":
-        return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']})"
-    return (
-        f"the run answers from its frozen track, the frozen PTM (`drl --preset frozen`; top-1 {top1['frozen']}; the "
-        f"carried network {top1['carried']}), until adapting transfers to new classes"
-    )
 
 
 def accuracy_lines(acc: dict[str, Any]) -> list[str]:
@@ -163,61 +121,15 @@ def _ptm_source(source: str, hub: dict[str, Any] | None) -> str:
     return f"hf-hub:{hub['repo']} at {hub['revision'][:12]}" if hub else source
 
 
-def _sums_how(carry: dict) -> str:
-    """How a carried stage rebuilt the earlier classes' sums (the ridge head's ``carry_mean exact``), for its line."""
-    if carry.get("mean") != "exact":
-        return ""
-    cap = carry.get("gram_draws")
-    split = ", split between the fit and held-out parts" if carry.get("grams") == "split" else ""
-    return " (their means in closed form" + (f", the Grams from at most {cap:,} draws" if cap else "") + split + ")"
-
-
 def learn_stage(r: dict[str, Any]) -> str:
     if r["status"] == "unchanged":
         return _text([f"stage {r['stage']} already learned exactly these images; nothing to do"])
     lines = [f"resumed from the checkpoint after epoch {r['resumed_from_epoch']}"] if r["resumed_from_epoch"] else []
-    head = f"{len(r['classes'])} classes from {r['num_images']} images in {r['total_seconds']:.1f}s"
-    if r["training_skipped"]:  # nothing was trained: the feature pass and the head's solve
-        lines.append(
-            f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s, "
-            f"{r['num_params']:,} head parameters solved); no stage adapters: "
-            + (r.get("skipped_because") or "nothing trained")
-        )
-    elif (r.get("carry") or {}).get("paused"):  # a switched run's carried network, kept as it stood
-        lines.append(
-            f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s); the carried "
-            "network was not trained: the run's forward transfer so far says adapting stalls here"
-        )
-    else:
-        resumed = " over every call that trained it" if r["resumed_from_epoch"] else ""  # more than this call's total
-        lines.append(
-            f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s{resumed}, {r['num_params']:,} "
-            + ("head parameters solved" if (r.get("first_session") or {}).get("kept") == "frozen" else "parameters")
-            + ")"
-        )
+    lines.append(_learned_line(r))
     if r.get("first_session"):
         lines.append(first_session_line(r["first_session"]))
     if r.get("carry"):  # a carried run's stage after the first
-        c = r["carry"]
-        if c.get("paused"):
-            sums = (
-                f"drawn {c['draws']} times per image from their class Gaussians{_sums_how(c)}"
-                if c.get("draws")
-                else "the sums the stage before kept"
-            )
-            lines.append(
-                f"carried {c['classes']} earlier classes as they stood: the adapters did not move, nor did their "
-                f"class Gaussians; the head read {sums} ({c['seconds']:.1f}s)"
-            )
-        else:
-            lines.append(
-                f"carried {c['classes']} earlier classes: the adapters moved this stage's images by {c['move']:.2g} "
-                f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image"
-                f"{_sums_how(c)} ({c['seconds']:.1f}s)"
-                + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
-            )
-        if c.get("transfer"):
-            lines.append(transfer_line(c["transfer"]))
+        lines += carry_lines(r["carry"])
     if r.get("switch"):
         lines.append(switch_line(r["switch"]))
     if r["eval"]:
@@ -225,6 +137,28 @@ def learn_stage(r: dict[str, Any]) -> str:
     if r["tensorboard_dir"]:
         lines.append(f"tensorboard: {r['tensorboard_dir']}")
     return _text(lines)
+
+
+def _learned_line(r: dict[str, Any]) -> str:
+    """learn-stage's line of what the stage learned, in how long, and what it trained."""
+    head = f"{len(r['classes'])} classes from {r['num_images']} images in {r['total_seconds']:.1f}s"
+    if r["training_skipped"]:  # nothing was trained: the feature pass and the head's solve
+        return (
+            f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s, "
+            f"{r['num_params']:,} head parameters solved); no stage adapters: "
+            + (r.get("skipped_because") or "nothing trained")
+        )
+    if (r.get("carry") or {}).get("paused"):  # a switched run's carried network, kept as it stood
+        return (
+            f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s); the carried "
+            "network was not trained: the run's forward transfer so far says adapting stalls here"
+        )
+    resumed = " over every call that trained it" if r["resumed_from_epoch"] else ""  # more than this call's total
+    return (
+        f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s{resumed}, {r['num_params']:,} "
+        + ("head parameters solved" if (r.get("first_session") or {}).get("kept") == "frozen" else "parameters")
+        + ")"
+    )
 
 
 def _answering(r: dict[str, Any]) -> str:

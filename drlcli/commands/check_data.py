@@ -120,15 +120,8 @@ def check_data(
     eval_images, found = survey_folder(eval_data_dir, what="--eval-data") if eval_data_dir else (None, [])
     problems += found
     sets = [("--data", images), ("--eval-data", eval_images)]
-    facts = {what: _inspect(listing, what, num_threads, progress) for what, listing in sets if listing is not None}
-    notes: list[Finding] = []
-    for what, listing in sets:
-        if listing is not None:
-            problems += _unreadable(listing, facts[what])
-            notes += _bounded(listing, facts[what])
-    shared, same_class = _duplicates(sets, facts)
-    problems += shared
-    notes += same_class
+    found, notes = _image_findings(sets, num_threads, progress)
+    problems += found
     learned_as = _learned_as(state, images) if not problems else None
     if learned_as is not None:
         notes.append(
@@ -151,6 +144,21 @@ def check_data(
         cost=_cost(state, images, eval_images) if images is not None and learned_as is None else None,
         learned_as=learned_as,
     )
+
+
+def _image_findings(
+    sets: list[tuple[str, ImageSet | None]], num_threads: int | None, progress: ProgressFn | None
+) -> tuple[list[Finding], list[Finding]]:
+    """Every image decoded and hashed once: (problems, notes) of unreadable, bounded and shared images."""
+    facts = {what: _inspect(listing, what, num_threads, progress) for what, listing in sets if listing is not None}
+    problems: list[Finding] = []
+    notes: list[Finding] = []
+    for what, listing in sets:
+        if listing is not None:
+            problems += _unreadable(listing, facts[what])
+            notes += _bounded(listing, facts[what])
+    shared, same_class = _duplicates(sets, facts)
+    return problems + shared, notes + same_class
 
 
 def _inspect(listing: ImageSet, what: str, num_threads: int | None, progress: ProgressFn | None) -> list[ImageFacts]:
@@ -281,18 +289,25 @@ def _cost(state: _RunState, images: ImageSet, eval_images: ImageSet | None) -> S
     config, method, index, n = state.config, state.method, state.index, len(images)
     trained = trains_at(method, config, index)
     epochs = config.train.epochs if trained else 0
-    features, notes = n, []
+    passes, notes = _feature_passes(state, trained)
+    if any(m.get("eval_data") for m in state.metas):
+        notes.append("the eval sets earlier stages registered are evaluated too (1 pass per image, not counted)")
+    evaluation = len(eval_images) if eval_images is not None else 0
+    return StageCost(index, n, trained, epochs, n * epochs * TRAIN_PASSES, n * passes, evaluation, notes)
+
+
+def _feature_passes(state: _RunState, trained: bool) -> tuple[int, list[str]]:
+    """Feature passes per image of the stage's images beside training, and what they are."""
+    config, method, index = state.config, state.method, state.index
+    passes, notes = 1, []
     if trained and method.carries_network(config) and index > 1:
-        features += n
+        passes += 1
         notes.append("a carried run's stage after the first passes its images through the network as it begins")
     if method.switches(config):
-        features += n
+        passes += 1
         notes.append("the run's frozen track makes its own feature pass")
         if method.pauses(config) and index > 1:
             notes.append("training may pause at this stage if the run's forward transfer stalls (no training passes)")
     if trained and method.decides_first_stage(config) and index == 1:
         notes.append("stage 1 trains on part of its images and scores the rest with both PTMs")
-    if any(m.get("eval_data") for m in state.metas):
-        notes.append("the eval sets earlier stages registered are evaluated too (1 pass per image, not counted)")
-    evaluation = len(eval_images) if eval_images is not None else 0
-    return StageCost(index, n, trained, epochs, n * epochs * TRAIN_PASSES, features, evaluation, notes)
+    return passes, notes

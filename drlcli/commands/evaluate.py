@@ -83,14 +83,7 @@ def evaluate(
     if (data_dir is None and data is None) == (not all_seen):
         raise UsageError("pass exactly one of --all-seen or --data DIR (Python: data_dir or data)")
     check_class_names_use(class_names, data)
-    if confusions < 0:
-        raise UsageError(f"--confusions must be >= 0, got {confusions}")
-    check_workers(num_workers)
-    check_precision(precision, resolve_device(device))
-    if plot_path is not None:
-        check_plot_path(plot_path)
-    if report_dir is not None:
-        check_report_dir(report_dir)
+    _check_options(confusions, num_workers, precision, device, plot_path, report_dir)
     if progress is not None:
         progress(Progress("load", 0, 0, "the PTM and the run's stages"))
     loaded = load_run(run_dir, device=device, ptm_weights=ptm_weights)
@@ -112,12 +105,10 @@ def evaluate(
     title = f"{loaded.config.method}, {ptm}: {model.num_stages} stages, top-1 now {report.top1:.2f}%"
     plot = written = None
     if plot_path is not None and distributed.is_main():
-        if progress is not None:
-            progress(Progress("plot", 0, 0, str(plot_path)))
+        _say(progress, "plot", plot_path)
         plot = str(history_plot(history, plot_path, title=title))
     if report_dir is not None and distributed.is_main():
-        if progress is not None:
-            progress(Progress("report", 0, 0, str(report_dir)))
+        _say(progress, "report", report_dir)
         stages = model.class_stage.tolist()
         written = str(write_report(report_dir, predictions, targets, model.class_names, stages, history, title=title))
     return EvalResult(
@@ -132,6 +123,25 @@ def evaluate(
         answering_head(loaded),
         written,
     )
+
+
+def _check_options(
+    confusions: int, num_workers: int, precision: str, device: str, plot_path: Path | None, report_dir: Path | None
+) -> None:
+    """The options, before a minute of loading."""
+    if confusions < 0:
+        raise UsageError(f"--confusions must be >= 0, got {confusions}")
+    check_workers(num_workers)
+    check_precision(precision, resolve_device(device))
+    if plot_path is not None:
+        check_plot_path(plot_path)
+    if report_dir is not None:
+        check_report_dir(report_dir)
+
+
+def _say(progress: ProgressFn | None, phase: str, path: Path) -> None:
+    if progress is not None:
+        progress(Progress(phase, 0, 0, str(path)))
 
 
 def _eval_sets(loaded: LoadedRun, data_dir: Path | None, data: Any, class_names: Sequence[str] | None) -> list[EvalSet]:

@@ -355,17 +355,7 @@ def restore_class(
 
 def _restorable(state: ForgetState, name: str) -> Forgotten:
     """The entry ``restore`` brings back: the latest forget of ``name`` whose slices were kept."""
-    entries = [f for f in state.log.forgotten if f.name == name]
-    active = state.active_stage(name)
-    if not entries:
-        if active is not None:
-            raise RunStateError(f"class {name!r} is not forgotten (stage {active} learned it); nothing to restore")
-        raise _unknown(state, name)
-    if active is not None:
-        raise RunStateError(
-            f"class {name!r} was learned again in stage {active}; a run holds one class per name: forget that "
-            f"one first (`drl forget --class {name}`), then restore"
-        )
+    entries = _forgets_of(state, name)
     kept = [f for f in entries if f.kept]
     if not kept:
         raise RunStateError(
@@ -382,6 +372,22 @@ def _restorable(state: ForgetState, name: str) -> Forgotten:
     learned = {n: k for k in state.indices for n in state.classes[k]}
     refuse_near_duplicates([name], learned, what=f"forgotten class {name!r}")
     return entry
+
+
+def _forgets_of(state: ForgetState, name: str) -> list[Forgotten]:
+    """Every forget of ``name`` in the log; an error when it has none or the run learned it again."""
+    entries = [f for f in state.log.forgotten if f.name == name]
+    active = state.active_stage(name)
+    if not entries:
+        if active is not None:
+            raise RunStateError(f"class {name!r} is not forgotten (stage {active} learned it); nothing to restore")
+        raise _unknown(state, name)
+    if active is not None:
+        raise RunStateError(
+            f"class {name!r} was learned again in stage {active}; a run holds one class per name: forget that "
+            f"one first (`drl forget --class {name}`), then restore"
+        )
+    return entries
 
 
 def _moved(meta: dict[str, Any]) -> bool:

@@ -77,7 +77,13 @@ def survey_folder(root: Path | str, *, what: str) -> tuple[ImageSet | None, list
         return None, [*findings, Finding("split_folders", str(exc), [str(root)])]
     if not folders:
         return None, [*findings, Finding("layout", f"{what} {root} has no class folders; add one sub-folder per class")]
-    names, paths, labels = [], [], []
+    listing, found = _listing(folders, root, what)
+    return listing, findings + found
+
+
+def _listing(folders: list[Path], root: Path, what: str) -> tuple[ImageSet | None, list[Finding]]:
+    """The usable images of ``folders`` as one listing (None: none), and every class folder's findings."""
+    names, paths, labels, findings = [], [], [], []
     for class_dir in folders:
         files, found = _class_listing(class_dir, root, what)
         findings += found
@@ -86,8 +92,7 @@ def survey_folder(root: Path | str, *, what: str) -> tuple[ImageSet | None, list
             names.append(class_dir.name)
             paths += files
     findings += near_duplicate_names(names, {}, what=f"{what} {root}")
-    listing = ImageSet(root, tuple(names), tuple(paths), tuple(labels)) if names else None
-    return listing, findings
+    return (ImageSet(root, tuple(names), tuple(paths), tuple(labels)) if names else None), findings
 
 
 def _stray(path: Path, root: Path, what: str) -> Finding:

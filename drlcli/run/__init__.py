@@ -55,6 +55,6 @@ The folder, from the bottom: ``layout.py`` (the names), ``access.py`` (no-follow
 ``files.py`` (what bytes a file holds), ``checkpoint.py`` (the epoch checkpoint's sealed meta),
 ``lock.py`` (the writer lock, init's folder rules), ``writer.py`` (commits), ``directory.py``
 (``RunDir``: reading, one generation at a time, and the writer), ``records.py`` (stage.json and
-run.yaml as drl reads them), ``forgotten.py`` (the forget log and the active classes), ``load.py``
-(``load_run``: the model of a run).
+run.yaml as drl reads them), ``forgotten.py`` (the forget log and the active classes; ``slices.py``
+checks a forgotten class's kept slices), ``load.py`` (``load_run``: the model of a run).
 """

@@ -16,10 +16,11 @@ from torch import Tensor
 from .. import heads
 from ..data import ImageSet
 from ..errors import IntegrityError
-from ..heads import PerClass
+from ..heads import Head, PerClass
 from ..heads.checks import check_stages, dtype_problem, images_problem, recorded_images, slices_of
 from .layout import STAGE_WEIGHTS, STATISTICS, TOTALS, forgotten_rows_file, stage_file
 from .records import check_stage_meta, read_record
+from .slices import slice_problem
 
 if TYPE_CHECKING:
     from .directory import RunDir, StageRecord
@@ -314,7 +315,7 @@ def kept_rows(state: ForgetState, entry: Forgotten) -> dict[str, Tensor]:
         where = specs.get(key)
         if where is not None and not entry.stage <= where[0] <= entry.last_stage:  # the forget took none there
             where = None
-        problem = _slice_problem(state, key, piece, where)
+        problem = slice_problem(state, key, piece, where)
         if not problem and where is not None and where[1].images:  # what the next learn-stage draws follows
             counted = images_problem(piece, recorded_images(state.metas[entry.stage], entry.name))
             problem = f"{key} {counted}" if counted else None
@@ -338,30 +339,6 @@ def _missing_slices(state: ForgetState, entry: Forgotten, rows: dict[str, Tensor
     return None
 
 
-def _slice_problem(state: ForgetState, key: str, piece: Tensor, where: tuple[int, PerClass] | None) -> str | None:
-    """What is wrong with one kept slice (None: nothing)."""
-    if where is None:
-        return f"{key!r} is not one class's slice of a per-class tensor"
-    index, spec = where
-    tensor = state.tensors(index, spec.file).get(spec.name)
-    narrower = tensor is None and spec.carried  # a carried run's state, kept from a stage whose totals are superseded
-    if narrower:
-        tensor = state.tensors(state.indices[-1], spec.file).get(spec.name)
-    # integer slices (a carried run's counts and ranks) only where the live tensor holds that dtype
-    same_integers = tensor is not None and not tensor.is_floating_point() and piece.dtype == tensor.dtype
-    if piece.dim() <= spec.axis or piece.shape[spec.axis] != 1 or not (piece.is_floating_point() or same_integers):
-        return f"{key!r} is not one class's slice of a per-class tensor"
-    if not torch.isfinite(piece).all():
-        return f"{key} holds NaN or infinite values"
-    expected = None if tensor is None else tensor.shape[: spec.axis] + (1,) + tensor.shape[spec.axis + 1 :]
-    fits = expected is None or tuple(piece.shape) == tuple(expected)
-    if narrower and expected is not None and piece.dim() == len(expected):  # a Gaussian's directions, fewer then
-        fits = all(w <= n for w, n in zip(piece.shape, expected))
-    if not fits:
-        return f"{key} has shape {tuple(piece.shape)}, expected {tuple(expected)}"
-    return None
-
-
 def widened(piece: Tensor, like: Tensor, axis: int) -> Tensor:
     """A kept carried slice padded with zeros to one slice of ``like`` (along ``axis``): a class's
     Gaussian keeps as many directions as the run's widest class had at its forget, and later classes
@@ -382,11 +359,7 @@ def solved_slice(state: ForgetState, index: int, entry: Forgotten, rows: dict[st
     head = next((h for h in heads.HEADS.values() if any(p.name == spec.name for p in h.per_class)), None)
     if head is None or not spec.seen or index <= entry.last_stage:
         raise rows_error(state, entry, f"{slice_key(index, spec)} is missing")
-    kept = {  # its stage's slices, and a carried run's as the newest stage held them at the forget
-        p.name: rows[key]
-        for p in head.per_class
-        if (key := slice_key(entry.last_stage if p.carried else entry.stage, replace(p, file=FILES[p.file]))) in rows
-    }
+    kept = _kept_slices(head, entry, rows)
     statistics = [{**state.tensors(k, STATISTICS), **state.tensors(k, TOTALS)} for k in state.indices if k <= index]
     try:
         return head.load().restored_slice(spec.name, meta=state.metas[index], statistics=statistics, kept=kept)
@@ -394,3 +367,13 @@ def solved_slice(state: ForgetState, index: int, entry: Forgotten, rows: dict[st
         raise IntegrityError(
             f"stage {index} of run {state.run.path} cannot give back {spec.name} ({exc}); restore it from a backup"
         ) from exc
+
+
+def _kept_slices(head: Head, entry: Forgotten, rows: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The slices of ``head``'s tensors kept at the forget of ``entry``: its stage's, and a carried run's
+    as the newest stage held them at the forget."""
+    return {
+        p.name: rows[key]
+        for p in head.per_class
+        if (key := slice_key(entry.last_stage if p.carried else entry.stage, replace(p, file=FILES[p.file]))) in rows
+    }

@@ -274,6 +274,15 @@ def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch
     summed = since_totals(merged)
     if not (_all_hold(merged, RMD_ROWS) and _all_hold(summed, RUNNING)):
         return tensors
+    tensors.update(_rmd_tensors(run, stages[-1].index, merged, summed))
+    return tensors
+
+
+def _rmd_tensors(
+    run: RunDir, index: int, merged: list[dict[str, torch.Tensor]], summed: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The rmd statistics of ``_open_set_tensors``; stages whose tensors do not fit are damage (of stage ``index``)."""
+    tensors = {}
     name = ""
     try:  # row counts checked by the caller, the rest by openset's check_rmd
         for name in RMD_ROWS:  # one per class, concatenated
@@ -287,9 +296,9 @@ def _open_set_tensors(run: RunDir, stages: list[StageRecord]) -> dict[str, torch
                 raise ValueError(f"{RMD_MEAN_CARRIED} has shape {tuple(carried.shape)}, expected {shape}")
             tensors[RMD_MEAN] = carried
     except RuntimeError as exc:  # stages of different shapes: damage
-        raise _stage_error(run, stages[-1].index, ValueError(f"{name}: {exc}")) from exc
+        raise _stage_error(run, index, ValueError(f"{name}: {exc}")) from exc
     except ValueError as exc:
-        raise _stage_error(run, stages[-1].index, exc) from exc
+        raise _stage_error(run, index, exc) from exc
     return tensors
 
 

@@ -95,20 +95,29 @@ def check_stage_meta(run: RunDir, index: int, meta: dict[str, Any]) -> None:
 
 
 def _stage_meta_problem(index: int, meta: dict[str, Any]) -> str | None:
+    problem = _header_problem(index, meta)
+    return problem if problem is not None else next((p for check in _PARTS if (p := check(meta)) is not None), None)
+
+
+def _header_problem(index: int, meta: dict[str, Any]) -> str | None:
+    """The fields every stage.json has: their types, and the stage it says it is."""
     for key, kind in _STAGE_META_TYPES.items():
         if not isinstance(meta.get(key), kind):
             return f"{key} is not a {kind.__name__}"
     for key in ("stage", "num_params"):
         if not is_count(meta.get(key)):
             return f"{key} is not a count (an int in [0, 2^63))"
-    if meta["stage"] != index:
-        return f"it says it is stage {meta['stage']}"
+    return f"it says it is stage {meta['stage']}" if meta["stage"] != index else None
+
+
+def _names_problem(meta: dict[str, Any]) -> str | None:
+    """``classes`` a list of names; ``eval_data``, when present, an eval set found (``_eval_data_found``)."""
     if not meta["classes"] or not all(isinstance(c, str) and c for c in meta["classes"]):
         return "classes is not a list of names"
     eval_data = meta.get("eval_data")
     if eval_data is not None and not (isinstance(eval_data, dict) and _eval_data_found(eval_data)):
         return "eval_data has no path"
-    return next((problem for check in _PARTS if (problem := check(meta)) is not None), None)
+    return None
 
 
 def _eval_data_found(entry: dict[str, Any]) -> bool:
@@ -179,20 +188,30 @@ def _eval_problem(evaluation: Any) -> str | None:
         return None
     if not isinstance(evaluation, dict):
         return " is not a mapping"
+    problem = _eval_fields_problem(evaluation)
+    return problem if problem is not None else _groups_problem(evaluation.get("groups", {}))
+
+
+def _eval_fields_problem(evaluation: dict[str, Any]) -> str | None:
+    """``metrics.eval``'s accuracies (``_EVAL_FIELDS``): none drl does not report, each as it writes it."""
     unknown = sorted(set(evaluation) - {*_EVAL_FIELDS, "groups"})
     if unknown:
         return f" holds {unknown[0]!r}, no accuracy drl reports"
     for key, ok in _EVAL_FIELDS.items():
         if not ok(evaluation.get(key)) and (key in evaluation or key in ("top1", "num_images")):
             return f".{key} is not {'a count' if key == 'num_images' else 'a percentage'}"
-    groups = evaluation.get("groups", {})
+    return None
+
+
+def _groups_problem(groups: Any) -> str | None:
+    """``metrics.eval.groups``: a percentage per stage group."""
     if not isinstance(groups, dict):
         return ".groups is not a mapping"
     bad = next((g for g, v in groups.items() if not (g.isdigit() and len(g) < 10 and _is_percent(v))), None)
     return None if bad is None else f".groups.{bad[:20]} is not a stage's percentage"
 
 
-_PARTS = (_images_problem, _open_set_problem, _switch_problem, _metrics_problem)
+_PARTS = (_names_problem, _images_problem, _open_set_problem, _switch_problem, _metrics_problem)
 
 
 def _is_seconds(value: Any) -> bool:

@@ -131,12 +131,7 @@ def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise IntegrityError(f"{path} is not a readable drl export ({str(exc)[:100]}); export it again") from exc
     if metadata.get("format") != FORMAT:
         raise IntegrityError(f"{path} is not a drl export; pass a file written by `drl export`")
-    odd = next((f"{k} ({v.dtype})" for k, v in tensors.items() if v.dtype not in TENSOR_DTYPES), None)
-    if odd is not None:
-        raise IntegrityError(f"{path} holds tensor {odd} of a dtype drl never writes; export it again")
-    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
-    if bad is not None:  # a run refuses the same tensors: an export never answers from them
-        raise IntegrityError(f"{path} holds tensor {bad} with NaN or infinite values; export it again")
+    _check_tensors(path, tensors)
     modelfile.check_version(path, metadata.get("format_version"), FORMAT_VERSION, what="drl export", also=READS)
     spec = modelfile.parse_spec(path, metadata.get("spec", ""))
     modelfile.check_spec_sha256(path, spec)
@@ -151,6 +146,16 @@ def _read_export(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if not 0 <= spec["num_stages"] <= len(stored):
         raise IntegrityError(f"{path} has a malformed spec (num_stages {spec['num_stages']}); export it again")
     return tensors, spec
+
+
+def _check_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor of a dtype drl writes, and finite."""
+    odd = next((f"{k} ({v.dtype})" for k, v in tensors.items() if v.dtype not in TENSOR_DTYPES), None)
+    if odd is not None:
+        raise IntegrityError(f"{path} holds tensor {odd} of a dtype drl never writes; export it again")
+    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:  # a run refuses the same tensors: an export never answers from them
+        raise IntegrityError(f"{path} holds tensor {bad} with NaN or infinite values; export it again")
 
 
 def _config(path: Path, data: dict[str, Any]) -> RunConfig:

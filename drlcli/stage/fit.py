@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,21 +39,9 @@ def fit_features(stage: StageContext, began: Began | None = None, *, keep_f0: bo
     old_bias, old_rmd = model.unknown_bias, model.unknown_rmd
     if old_rmd is None and stage.index == 1:
         old_rmd = (Moments.empty(model.rmd_width), torch.zeros(0))
-    probes = _probes(stage)
-    if began is not None and began.paused:  # the network did not move: its rows as the stage began
-        feats, rmd_feats, labels = _own_share(began, stage, shard)
-    else:
-        feats, labels = _embed(stage, shard, computed, _layout(stage, head), probes)
-        feats, rmd_feats = split_probe(feats, len(probes), model.probe_weight)  # the head's rows, the rmd input
-    decision = None
-    if deciding(stage) and head is not None:
-        feats, rmd_feats, decision = _first_session(stage, head, feats, rmd_feats, labels, shard, probes)
-    carry = None
-    if stage.method.carries_network(stage.config) and head is not None:
-        earlier_rmd = old_rmd[0] if old_rmd is not None and len(old_rmd[0].counts) else None
-        carry, moved = _carry(stage, head, feats, rmd_feats, labels, shard, began, earlier_rmd)
-        if moved is not None:  # the earlier classes' rmd moments, moved with the network
-            old_rmd = (moved, old_rmd[1])
+    rows = _stage_rows(stage, head, shard, computed, began)
+    feats, rmd_feats, labels = rows.feats, rows.rmd_feats, rows.labels
+    carry, old_rmd = _carried(stage, head, rows, shard, began, old_rmd)
     _add_prototypes(stage, feats, labels, computed)
     stage.say("calibrate", 0, 0, "the unknown answer's thresholds")
     calibration, moments = _calibrate(stage, feats, rmd_feats, labels, shard, None if old_rmd is None else old_rmd[0])
@@ -66,7 +54,56 @@ def fit_features(stage: StageContext, began: Began | None = None, *, keep_f0: bo
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
     seconds = time.perf_counter() - tick + (began.seconds if began is not None else 0.0)  # its passes count too
     f0 = feats[:, 0].clone() if keep_f0 else None
-    return Fitted(fit, calibration, bias, rmd, seconds, decision, carry.meta if carry else None, f0)
+    return Fitted(fit, calibration, bias, rmd, seconds, rows.decision, carry.meta if carry else None, f0)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The stage's images as its fit reads them (this process's share): the head's rows, the rmd
+    inputs and the labels, after stage 1's choice between the adapted and the frozen PTM's features
+    (``decision``; None where nothing was decided)."""
+
+    feats: torch.Tensor
+    rmd_feats: torch.Tensor
+    labels: torch.Tensor
+    decision: Decision | None
+
+
+def _stage_rows(
+    stage: StageContext, head: Head | None, shard: list[int] | None, computed: int | None, began: Began | None
+) -> _Rows:
+    """One pass over this process's ``shard`` of the stage's images (a paused stage's rows are
+    ``began``'s, the network did not move), and at stage 1 of a run with a head the pass without the
+    adapters that decides whether they stay (``first_session.py``)."""
+    probes = _probes(stage)
+    if began is not None and began.paused:  # the network did not move: its rows as the stage began
+        feats, rmd_feats, labels = _own_share(began, stage, shard)
+    else:
+        feats, labels = _embed(stage, shard, computed, _layout(stage, head), probes)
+        feats, rmd_feats = split_probe(feats, len(probes), stage.model.probe_weight)  # the head's rows, the rmd input
+    decision = None
+    if deciding(stage) and head is not None:
+        feats, rmd_feats, decision = _first_session(stage, head, feats, rmd_feats, labels, shard, probes)
+    return _Rows(feats, rmd_feats, labels, decision)
+
+
+def _carried(
+    stage: StageContext,
+    head: Head | None,
+    rows: _Rows,
+    shard: list[int] | None,
+    began: Began | None,
+    old_rmd: tuple[Moments, torch.Tensor] | None,
+) -> tuple[Any, tuple[Moments, torch.Tensor] | None]:
+    """A carried run's stage (``_carry``; None for any other run) and the earlier classes' rmd
+    statistics ``old_rmd``, their moments moved with the network where the carry moved them."""
+    if not (stage.method.carries_network(stage.config) and head is not None):
+        return None, old_rmd
+    earlier_rmd = old_rmd[0] if old_rmd is not None and len(old_rmd[0].counts) else None
+    carry, moved = _carry(stage, head, rows.feats, rows.rmd_feats, rows.labels, shard, began, earlier_rmd)
+    if moved is not None:  # the earlier classes' rmd moments, moved with the network
+        old_rmd = (moved, old_rmd[1])
+    return carry, old_rmd
 
 
 def carried_start(stage: StageContext, frozen_f0: torch.Tensor | None = None) -> Began | None:

@@ -153,6 +153,13 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
         raise RunStateError(
             f"the epoch checkpoint of stage {key['stage']} in {run.path} is malformed; pass --restart to discard it"
         )
+    _refuse_other_training(run, key, meta)
+    state = {k: v for k, v in tensors.items() if not k.startswith(DEFERRED)}  # a frozen track's stage: not training's
+    return TrainState(meta["epoch"], state, list(meta["epoch_losses"]), float(meta["seconds"]), meta["steps"])
+
+
+def _refuse_other_training(run: RunDir, key: dict[str, Any], meta: dict[str, Any]) -> None:
+    """An error when the checkpoint's training is not this call's: another device type, precision, data or options."""
     written_on = meta.get("device", key["device"])  # absent: written before drl recorded it
     if written_on != key["device"]:
         raise RunStateError(
@@ -178,8 +185,6 @@ def _resumable(run: RunDir, key: dict[str, Any]) -> TrainState | None:
             f"stage {key['stage']} was interrupted after epoch {meta.get('epoch')} with other data or options "
             f"({', '.join(differs)}); re-run with the same ones to resume, or pass --restart to discard it"
         )
-    state = {k: v for k, v in tensors.items() if not k.startswith(DEFERRED)}  # a frozen track's stage: not training's
-    return TrainState(meta["epoch"], state, list(meta["epoch_losses"]), float(meta["seconds"]), meta["steps"])
 
 
 _CHECKPOINT_META_TYPES = {"epoch": int, "epoch_losses": list, "seconds": (int, float), "steps": int, "train": dict}

@@ -85,33 +85,57 @@ class Carried:
         none (a run made before runs kept them). ValueError when they do not fit."""
         if CARRY_Q["q_fit"] not in totals:
             return None
-        q_fit, q_val = (totals[CARRY_Q[name]] for name in ("q_fit", "q_val"))
-        for name, q in (("fit", q_fit), ("val", q_val)):
-            if tuple(q.shape) != (size, classes):
-                raise ValueError(f"the kept Q ({name}) is {tuple(q.shape)}, not ({size}, {classes})")
-        grams = [totals[name] for name in ("gram_fit", "gram_val")]
-        if any(tuple(g.shape) != (size * (size + 1) // 2,) for g in grams) or tuple(totals["counts"].shape) != (2,):
-            raise ValueError(f"the kept Grams or counts do not fit a projection of {size} columns")
-        counts = totals["counts"]
-        if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
-            raise ValueError("the kept image counts are not counts")
-        kept = {"q_fit": q_fit, "q_val": q_val, "gram_fit": grams[0], "gram_val": grams[1], "counts": counts}
-        statistics = replace(Statistics.from_tensors(kept), totals=True, lam=lam)
+        statistics = replace(_kept_statistics(totals, classes=classes, size=size), totals=True, lam=lam)
         if rank is None:
             return cls(statistics, {}, {}, drawn=False)
-        shapes = {COV_MEAN: (classes, width)}
-        if rank:
-            shapes.update({COV_FACTOR: (classes, width, rank), COV_TRACE: (classes,)})
-        else:
-            shapes[COV_COVARIANCE] = (classes, width, width)
-        rows = {name: totals.get(CARRY_COV[name]) for name in shapes}
-        scatter = {COV_SCATTER: totals.get(COV_SCATTER), COV_COUNTS: totals.get(COV_COUNTS)}
-        for name, want in (*shapes.items(), (COV_SCATTER, (width, width)), (COV_COUNTS, (2,))):
-            tensor = rows.get(name, scatter.get(name))
-            if tensor is None or tuple(tensor.shape) != want:
-                shape = "missing" if tensor is None else tuple(tensor.shape)
-                raise ValueError(f"the kept class covariances' {name} is {shape}, not {want}")
+        rows, scatter = _kept_covariances(totals, classes=classes, width=width, rank=rank)
         return cls(statistics, rows, {name: t.to(STAT_DTYPE) for name, t in scatter.items()}, drawn=False)
+
+
+def _kept_statistics(totals: dict[str, Tensor], *, classes: int, size: int) -> Statistics:
+    """The ridge's sums a carried run's newest stage kept (Q as ``ridge.CARRY_Q``, the Grams and
+    counts under their own names), each shape checked against ``classes`` and a projection of
+    ``size`` columns before they are read (ValueError: a crafted or damaged totals file)."""
+    q_fit, q_val = (totals[CARRY_Q[name]] for name in ("q_fit", "q_val"))
+    for name, q in (("fit", q_fit), ("val", q_val)):
+        if tuple(q.shape) != (size, classes):
+            raise ValueError(f"the kept Q ({name}) is {tuple(q.shape)}, not ({size}, {classes})")
+    grams = [totals[name] for name in ("gram_fit", "gram_val")]
+    if any(tuple(g.shape) != (size * (size + 1) // 2,) for g in grams) or tuple(totals["counts"].shape) != (2,):
+        raise ValueError(f"the kept Grams or counts do not fit a projection of {size} columns")
+    counts = totals["counts"]
+    if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()):
+        raise ValueError("the kept image counts are not counts")
+    kept = {"q_fit": q_fit, "q_val": q_val, "gram_fit": grams[0], "gram_val": grams[1], "counts": counts}
+    return Statistics.from_tensors(kept)
+
+
+def _covariance_shapes(classes: int, width: int, rank: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``classes`` classes' covariance rows of x in R^``width``: μ_c, and S_c
+    (``rank`` 0) or its rank-r factor and trace."""
+    shapes = {COV_MEAN: (classes, width)}
+    if rank:
+        shapes.update({COV_FACTOR: (classes, width, rank), COV_TRACE: (classes,)})
+    else:
+        shapes[COV_COVARIANCE] = (classes, width, width)
+    return shapes
+
+
+def _kept_covariances(
+    totals: dict[str, Tensor], *, classes: int, width: int, rank: int
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The class covariance rows (``ridge.CARRY_COV``) and the within-class scatter with its counts
+    that a carried run's newest stage kept, every one present and of its shape (ValueError names the
+    first that is not): the next stage's fit reads them as its earlier classes'."""
+    shapes = _covariance_shapes(classes, width, rank)
+    rows = {name: totals.get(CARRY_COV[name]) for name in shapes}
+    scatter = {COV_SCATTER: totals.get(COV_SCATTER), COV_COUNTS: totals.get(COV_COUNTS)}
+    for name, want in (*shapes.items(), (COV_SCATTER, (width, width)), (COV_COUNTS, (2,))):
+        tensor = rows.get(name, scatter.get(name))
+        if tensor is None or tuple(tensor.shape) != want:
+            shape = "missing" if tensor is None else tuple(tensor.shape)
+            raise ValueError(f"the kept class covariances' {name} is {shape}, not {want}")
+    return rows, scatter
 
 
 @dataclass(frozen=True)
@@ -156,14 +180,43 @@ def carry_stage(
     cfg = config.ranpac
     width = feats.shape[-1] * (cfg.subspaces + layout**2)
     tokens = _tokens(feats, width, layout)
-    labels = labels.cpu()
+    own, own_parts = _own_classes(config, tokens, labels.cpu(), stage_index)
+    if earlier is None:
+        return CarryStep(None, own, own_parts, None)
+    stage_tensors, totals = earlier
+    old, parts = _earlier_classes(totals, earlier_classes, tokens)
+    lam = float(totals[LAMBDA]) if LAMBDA in totals else None
+    projection = stage_tensors[0][PROJECTION]
+    rank = cfg.covariance_rank if cfg.covariance_weight > 0 else None  # of the rows carried (None: none)
+    carried = None
+    if before is None:  # nothing moved: the sums the newest stage kept, where it kept them
+        moved, move = old, 0.0
+        carried = _kept(totals, classes=len(old), size=projection.shape[1], lam=lam, width=tokens.shape[-1], rank=rank)
+    else:
+        maps = TokenMaps.fit(_tokens(before, width, layout), tokens, cfg.carry_lambda)
+        moved, move = old.moved(maps), maps.move
+    if carried is None:
+        carried = Carried.of_draws(_drawn(config, moved, parts, projection, layout, stage_index, device), lam, rank)
+    meta = _carry_meta(config, carried, move=move, classes=len(old), tick=tick)
+    return CarryStep(carried, moved.joined(own), torch.cat([parts, own_parts]), meta)
+
+
+def _own_classes(config: RunConfig, tokens: Tensor, labels: Tensor, stage_index: int) -> tuple[ClassGaussians, Tensor]:
+    """The stage's own classes' Gaussians, from its images' ``tokens`` and local ``labels`` (on the
+    CPU), and their (C, 2) fit and held-out image counts, split as the head's fit splits them
+    (``validation_mask``, the same seed)."""
+    cfg = config.ranpac
     n = int(labels.max()) + 1 if len(labels) else 0
     val = validation_mask(labels, fraction=cfg.val_fraction, seed=config.train.seed + stage_index)
     own = ClassGaussians.of([tokens[labels == c] for c in range(n)], cfg.carry_rank)
     own_parts = torch.tensor([[int((~val[labels == c]).sum()), int(val[labels == c].sum())] for c in range(n)])
-    if earlier is None:
-        return CarryStep(None, own, own_parts, None)
-    stage_tensors, totals = earlier
+    return own, own_parts
+
+
+def _earlier_classes(totals: dict[str, Tensor], earlier_classes: int, tokens: Tensor) -> tuple[ClassGaussians, Tensor]:
+    """The earlier classes' Gaussians and image counts as the newest totals hold them, checked against
+    the ``earlier_classes`` the run has and the tokens the head reads: IntegrityError otherwise (a
+    crafted or damaged carry)."""
     try:
         old, parts = carried_classes(totals)
         if len(old) != earlier_classes:
@@ -172,39 +225,33 @@ def carry_stage(
             raise ValueError(f"class Gaussians of tokens {tuple(old.tokens)}, not the head's {tuple(tokens.shape[1:])}")
     except (KeyError, ValueError) as exc:
         raise IntegrityError(f"the run's carried classes do not fit ({exc}); restore it from a backup") from exc
-    lam = float(totals[LAMBDA]) if LAMBDA in totals else None
-    projection = stage_tensors[0][PROJECTION]
-    rank = cfg.covariance_rank if cfg.covariance_weight > 0 else None  # of the rows carried (None: none)
-    carried = None
-    if before is None:  # nothing moved: the sums the newest stage kept, where it kept them
-        moved, move = old, 0.0
-        try:
-            carried = Carried.kept(
-                totals,
-                classes=len(old),
-                size=projection.shape[1],
-                lam=lam,
-                width=tokens.shape[-1],
-                rank=rank,
-            )
-        except (KeyError, ValueError) as exc:
-            raise IntegrityError(f"the run's kept sums do not fit ({exc}); restore it from a backup") from exc
-    else:
-        maps = TokenMaps.fit(_tokens(before, width, layout), tokens, cfg.carry_lambda)
-        moved, move = old.moved(maps), maps.move
-    if carried is None:
-        carried = Carried.of_draws(_drawn(config, moved, parts, projection, layout, stage_index, device), lam, rank)
-    meta = {
+    return old, parts
+
+
+def _kept(
+    totals: dict[str, Tensor], *, classes: int, size: int, lam: float | None, width: int, rank: int | None
+) -> Carried | None:
+    """``Carried.kept``, a kept sum that does not fit an IntegrityError (None: the run kept none)."""
+    try:
+        return Carried.kept(totals, classes=classes, size=size, lam=lam, width=width, rank=rank)
+    except (KeyError, ValueError) as exc:
+        raise IntegrityError(f"the run's kept sums do not fit ({exc}); restore it from a backup") from exc
+
+
+def _carry_meta(config: RunConfig, carried: Carried, *, move: float, classes: int, tick: float) -> dict[str, Any]:
+    """stage.json's record of the carry: how far the images moved, and how the earlier classes' sums
+    were had (drawn, with the run's options, or the stage before's kept: no draws)."""
+    cfg = config.ranpac
+    return {
         "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow
         "map_lambda": cfg.carry_lambda,
         "draws": cfg.carry_draws if carried.drawn else 0,  # 0: the sums the stage before kept
         "mean": cfg.carry_mean if carried.drawn else None,
         "gram_draws": cfg.carry_gram_draws if carried.drawn else None,
         "grams": cfg.carry_grams if carried.drawn else None,
-        "classes": len(old),
+        "classes": classes,
         "seconds": round(time.perf_counter() - tick, 3),
     }
-    return CarryStep(carried, moved.joined(own), torch.cat([parts, own_parts]), meta)
 
 
 def _drawn(

@@ -202,16 +202,7 @@ class ClassGaussians:
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{prefix}{name} must be {want}, not {tuple(tensor.shape)}")
         _check_dtypes(parts, prefix)
-        if bool(((ranks < 0) | (ranks > factors.shape[1])).any()):
-            raise ValueError(f"{prefix}rank must be integers within 0..{factors.shape[1]}")
-        if bool((parts["counts"] < 1).any()):
-            raise ValueError(f"{prefix}count must be positive integers")
-        groups = parts["groups"]
-        if bool(((groups < -1) | (groups >= len(linears))).any()):
-            raise ValueError(f"{prefix}group must be integers within -1..{len(linears) - 1}")
-        spreads = parts["spreads"]
-        if not bool(torch.isfinite(spreads).all()) or bool((spreads < 0).any()):
-            raise ValueError(f"{prefix}spread must be finite and not negative")
+        _check_values(parts, prefix)
         return cls(**parts)
 
 
@@ -238,6 +229,24 @@ def _check_dtypes(parts: dict[str, Tensor], prefix: str) -> None:
         if tensor.dtype != want:
             kind = "integers" if want == torch.int64 else "floats"
             raise ValueError(f"{prefix}{name} must be {kind} ({want}), not {tensor.dtype}")
+
+
+def _check_values(parts: dict[str, Tensor], prefix: str) -> None:
+    """The values ``draw`` and ``joined`` index or scale by, within their ranges (a crafted carry
+    could otherwise read past a factor or a group's map, or draw with a negative spread): the ranks
+    within the factors' width, the counts positive, the groups -1 (none) or a map's, the spreads
+    finite and not negative; ValueError names the first that is off."""
+    ranks, factors, linears = parts["ranks"], parts["factors"], parts["linears"]
+    if bool(((ranks < 0) | (ranks > factors.shape[1])).any()):
+        raise ValueError(f"{prefix}rank must be integers within 0..{factors.shape[1]}")
+    if bool((parts["counts"] < 1).any()):
+        raise ValueError(f"{prefix}count must be positive integers")
+    groups = parts["groups"]
+    if bool(((groups < -1) | (groups >= len(linears))).any()):
+        raise ValueError(f"{prefix}group must be integers within -1..{len(linears) - 1}")
+    spreads = parts["spreads"]
+    if not bool(torch.isfinite(spreads).all()) or bool((spreads < 0).any()):
+        raise ValueError(f"{prefix}spread must be finite and not negative")
 
 
 def _pad(factors: Tensor, width: int) -> Tensor:

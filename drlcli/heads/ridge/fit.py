@@ -98,15 +98,9 @@ def fit_stage(
     val = val_all if indices is None else val_all[torch.tensor(indices, dtype=torch.long)]
     phi = expand(head_input(features, projection.shape[0], layout**2).cpu(), projection)
     stage = Statistics.of(phi, labels.cpu(), num_classes, val).all_reduced()
-    scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
     carried = earlier.carried
     carries = carries or carried is not None
-    if carried is None:
-        total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
-    else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians, or kept (carry.py)
-        total = Statistics.accumulate([carried.statistics, stage])
-        if carried.scatter:
-            scatters.append(carried.scatter)
+    total, scatters = _totals(earlier, stage)
     lambdas = lambda_grid(cfg)
     seed = config.train.seed + stage_index
     lam, errors, validated = _choose_lambda(
@@ -118,33 +112,11 @@ def fit_stage(
     # a carried run solves every column again: the earlier W was solved on other features
     moved = {} if carried is not None else _moved(earlier, total, lam, phi, images=len(image_labels), new=num_classes)
     weight = solve(total, lam, **moved)
-    tensors = {WEIGHT: weight.float()}
-    if earlier.head is None:
-        tensors[PROJECTION] = projection.float()
-        if layout:
-            tensors[LAYOUT] = torch.tensor(layout)
-    # the stage's own Q, and the run's totals through this stage (record.py puts them in its totals
-    # file); a carried run keeps λ alone (its next stage draws the sums again), or when it keeps its
-    # sums, Q of every class beside the Grams
-    statistics = {TOTALS_MARK: torch.tensor([stage_index]), LAMBDA: torch.tensor([lam], dtype=STAT_DTYPE)}
-    if not carries:
-        statistics.update({**stage.own(), **total.running()})
-    elif keeps:
-        statistics.update({**total.running(), **{CARRY_Q[name]: q for name, q in total.own().items()}})
+    tensors = _weights(earlier, weight, projection, layout)
+    statistics = _run_statistics(stage, total, lam, stage_index, carries=carries, keeps=keeps)
     if cfg.covariance_weight > 0:
         _covariances(earlier, features, labels, num_classes, cfg, scatters, tensors, statistics)
-    # μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits
-    # them there), or in a carried run as drawn now, every class's then kept in the run's totals
-    stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
-    newest = tensors
-    if carries and not keeps:
-        for name in (COV_SCATTER, COV_COUNTS):  # summed for the pooled covariance only
-            statistics.pop(name, None)
-    if carries and COV_PARAMS in tensors:
-        own = {name: tensors.pop(name) for name in CARRY_COV if name in tensors}
-        stages = [carried.rows, own] if carried is not None else [own]
-        statistics.update({CARRY_COV[name]: joined_rows(stages, name) for name in own})
-        newest = {**tensors, **statistics}
+    rows = _covariance_rows(earlier, tensors, statistics, carries=carries, keeps=keeps)
     meta = {
         "lambda": lam,
         "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
@@ -156,14 +128,94 @@ def fit_stage(
         "proj_dim": projection.shape[1],
         "layout_grid": layout,
     }
-    try:  # the earlier stages' class covariances are checked here (learn-stage loads the run without them)
-        head = RanpacHead.assemble(projection, newest, stages, layout=layout)
+    head = _assemble(projection, rows, layout)
+    meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
+    return StageFit(head, tensors, statistics, meta, weight.numel())
+
+
+def _totals(earlier: EarlierStages, stage: Statistics) -> tuple[Statistics, list[dict[str, Tensor]]]:
+    """The run's statistics through this ``stage``, and the earlier stages' within-class scatters
+    the pooled covariance adds to (each kept while folding: ``_each_stage``). A carried run's earlier
+    classes' sums are drawn from their moved Gaussians, or kept (``carry.py``): one term, not a
+    stage's files each."""
+    scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
+    carried = earlier.carried
+    if carried is None:
+        total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
+    else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians, or kept (carry.py)
+        total = Statistics.accumulate([carried.statistics, stage])
+        if carried.scatter:
+            scatters.append(carried.scatter)
+    return total, scatters
+
+
+def _weights(earlier: EarlierStages, weight: Tensor, projection: Tensor, layout: int) -> dict[str, Tensor]:
+    """The stage's weights file: W, and at stage 1 R and g too (every later stage reads them there)."""
+    tensors = {WEIGHT: weight.float()}
+    if earlier.head is None:
+        tensors[PROJECTION] = projection.float()
+        if layout:
+            tensors[LAYOUT] = torch.tensor(layout)
+    return tensors
+
+
+def _run_statistics(
+    stage: Statistics, total: Statistics, lam: float, stage_index: int, *, carries: bool, keeps: bool
+) -> dict[str, Tensor]:
+    """The stage's statistics file: its own Q, and the run's totals through this stage (record.py puts
+    them in its totals file); a carried run keeps λ alone (its next stage draws the sums again), or
+    when it ``keeps`` its sums, Q of every class beside the Grams."""
+    statistics = {TOTALS_MARK: torch.tensor([stage_index]), LAMBDA: torch.tensor([lam], dtype=STAT_DTYPE)}
+    if not carries:
+        statistics.update({**stage.own(), **total.running()})
+    elif keeps:
+        statistics.update({**total.running(), **{CARRY_Q[name]: q for name, q in total.own().items()}})
+    return statistics
+
+
+@dataclass(frozen=True)
+class _HeadRows:
+    """What the head is assembled from: the stages whose weights give the class covariance rows (μ_c
+    and S_c of every class so far), and the newest stage's tensors (R, W and the shared covariance;
+    a carried run's rows from its totals)."""
+
+    stages: list[dict[str, Tensor]]
+    newest: dict[str, Tensor]
+
+
+def _covariance_rows(
+    earlier: EarlierStages,
+    tensors: dict[str, Tensor],
+    statistics: dict[str, Tensor],
+    *,
+    carries: bool,
+    keeps: bool,
+) -> _HeadRows:
+    """μ_c and S_c of earlier stages' classes: their weights files as the run was loaded (forget edits
+    them there), or in a carried run as drawn now, every class's then kept in the run's totals (moved
+    out of ``tensors`` into ``statistics``, which also drop the scatter unless the run ``keeps`` its sums)."""
+    stages = [*earlier.tensors, tensors] if COV_PARAMS in tensors else [tensors]
+    newest = tensors
+    if carries and not keeps:
+        for name in (COV_SCATTER, COV_COUNTS):  # summed for the pooled covariance only
+            statistics.pop(name, None)
+    if carries and COV_PARAMS in tensors:
+        own = {name: tensors.pop(name) for name in CARRY_COV if name in tensors}
+        stages = [earlier.carried.rows, own] if earlier.carried is not None else [own]
+        statistics.update({CARRY_COV[name]: joined_rows(stages, name) for name in own})
+        newest = {**tensors, **statistics}
+    return _HeadRows(stages, newest)
+
+
+def _assemble(projection: Tensor, rows: _HeadRows, layout: int) -> RanpacHead:
+    """The head, the earlier stages' class covariances checked here (learn-stage loads the run without
+    them): IntegrityError when they do not fit."""
+    try:
+        return RanpacHead.assemble(projection, rows.newest, rows.stages, layout=layout)
     except (RuntimeError, KeyError, ValueError) as exc:
         raise IntegrityError(
             f"the run's class covariances do not fit ({str(exc).splitlines()[0]}); restore it from a backup"
         ) from exc
-    meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
-    return StageFit(head, tensors, statistics, meta, weight.numel())
 
 
 def _choose_lambda(

@@ -79,14 +79,7 @@ def expected_sums(
     the two Grams' sum reads every row at n / read as before) and the rows of many classes go into one
     product a part, so no class costs an M × M pass of its own; False: every read row enters both
     Grams, one M × M sum a class."""
-    if parts.shape != (len(gaussians), 2):
-        raise ValueError(f"parts must be (classes, 2) = ({len(gaussians)}, 2), not {tuple(parts.shape)}")
-    if draws < 1:
-        raise ValueError(f"draws must be at least 1, not {draws}")
-    if gram_draws is not None and (gram_draws < 1 or not exact_mean):
-        raise ValueError(f"gram_draws must be at least 1 and needs exact_mean, not {gram_draws}")
-    if split_rows and not exact_mean:
-        raise ValueError("split_rows needs exact_mean")
+    _check_options(gaussians, parts, draws, gram_draws=gram_draws, exact_mean=exact_mean, split_rows=split_rows)
     device = device if torch.device(device).type == "cuda" else "cpu"
     gaussians, projection = gaussians.to(device), projection.to(device, STAT_DTYPE)
     width, size = projection.shape
@@ -100,41 +93,96 @@ def expected_sums(
     total = float(gaussians.counts.sum())
     exact = relu_means(gaussians, projection, layout_cells) if exact_mean else None
     sink = _Split(grams, parts) if split_rows else _Shared(grams, q, parts, centred=exact is not None)
+    drawer = _Drawer(gaussians, projection, width, layout_cells, generator, sink, exact)
     for c in range(len(gaussians)):
         images = int(gaussians.counts[c])
         number = draws * images
         # the draws whose φ the sums read: every one, or the class's share of gram_draws
         read = number if gram_draws is None else min(number, max(1, round(gram_draws * images / total)))
         sink.start(c, read)
-        x_scatter = torch.zeros(d, d, **zeros)
-        # the draws the sums read, whole, then the rest for x alone (its first token): chunks of at most CHUNK
-        chunks = [(a, min(CHUNK, read - a), False) for a in range(0, read, CHUNK)]
-        chunks += [(a, min(CHUNK, number - a), True) for a in range(read, number, CHUNK)]
-        for start, count, first_only in chunks:
-            samples = gaussians.draw(c, count, generator, first_only=first_only).to(STAT_DTYPE)
-            x = covariance_input(samples)
-            mean = x.mean(0)
-            centred = x - mean
-            # the chunks' centred scatters joined (Chan et al.): positive semi-definite by construction
-            step = mean - means[c]
-            x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
-            means[c] += step * len(x) / (start + len(x))
-            if not first_only:
-                phi = expand(head_input(samples[: read - start], width, layout_cells), projection)
-                sink.add(start, phi if exact is None else phi.sub_(exact[c]))
+        x_scatter = drawer.draw_class(c, read, number, means[c])
         covariances[c] = x_scatter / max(number - 1, 1)
         scatter += (images - 1) * covariances[c]
         sink.end()
     sink.flush()
     if exact is not None:
-        for part in range(2):
-            weights = parts[:, part].to(**zeros)
-            q[part] = (exact * weights[:, None]).T
-            grams[part].addmm_(exact.T * weights, exact)  # Σ_c n_part m mᵀ, one product for every class
+        _add_exact_means(q, grams, exact, parts)
     counts = parts.to(STAT_DTYPE).sum(0)
     q, grams = q.cpu(), grams.cpu()
     statistics = Statistics(grams[0], grams[1], q[0], q[1], float(counts[0]), float(counts[1]))
     return DrawnSums(statistics, means.cpu(), covariances.cpu(), scatter.cpu(), gaussians.counts.clone().cpu())
+
+
+def _check_options(
+    gaussians: ClassGaussians,
+    parts: Tensor,
+    draws: int,
+    *,
+    gram_draws: int | None,
+    exact_mean: bool,
+    split_rows: bool,
+) -> None:
+    """``expected_sums``' arguments, checked before any draw: ValueError names the first that is off
+    (``gram_draws`` and ``split_rows`` only mean something with the closed-form mean)."""
+    if parts.shape != (len(gaussians), 2):
+        raise ValueError(f"parts must be (classes, 2) = ({len(gaussians)}, 2), not {tuple(parts.shape)}")
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, not {draws}")
+    if gram_draws is not None and (gram_draws < 1 or not exact_mean):
+        raise ValueError(f"gram_draws must be at least 1 and needs exact_mean, not {gram_draws}")
+    if split_rows and not exact_mean:
+        raise ValueError("split_rows needs exact_mean")
+
+
+def _chunks(read: int, number: int) -> list[tuple[int, int, bool]]:
+    """(start, count, first_only) of a class's ``number`` draws: the ``read`` draws the sums read,
+    whole, then the rest for x alone (its first token): chunks of at most CHUNK."""
+    chunks = [(a, min(CHUNK, read - a), False) for a in range(0, read, CHUNK)]
+    chunks += [(a, min(CHUNK, number - a), True) for a in range(read, number, CHUNK)]
+    return chunks
+
+
+@dataclass(frozen=True)
+class _Drawer:
+    """What every class's draws share in ``expected_sums``: the Gaussians on the sums' device, R (and
+    its input ``width``, the layout cells ``head_input`` reads), the one CPU ``generator`` (the classes
+    drawn in order from it), the sink their φ go to, and E[φ] of each class (None: uncentred)."""
+
+    gaussians: ClassGaussians
+    projection: Tensor
+    width: int
+    layout_cells: int
+    generator: torch.Generator
+    sink: _Shared | _Split
+    exact: Tensor | None
+
+    def draw_class(self, c: int, read: int, number: int, mean: Tensor) -> Tensor:
+        """Class ``c``'s ``number`` draws, the first ``read`` of them into the sink: the running mean
+        of its x into ``mean`` (its row of the means, in place) and the scatter of x returned."""
+        d = self.gaussians.tokens[1]
+        x_scatter = torch.zeros(d, d, dtype=STAT_DTYPE, device=self.projection.device)
+        for start, count, first_only in _chunks(read, number):
+            samples = self.gaussians.draw(c, count, self.generator, first_only=first_only).to(STAT_DTYPE)
+            x = covariance_input(samples)
+            chunk_mean = x.mean(0)
+            centred = x - chunk_mean
+            # the chunks' centred scatters joined (Chan et al.): positive semi-definite by construction
+            step = chunk_mean - mean
+            x_scatter += centred.T @ centred + torch.outer(step, step) * start * len(x) / (start + len(x))
+            mean += step * len(x) / (start + len(x))
+            if not first_only:
+                phi = expand(head_input(samples[: read - start], self.width, self.layout_cells), self.projection)
+                self.sink.add(start, phi if self.exact is None else phi.sub_(self.exact[c]))
+        return x_scatter
+
+
+def _add_exact_means(q: Tensor, grams: Tensor, exact: Tensor, parts: Tensor) -> None:
+    """With the closed-form mean m = E[φ]: Q_part = n_part · m, and n_part m mᵀ added to each Gram
+    (the draws gave the centred part), in place."""
+    for part in range(2):
+        weights = parts[:, part].to(dtype=STAT_DTYPE, device=q.device)
+        q[part] = (exact * weights[:, None]).T
+        grams[part].addmm_(exact.T * weights, exact)  # Σ_c n_part m mᵀ, one product for every class
 
 
 class _Shared:

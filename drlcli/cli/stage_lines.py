@@ -1,0 +1,84 @@
+"""A stage's decisions, for people: the first-session decision, a carried stage's carry and
+forward transfer, and a switched run's answering track. Lines for ``learn-stage`` and ``info``
+(``render``), from the JSON payload's records; each line without its newline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def first_session_line(d: dict[str, Any]) -> str:
+    """Stage 1's first-session decision (``first_session.decide``), for people."""
+    scores = f"held-out top-1 {d['adapted_top1']:.2f} adapted, {d['frozen_top1']:.2f} frozen, on {d['held_out']} images"
+    if d["kept"] == "adapted":
+        return f"first session: the adapted PTM is kept ({scores})"
+    return f"first session: the frozen PTM is kept, the adapters are not stored ({scores})"
+
+
+def transfer_line(d: dict[str, Any]) -> str:
+    """A carried stage's forward transfer (``metrics.Transfer``), for people."""
+    if d["transfers"]:
+        verdict = "adapting transfers to new classes here"
+    elif d.get("stalls"):
+        verdict = (
+            f"adapting does not transfer to new classes here: even its upper bound, {d['ceiling']:+.1f} %, is under "
+            f"the {d['floor']:g} % a switch needs (a switched run with first_session.pause transfer trains its carried network "
+            "no further while that holds)"
+        )
+    else:
+        verdict = (
+            f"adapting does not transfer to new classes here yet (its upper bound is {d['ceiling']:+.1f} %; the "
+            "frozen PTM (`drl --preset frozen`) may answer as well)"
+        )
+    so_far = f"run so far {d['gain']:+.1f} % of {d['run']['images']} images: {verdict}"
+    if not d["images"]:  # metrics.measure: a stage of one class has nothing to tell apart
+        return (
+            f"forward transfer: not measured at this stage (it compares the stage's own classes; it has one); {so_far}"
+        )
+    return (
+        f"forward transfer: of this stage's {d['images']} images (classes never trained on), the adapters as the "
+        f"stage began got {d['better']} right that the frozen PTM missed and missed {d['worse']} it got; {so_far}"
+    )
+
+
+def switch_line(d: dict[str, Any]) -> str:
+    """Which track a switched run answers from after a stage (``run/track.py``), for people."""
+    top1 = {k: "n/a" if v is None else f"{v:.2f}" for k, v in d["top1"].items()}
+    if d["answers"] == "carried":
+        return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']})"
+    return (
+        f"the run answers from its frozen track, the frozen PTM (`drl --preset frozen`; top-1 {top1['frozen']}; the "
+        f"carried network {top1['carried']}), until adapting transfers to new classes"
+    )
+
+
+def carry_lines(c: dict[str, Any]) -> list[str]:
+    """A carried run's stage after the first (learn-stage's ``carry``): how it carried the earlier
+    classes, and its forward transfer."""
+    if c.get("paused"):
+        sums = (
+            f"drawn {c['draws']} times per image from their class Gaussians{_sums_how(c)}"
+            if c.get("draws")
+            else "the sums the stage before kept"
+        )
+        lines = [
+            f"carried {c['classes']} earlier classes as they stood: the adapters did not move, nor did their "
+            f"class Gaussians; the head read {sums} ({c['seconds']:.1f}s)"
+        ]
+    else:
+        lines = [
+            f"carried {c['classes']} earlier classes: the adapters moved this stage's images by {c['move']:.2g} "
+            f"(relative squared); their class Gaussians moved with them and drawn {c['draws']} times per image"
+            f"{_sums_how(c)} ({c['seconds']:.1f}s)"
+            + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
+        ]
+    return lines + ([transfer_line(c["transfer"])] if c.get("transfer") else [])
+
+
+def _sums_how(carry: dict) -> str:
+    """How a carried stage rebuilt the earlier classes' sums (the ridge head's ``carry_mean exact``), for its line."""
+    if carry.get("mean") != "exact":
+        return ""
+    cap = carry.get("gram_draws")
+    split = ", split between the fit and held-out parts" if carry.get("grams") == "split" else ""
+    return " (their means in closed form" + (f", the Grams from at most {cap:,} draws" if cap else "") + split + ")"
