@@ -190,3 +190,13 @@ def test_ranpac_is_named_only_by_the_ridge_head_and_its_method():
         if word.search(p.read_text()) and not str(p.relative_to(PACKAGE)).startswith(allowed)
     )
     assert not found, found
+
+
+def test_the_product_tree_holds_no_lab_and_its_pages_stay_short():
+    """Research lives in git history (the docs cite it at its commit); the pages a user reads first stay short."""
+    root = PACKAGE.parent
+    assert not (root / "benchmarks" / "research").exists() and not (root / "docs" / "research").exists()
+    limits = {"README.md": 200, "docs/benchmarks.md": 300, "CHANGELOG.md": 300}
+    long = {name: n for name, limit in limits.items() if (n := len((root / name).read_text().splitlines())) >= limit}
+    assert not long, long
+    assert "## [0.1.0]" in (root / "CHANGELOG.md").read_text()
