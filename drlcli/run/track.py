@@ -44,7 +44,7 @@ from .layout import (
     stage_file,
 )
 from .records import check_stage_meta, checked_metas, read_record, run_record, transfer_record
-from .writer import RunWriter
+from .writer import RunWriter, next_manifest
 
 CARRIED, FROZEN = "carried", "frozen"
 
@@ -121,10 +121,7 @@ class TrackWriter(RunWriter):
             {TRACK_PREFIX + n: b for n, b in files.items()}, tuple(TRACK_PREFIX + n for n in supersede)
         )
         entries = {name: {"sha256": sha256_bytes(data), "bytes": len(data)} for name, data in files.items()}
-        kept = {k: v for k, v in (manifest["files"] if manifest else {}).items() if k not in supersede}
-        stages = [*(manifest["stages"] if manifest else []), *([new_stage] if new_stage is not None else [])]
-        generation = (manifest["generation"] + 1) if manifest else 1
-        return {"format": FORMAT, "generation": generation, "stages": stages, "files": {**kept, **entries}}
+        return next_manifest(manifest, entries, new_stage, supersede)
 
     def delete_superseded(self, manifest: dict[str, Any]) -> None:
         """Nothing: the run's writer deletes what the run's commits superseded."""

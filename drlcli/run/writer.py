@@ -176,7 +176,7 @@ class RunWriter:
         try:
             make_dirs(self.run.path, PurePosixPath(STAGING, staging.name))
             entries = {**(adopt or {}), **self._place(files, staging, finals, placed)}
-            new_manifest = _next_manifest(manifest, entries, new_stage, supersede)
+            new_manifest = next_manifest(manifest, entries, new_stage, supersede)
             data = encode_json(new_manifest)
             storage.write_atomic(self.run.path / MANIFEST, data, tmp=staging / MANIFEST)  # the commit point
         except OSError as exc:
@@ -267,7 +267,7 @@ def deferred_files(meta: dict[str, Any], tensors: dict[str, Tensor]) -> tuple[di
     return files, supersede
 
 
-def _next_manifest(
+def next_manifest(
     manifest: dict[str, Any] | None, entries: dict[str, Any], new_stage: int | None, supersede: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """The manifest after a commit: one generation on, the new files (and stage) listed, the

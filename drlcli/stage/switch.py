@@ -89,8 +89,7 @@ def frozen_track_of(records: Records, writer: RunWriter | None) -> RunDir:
     through the run's ``writer``. It may hold one more stage (left by a call of an earlier release
     interrupted between its two commits), of this very data: learn-stage then reuses it."""
     if distributed.is_main():
-        _, held, _ = tied_track(records.run, records.manifest, records.metas, classes=False, ahead=True)
-        track = frozen_track(records.run, records.manifest)
+        track, held, _ = tied_track(records.run, records.manifest, records.metas, classes=False, ahead=True)
         if len(held["stages"]) > len(records.metas):
             _same_data(records, track.stage_meta(held["stages"][-1], held))
     distributed.barrier()
