@@ -260,6 +260,50 @@ def leave_one_out_right(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return scores.argmax(1) == labels
 
 
+def leave_one_out_margin(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) each row's cosine to its own class mean (taken without it) less its best other class mean's."""
+    x = F.normalize(x.double(), dim=1)
+    sums = torch.zeros(int(labels.max()) + 1, x.shape[1], dtype=x.dtype).index_add_(0, labels, x)
+    scores = x @ F.normalize(sums, dim=1).T
+    rows = torch.arange(len(labels))
+    own = (x * F.normalize(sums[labels] - x, dim=1)).sum(1)
+    scores[rows, labels] = -torch.inf
+    return own - scores.max(1).values
+
+
+@dataclass(frozen=True)
+class MarginGain:
+    """How far adapted features move the leave-one-out margins (``leave_one_out_margin``) of
+    images against the frozen ones: the mean change in % of the frozen mean margin, and its z
+    (the mean paired change over its standard error)."""
+
+    percent: float
+    z: float
+    images: int
+
+    def moves(self, floor: float) -> bool:
+        """By at least ``floor`` % either way, and more than chance (at 5 % each way)."""
+        return self.images > 1 and abs(self.percent) >= floor and abs(self.z) > Z
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"percent": round(self.percent, 3), "z": round(self.z, 3), "images": self.images}
+
+
+def margin_gain(adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> MarginGain:
+    """``MarginGain`` of ``adapted`` over ``frozen`` f_0 (N, d) of the same images, ``labels`` local;
+    every image counts, where ``measure`` counts only those whose answer changes (stage 1's trial,
+    whose few classes both feature sets mostly tell apart)."""
+    labels = labels.cpu().long()
+    if len(labels) < 2 or int(labels.max()) < 1:
+        return MarginGain(0.0, 0.0, 0)
+    before = leave_one_out_margin(frozen.cpu(), labels)
+    change = leave_one_out_margin(adapted.cpu(), labels) - before
+    spread = float(change.std()) / len(change) ** 0.5
+    z = float(change.mean()) / spread if spread > 0 else 0.0
+    scale = abs(float(before.mean()))
+    return MarginGain(100.0 * float(change.mean()) / scale if scale > 0 else 0.0, z, len(labels))
+
+
 def measure(adapted: torch.Tensor, frozen: torch.Tensor, labels: torch.Tensor) -> Transfer:
     """The stage's counts from its images' f_0 (N, d) through each, ``labels`` local, in one order."""
     labels = labels.cpu().long()

@@ -14,11 +14,19 @@ from ..config import RunConfig
 from ..methods import method_of
 from ..metrics import AccuracyReport, summarize_history
 from ..run.load import LoadedRun
-from ..run.records import history_of, train_metrics
+from ..run.records import history_of, passes_record, train_metrics
 from ..run.track import tied_track
 from .variants import Variant
 
-SUMMARY_KEYS = ("average", "last", "mean_forgetting", "train_seconds", "learn_seconds", "inference_ms_per_image")
+SUMMARY_KEYS = (
+    "average",
+    "last",
+    "mean_forgetting",
+    "train_seconds",
+    "learn_seconds",
+    "passes_per_image",
+    "inference_ms_per_image",
+)
 
 
 def mean_std(values: list[float | None]) -> dict[str, float | None]:
@@ -95,9 +103,21 @@ def summary_row(label: str, variant: Variant, loaded: LoadedRun, config: RunConf
         # the SGD alone for a method that trains, the feature pass and fit for one that does not)
         "learn_seconds": None if None in learn else round(sum(learn), 2),
         "stage_learn_seconds": [None if s is None else round(s, 2) for s in learn],
+        # forward passes per training image the learning cost (stage/cost.py; None: a stage from before them)
+        **_passes(metas),
         "inference_ms_per_image": round(1000 * seconds_per_image, 3),
         "num_stages": len(metas),
     }
+
+
+def _passes(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's forward passes per training image, and each stage's (``metrics.passes``)."""
+    stages = [passes_record(m) for m in metas]
+    images = [sum(m["images_per_class"].values()) for m in metas]
+    total = None
+    if stages and None not in stages:
+        total = round(sum(p["per_image"] * n for p, n in zip(stages, images)) / max(1, sum(images)), 2)
+    return {"passes_per_image": total, "stage_passes": [None if p is None else p["per_image"] for p in stages]}
 
 
 def _stage_bytes(loaded: LoadedRun, config: RunConfig) -> list[int]:
@@ -136,7 +156,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     results = report["results"]
     num_stages = max((r["num_stages"] for r in results), default=0)
     head = ["variant", "Ā", "A_T", "forgetting"] + [f"A_{t}" for t in range(1, num_stages + 1)]
-    head += ["params/stage", "learn s", "infer ms/img"]
+    head += ["params/stage", "learn s", "passes/img", "infer ms/img"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         params = r["params_per_stage"]
@@ -148,6 +168,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             *[_fmt(a) for a in r["accuracy"]],
             per_stage(params),
             _fmt(r.get("learn_seconds"), 0),
+            _fmt(r.get("passes_per_image"), 1),
             f"{r['inference_ms_per_image']:.1f}",
         ]
         lines.append("| " + " | ".join(row) + " |")
@@ -178,20 +199,23 @@ def seeds_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Mean ± std (sample, n − 1) over {len(seeds)} class orders (seeds {', '.join(map(str, seeds))}).",
         "",
-        "| variant | Ā | A_T | forgetting | learn s | infer ms/img |",
-        "|---|---|---|---|---|---|",
+        "| variant | Ā | A_T | forgetting | learn s | passes/img | infer ms/img |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in report["summary"]:
         learn = r.get("learn_seconds") or {"mean": None}
-        cells = [_pm(r["average"]), _pm(r["last"]), _pm(r["mean_forgetting"]), _pm(learn, 0)]
+        passes = r.get("passes_per_image") or {"mean": None}
+        cells = [_pm(r["average"]), _pm(r["last"]), _pm(r["mean_forgetting"]), _pm(learn, 0), _pm(passes, 1)]
         lines.append(f"| `{r['label']}` | " + " | ".join([*cells, _pm(r["inference_ms_per_image"], 1)]) + " |")
-    lines += ["", "| variant | seed | Ā | A_T | forgetting | learn s |", "|---|---|---|---|---|---|"]
+    lines += ["", "| variant | seed | Ā | A_T | forgetting | learn s | passes/img |", "|---|---|---|---|---|---|---|"]
     for r in report["summary"]:
         for seed in seeds:
             row = next(x for x in report["per_seed"][str(seed)] if x["label"] == r["label"])
             cells = [_fmt(row["average"]), _fmt(row["last"]), _fmt(row["mean_forgetting"])]
             lines.append(
-                f"| `{r['label']}` | {seed} | " + " | ".join([*cells, _fmt(row.get("learn_seconds"), 0)]) + " |"
+                f"| `{r['label']}` | {seed} | "
+                + " | ".join([*cells, _fmt(row.get("learn_seconds"), 0), _fmt(row.get("passes_per_image"), 1)])
+                + " |"
             )
     return "\n".join(lines) + "\n"
 

@@ -14,7 +14,7 @@ from typing import Any
 from .. import jsonio
 from ..csvsafe import csv_text, prediction_rows
 from .output import printable_data
-from .stage_lines import carry_lines, first_session_line, switch_line, transfer_line
+from .stage_lines import carry_lines, cost_line, first_session_line, switch_line, transfer_line, trial_line
 
 
 def _text(lines: list[str]) -> str:
@@ -54,7 +54,10 @@ def matrix_lines(matrix: list[list[float | None]]) -> list[str]:
 
 def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     """Per stage: what it added and the model's size so far (parameters trained, bytes on disk)."""
-    head = f"{'stage':>5} {'classes':>8} {'images':>7} {'params':>10} {'cum.params':>11} {'MiB':>7} {'cum.MiB':>8} {'A_t':>6}"
+    head = (
+        f"{'stage':>5} {'classes':>8} {'images':>7} {'params':>10} {'cum.params':>11} {'MiB':>7} {'cum.MiB':>8} "
+        f"{'A_t':>6} {'passes':>7}"
+    )
     lines = [head]
     for s in stages:
         params = f"{s['num_params']:,}" + ("*" if s.get("untrained") else "")
@@ -62,11 +65,30 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"{s['stage']:>5} {s['num_classes']:>8} {s['num_images']:>7} {params:>10} "
             f"{s['cumulative_params']:>11,} {size:>7} {s['cumulative_bytes'] / 2**20:>8.2f} "
-            f"{_pct(s['accuracy']):>6}"
+            f"{_pct(s['accuracy']):>6} {_passes(s.get('passes')):>7}"
         )
-    for key, line in (("first_session", first_session_line), ("transfer", transfer_line), ("switch", switch_line)):
+    lines += _cost_total(stages)
+    lines_of = (("trial", trial_line), ("first_session", first_session_line), ("transfer", transfer_line))
+    for key, line in (*lines_of, ("switch", switch_line)):
         lines += [f"stage {s['stage']}: " + line(s[key]) for s in stages if s.get(key)]
     return lines + _growth_notes(stages)
+
+
+def _passes(p: dict[str, Any] | None) -> str:
+    return "-" if p is None else f"{p['per_image']:g}"
+
+
+def _cost_total(stages: list[dict[str, Any]]) -> list[str]:
+    """The run's learning cost so far: every stage's forward passes, per image of the run."""
+    known = [s for s in stages if s.get("passes")]
+    if not known:
+        return []
+    passes = sum(s["passes"]["per_image"] * s["num_images"] for s in known)
+    images = sum(s["num_images"] for s in known)
+    return [
+        f"passes: forward passes per image a stage's learning cost (a training step 3); the run's so far "
+        f"{passes:,.0f}, {passes / max(1, images):.1f} an image"
+    ]
 
 
 def _growth_notes(stages: list[dict[str, Any]]) -> list[str]:
@@ -126,6 +148,8 @@ def learn_stage(r: dict[str, Any]) -> str:
         return _text([f"stage {r['stage']} already learned exactly these images; nothing to do"])
     lines = [f"resumed from the checkpoint after epoch {r['resumed_from_epoch']}"] if r["resumed_from_epoch"] else []
     lines.append(_learned_line(r))
+    if r.get("passes"):
+        lines.append(cost_line(r["passes"]))
     if r.get("first_session"):
         lines.append(first_session_line(r["first_session"]))
     if r.get("carry"):  # a carried run's stage after the first

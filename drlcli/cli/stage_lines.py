@@ -54,7 +54,9 @@ def switch_line(d: dict[str, Any]) -> str:
 
 def carry_lines(c: dict[str, Any]) -> list[str]:
     """A carried run's stage after the first (learn-stage's ``carry``): how it carried the earlier
-    classes, and its forward transfer."""
+    classes, and its forward transfer; stage 1's trial, where the run tried adapting first."""
+    if isinstance(c.get("trial"), dict):
+        return [trial_line(c["trial"])]
     if c.get("paused"):
         sums = (
             f"drawn {c['draws']} times per image from their class Gaussians{_sums_how(c)}"
@@ -73,6 +75,32 @@ def carry_lines(c: dict[str, Any]) -> list[str]:
             + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
         ]
     return lines + ([transfer_line(c["transfer"])] if c.get("transfer") else [])
+
+
+def trial_line(t: dict[str, Any]) -> str:
+    """A stage's trial (``first_session.trial``), for people."""
+    m = t["margins"]
+    then = (
+        "adapting changes little here: the stage did not train the adapters, no stage will, and the run learns "
+        "at about the frozen head's cost"
+        if not t["trains"]
+        else "adapting moves these features: the stage trained the adapters on all its classes"
+    )
+    return (
+        f"tried adapting first ({t['seconds']:.1f}s): {t['epochs']} epochs on {t['images_trained']} images of "
+        f"{t['classes_trained']} classes moved the margins of {m['images']} images of the other "
+        f"{t['classes_measured']} by {m['percent']:+.2f} % (z {m['z']:.1f}; it trains from {m['floor']:g} % either "
+        f"way, |z| 1.6); {then}"
+    )
+
+
+def cost_line(p: dict[str, Any]) -> str:
+    """What a stage's learning cost (stage.json ``metrics.passes``), for people."""
+    parts = [f"training {p['training']:g}" if p.get("training") else "no training"]
+    parts.append(f"feature passes {p['features']:g}")
+    if p.get("trial"):
+        parts.append(f"the trial {p['trial']:g}")
+    return f"cost: {p['per_image']:g} forward passes an image ({', '.join(parts)})"
 
 
 def _sums_how(carry: dict) -> str:

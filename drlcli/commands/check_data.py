@@ -18,7 +18,7 @@ from ..methods import Method, method_of, stage_is_read
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
-from ..run.records import checked_metas, read_record
+from ..run.records import checked_metas, read_record, trial_declined
 
 TRAIN_PASSES = 3  # forward-pass equivalents of one training step per image: forward and backward
 
@@ -287,7 +287,7 @@ def trains_at(method: Method, config: RunConfig, index: int) -> bool:
 
 def _cost(state: _RunState, images: ImageSet, eval_images: ImageSet | None) -> StageCost:
     config, method, index, n = state.config, state.method, state.index, len(images)
-    trained = trains_at(method, config, index)
+    trained = trains_at(method, config, index) and not (method.pauses(config) and trial_declined(state.metas))
     epochs = config.train.epochs if trained else 0
     passes, notes = _feature_passes(state, trained)
     if any(m.get("eval_data") for m in state.metas):
@@ -308,6 +308,15 @@ def _feature_passes(state: _RunState, trained: bool) -> tuple[int, list[str]]:
         notes.append("the run's frozen track makes its own feature pass")
         if method.pauses(config) and index > 1:
             notes.append("training may pause at this stage if the run's forward transfer stalls (no training passes)")
+    if method.pauses(config) and index == 1 and config.first_session.trial == "transfer":
+        trial = config.first_session
+        notes.append(
+            f"stage 1 first tries adapting on half its classes ({trial.trial_epochs} epochs on at most "
+            f"{trial.trial_images} images of each, not counted) and trains only where that pays; otherwise it "
+            "has no training passes and no later stage trains"
+        )
+    elif method.pauses(config) and trial_declined(state.metas):
+        notes.append("stage 1's trial said adapting would not pay here: no stage trains the adapter set")
     if trained and method.decides_first_stage(config) and index == 1:
         notes.append("stage 1 trains on part of its images and scores the rest with both PTMs")
     return passes, notes

@@ -13,10 +13,12 @@ from ..run.records import (
     checked_metas,
     first_session_record,
     history_of,
+    passes_record,
     read_record,
     switch_record,
     train_metrics,
     transfer_record,
+    trial_record,
 )
 from ..run.track import frozen_track, switched, tied_track
 
@@ -70,6 +72,10 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "transfer": transfer_record(meta),
                 # a switched run: the track that answers after this stage, and both tracks' top-1
                 "switch": switch_record(meta),
+                # stage 1 of a run that tried adapting first: what the trial trained and measured
+                "trial": trial_record(meta),
+                # what learning the stage cost, in forward passes per image (null: not recorded)
+                "passes": passes_record(meta),
                 "bytes": stage_bytes,  # on disk: the stage's parameters, its classes' rows, stage.json
                 # the newest stage also holds the run's running totals (its totals file: Grams, W)
                 "holds_totals": run.stage_file_name(index, TOTALS, manifest) is not None,

@@ -285,3 +285,53 @@ def switch_record(meta: dict[str, Any]) -> dict[str, Any] | None:
 def train_metrics(meta: dict[str, Any]) -> dict[str, Any]:
     """A checked stage's ``metrics.train`` (``check_stage_meta``); empty for a method that trains nothing."""
     return meta["metrics"].get("train") or {}
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**53
+
+
+def _amount(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and 0 <= value < 1e9
+
+
+def passes_record(meta: dict[str, Any]) -> dict[str, float] | None:
+    """A stage's learning cost as stage.json holds it (``metrics.passes``: forward passes per image,
+    ``stage/cost.py``); None when it has none or a malformed one."""
+    record = meta["metrics"].get("passes")
+    keys = ("per_image", "training", "features", "trial")
+    if not isinstance(record, dict) or not all(_amount(record.get(k)) for k in keys):
+        return None
+    return {k: float(record[k]) for k in keys}
+
+
+def trial_record(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A stage's trial as stage.json holds it (``carry.trial``, ``stage/trial.py``); None when it has
+    none or a malformed one."""
+    carry = meta.get("carry")
+    record = carry.get("trial") if isinstance(carry, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("margins"), dict):
+        return None
+    margins = record["margins"]
+    counts = ("classes_trained", "images_trained", "epochs", "classes_measured", "images_measured")
+    if not (all(_count(record.get(k)) for k in counts) and _count(margins.get("images"))):
+        return None
+    if not all(_real(margins.get(k)) for k in ("percent", "z", "floor")):
+        return None
+    if not (_amount(record.get("seconds")) and type(record.get("trains")) is bool):
+        return None
+    return {
+        **{k: record[k] for k in (*counts, "seconds", "trains")},
+        "margins": {k: margins[k] for k in ("images", "percent", "z", "floor")},
+    }
+
+
+def _real(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and abs(value) < 1e9
+
+
+def trial_declined(metas: list[dict[str, Any]]) -> bool:
+    """Whether stage 1's trial said adapting would not pay (``stage/trial.py``): the run's adapter set
+    stays untrained, and no stage trains it."""
+    carry = metas[0].get("carry") if metas else None
+    return isinstance(carry, dict) and isinstance(carry.get("trial"), dict) and carry.get("paused") is True

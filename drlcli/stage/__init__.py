@@ -22,8 +22,10 @@ from ..run.directory import RunDir
 from ..run.track import adopt_track
 from ..run.writer import RunWriter
 from ..tracking import TensorBoardLog, check_tensorboard_dir
+from .begin import carried_start
 from .context import Evaluated, Fitted, Record, Records, Sources, StageContext, Trained
-from .fit import carried_start, fit_features
+from .cost import stage_passes
+from .fit import fit_features
 from .prepare import already_committed, check_classes, check_data, prepare, read_records
 from .record import StageResult, commit_stage, evaluate_stage, learned_result, record_stage
 from .resume import train_or_resume
@@ -130,7 +132,7 @@ class _Learned:
 
 def _learn_frozen(
     records: Records, writer: RunWriter | None, sources: Sources, options: _Options, locks: contextlib.ExitStack
-) -> tuple[FrozenStage, tuple[Any, str] | None]:
+) -> tuple[FrozenStage, tuple[Any, ...] | None]:
     """A switched run's frozen track's stage (``switch.py``), learned and handed to the run's writer,
     unless the interrupted call this one resumes kept it (``resumed_frozen``) or an earlier release's
     committed it alone: what the run's record takes of it, and its f_0 of the stage's images with
@@ -145,9 +147,11 @@ def _learn_frozen(
     # handed to the run's writer now (``RunWriter.defer``): published by the run's commit, and kept in
     # the run's epoch checkpoints meanwhile, for a call that resumes this one
     commit_stage(frozen.stage, frozen.record)
+    fitted = frozen.fitted
     return learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index), (
-        frozen.fitted.f0,
+        fitted.f0,
         frozen.stage.fingerprint,
+        (fitted.rows, fitted.rmd_rows),
     )
 
 
@@ -191,11 +195,12 @@ def _learn(
     # a carried run's stage after the first: its forward transfer, before training; the frozen track's
     # f_0 only of the very images the run lists, in its order (else the run passes them itself)
     same = frozen_f0 is not None and frozen_f0[1] == stage.fingerprint
-    began = carried_start(stage, frozen_f0[0] if same else None)
+    began = carried_start(stage, frozen_f0[0] if same else None, frozen_f0[2] if same else None)
     trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
     fitted = fit_features(stage, began, keep_f0=options.keep_f0)
     evaluated = evaluate_stage(stage)
     if outcome is not None:  # the run answers from the track the stage's forward transfer picks
         evaluated = answered(fitted, evaluated, outcome)
-    record = record_stage(stage, trained, fitted, evaluated)
+    passes = stage_passes(stage, began, trained, fitted, frozen=outcome is not None)
+    record = record_stage(stage, trained, fitted, evaluated, passes=passes)
     return _Learned(stage, trained, fitted, evaluated, record)

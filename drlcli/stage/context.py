@@ -112,17 +112,34 @@ class Trained:
 
 @dataclass(frozen=True)
 class Began:
-    """A carried run's stage after the first, as it begins (``fit.carried_start``): every image's head
-    rows and rmd inputs through the network as the stage begins, in the stage's image order, and the
-    stage's forward transfer, stage.json's ``carry.transfer``. ``paused``: a switched run that pauses
-    (``Method.pauses``) and whose transfer so far, this stage's included, says adapting stalls does
-    not train the network this stage."""
+    """A carried run's stage as it begins (``begin.carried_start``): every image's head rows and rmd
+    inputs through the network as the stage begins, in the stage's image order, and the stage's
+    forward transfer, stage.json's ``carry.transfer``. ``paused``: a switched run that pauses
+    (``Method.pauses``) and whose transfer so far, this stage's included, says adapting stalls (or,
+    while no stage trained the set, whose trial says adapting would not pay) does not train the
+    network this stage. Stage 1 has one only where it was tried."""
 
-    rows: torch.Tensor  # (N, S', d)
-    rmd_rows: torch.Tensor  # (N, ...) the "unknown" answer's inputs
-    transfer: dict[str, Any]
+    rows: torch.Tensor | None  # (N, S', d); None: stage 1 trains after its trial (``trial.py``): not needed
+    rmd_rows: torch.Tensor | None  # (N, ...) the "unknown" answer's inputs
+    transfer: dict[str, Any] | None  # None at stage 1: its trial's margins are no answers' counts
     paused: bool
-    seconds: float  # its two passes, counted in the stage's feature-phase seconds (``Fitted.seconds``)
+    seconds: float  # its passes, counted in the stage's feature-phase seconds (``Fitted.seconds``)
+    trial: dict[str, Any] | None = None  # the stage's trial, while no stage trained the set (``trial.py``)
+    passes: float = 0.0  # its feature passes, per image of the stage (stage.json ``metrics.passes``)
+    trial_passes: float = 0.0  # the trial's, likewise
+
+    @property
+    def moves(self) -> bool:
+        """The stage trains the network from where ``rows`` put its images (stage 1 has none)."""
+        return not self.paused and self.rows is not None
+
+    def record(self) -> dict[str, Any]:
+        """What stage.json's ``carry`` takes of it: the transfer, the trial, whether the stage paused."""
+        return {
+            **({"transfer": self.transfer} if self.transfer is not None else {}),
+            **({"trial": self.trial} if self.trial is not None else {}),
+            **({"paused": True} if self.paused else {}),
+        }
 
 
 @dataclass(frozen=True)
@@ -135,8 +152,11 @@ class Fitted:
     decision: Decision | None = None  # stage 1's adapted against frozen features (first_session.py)
     carry: dict[str, Any] | None = None  # a carried run's stage > 1: how far it moved the earlier classes
     # (n, d) f_0 of this process's share of the stage's images, as the pass gave it: a switched run's
-    # frozen track hands the run its frozen PTM's (``fit.carried_start``), saving the run that pass
+    # frozen track hands the run its frozen PTM's (``begin.carried_start``), saving the run that pass
     f0: torch.Tensor | None = None
+    # with f0, the same pass's head rows and rmd inputs (a frozen track's: the untrained set's rows too)
+    rows: torch.Tensor | None = None
+    rmd_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,12 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..evaluation import EVAL_BATCH_SIZE
 from ..heads import EarlierStages, Head, HeadFit
 from ..heads.openset.calibrate import Calibration, calibrate
 from ..heads.openset.rmd import Moments, carried_moments, split_probe
 from ..methods import head_of, stages_read
-from ..metrics import measure
-from ..model import class_means, embed_images
+from ..model import class_means
+from .begin import embed_stage, in_image_order, layout_of, probes_of
 from .context import Began, Fitted, StageContext
 from .first_session import Decision, decide, deciding
 
@@ -53,8 +52,8 @@ def fit_features(stage: StageContext, began: Began | None = None, *, keep_f0: bo
     if carry is not None and fit is not None:
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
     seconds = time.perf_counter() - tick + (began.seconds if began is not None else 0.0)  # its passes count too
-    f0 = feats[:, 0].clone() if keep_f0 else None
-    return Fitted(fit, calibration, bias, rmd, seconds, rows.decision, carry.meta if carry else None, f0)
+    kept = (feats[:, 0].clone(), feats, rmd_feats) if keep_f0 else (None, None, None)
+    return Fitted(fit, calibration, bias, rmd, seconds, rows.decision, carry.meta if carry else None, *kept)
 
 
 @dataclass(frozen=True)
@@ -75,11 +74,11 @@ def _stage_rows(
     """One pass over this process's ``shard`` of the stage's images (a paused stage's rows are
     ``began``'s, the network did not move), and at stage 1 of a run with a head the pass without the
     adapters that decides whether they stay (``first_session.py``)."""
-    probes = _probes(stage)
+    probes = probes_of(stage)
     if began is not None and began.paused:  # the network did not move: its rows as the stage began
         feats, rmd_feats, labels = _own_share(began, stage, shard)
     else:
-        feats, labels = _embed(stage, shard, computed, _layout(stage, head), probes)
+        feats, labels = embed_stage(stage, shard, computed, layout_of(stage, head), probes)
         feats, rmd_feats = split_probe(feats, len(probes), stage.model.probe_weight)  # the head's rows, the rmd input
     decision = None
     if deciding(stage) and head is not None:
@@ -104,35 +103,6 @@ def _carried(
     if moved is not None:  # the earlier classes' rmd moments, moved with the network
         old_rmd = (moved, old_rmd[1])
     return carry, old_rmd
-
-
-def carried_start(stage: StageContext, frozen_f0: torch.Tensor | None = None) -> Began | None:
-    """A carried run's stage after the first, before it trains (None for any other stage): the head's
-    rows and the rmd inputs of the stage's images through the network as the stage begins, and their
-    f_0 through the frozen PTM, which give the stage's forward transfer (``metrics.Transfer``) and,
-    in a run that pauses (``Method.pauses``), whether the stage trains the network at all. Every
-    process ends with every image's rows, in the stage's image order. ``frozen_f0``: this process's
-    share of that f_0 as a switched run's frozen track computed it for the same images (its
-    ``Fitted.f0``); None: a pass through the network with its adapters off."""
-    head = head_of(stage.config)
-    if head is None or not stage.method.carries_network(stage.config) or not stage.loaded.stage_metas:
-        return None
-    tick = time.perf_counter()
-    shard, network, probes = distributed.shard(len(stage.images)), stage.model.network, _probes(stage)
-    rows, labels = _embed(stage, shard, None, _layout(stage, head), probes, phase="carry")
-    bare = frozen_f0
-    if bare is None:
-        with network.bare():  # progress: "transfer", the stage's images through the frozen PTM
-            bare = _embed(stage, shard, None, 0, (), phase="transfer")[0][:, 0]
-    if len(bare) != len(rows):
-        raise RuntimeError(f"the frozen track passed {len(bare)} images, the run {len(rows)}")
-    rows, rmd_rows = split_probe(rows, len(probes), stage.model.probe_weight)
-    if distributed.world_size() > 1:
-        rows, rmd_rows, bare, labels = _in_image_order(shard, rows, rmd_rows, bare, labels)
-    own = measure(rows[:, 0], bare, labels)
-    run = own + stage.earlier_transfer()
-    paused = stage.method.pauses(stage.config) and run.stalls
-    return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick)
 
 
 def _own_share(
@@ -165,17 +135,17 @@ def _carry(
     image (the maps and the class Gaussians need them all) and hands the others what it carried."""
     loaded, network = stage.loaded, stage.model.network
     earlier = (loaded.stage_tensors, loaded.stage_totals[-1]) if loaded.stage_metas else None
-    moves = began is not None and not began.paused
+    moves = began is not None and began.moves
     try:
         if distributed.world_size() > 1:
-            feats, rmd_feats, labels = _in_image_order(shard, feats, rmd_feats, labels)
+            feats, rmd_feats, labels = in_image_order(shard, feats, rmd_feats, labels)
         result = None
         if distributed.is_main():
             step = head.load().carry_stage(
                 stage.config,
                 feats,
                 labels,
-                layout=_layout(stage, head),
+                layout=layout_of(stage, head),
                 stage_index=stage.index,
                 earlier=earlier,
                 earlier_classes=len(stage.model.class_names),  # before the stage's classes join the model
@@ -183,50 +153,17 @@ def _carry(
                 device=stage.model.device,
             )
             moved = None
-            if began is not None and step.meta is not None:
-                if earlier_rmd is not None and moves:
+            if began is not None:  # stage 1's only where the run tried adapting first (``trial.py``)
+                if earlier_rmd is not None and moves and step.meta is not None:
                     moved, move = carried_moments(
                         earlier_rmd, began.rows[:, 0], began.rmd_rows, rmd_feats, step.meta["map_lambda"]
                     )
                     step = replace(step, meta={**step.meta, "unknown_move": round(move, 6)})
-                paused = {"paused": True} if began.paused else {}
-                step = replace(step, meta={**step.meta, "transfer": began.transfer, **paused})
+                step = replace(step, meta={**(step.meta or {}), **began.record()})
             result = (step, moved)
         return distributed.broadcast_object(result)
     finally:
         network.drop_start()
-
-
-def _in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:
-    """Every process's rows of ``parts`` (this process's: ``shard`` of the stage's images), on the
-    CPU in the stage's image order, so that what is computed from them does not depend on the sharding."""
-    index = torch.tensor(shard if shard is not None else range(len(parts[0])), dtype=torch.long)
-    gathered = distributed.all_gather_objects((index, *(p.cpu() for p in parts)))
-    order = torch.cat([g[0] for g in gathered]).argsort()
-    return [torch.cat([g[i] for g in gathered])[order] for i in range(1, len(parts) + 1)]
-
-
-def _embed(
-    stage: StageContext,
-    shard: list[int] | None,
-    computed: int | None,
-    layout: int,
-    probes: tuple[int, ...],
-    phase: str = "prototypes",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return embed_images(
-        stage.model.network,
-        stage.images,
-        stage.model.data_config,
-        batch_size=EVAL_BATCH_SIZE,
-        num_workers=stage.config.train.num_workers,
-        precision=stage.precision,
-        indices=shard,
-        progress=(lambda s, t: stage.say(phase, s, t)) if stage.progress else None,
-        stages=computed,
-        layout=layout,
-        probes=probes,
-    )
 
 
 def _first_session(
@@ -243,27 +180,13 @@ def _first_session(
     network = stage.model.network
     stage.say("decide", 0, 0, "the frozen PTM's features, to compare on the held-out images")
     with network.bare():
-        frozen, _ = _embed(stage, shard, None, _layout(stage, head), probes)
+        frozen, _ = embed_stage(stage, shard, None, layout_of(stage, head), probes)
     frozen, frozen_rmd = split_probe(frozen, len(probes), stage.model.probe_weight)
     decision = decide(stage, head, feats, frozen, labels)
     if decision.keeps_adapters:
         return feats, rmd_feats, decision
     network.drop_adapters()
     return frozen, frozen_rmd, decision
-
-
-def _probes(stage: StageContext) -> tuple[int, ...]:
-    """The probe block's class token, while the run's rmd statistics are calibrated with it."""
-    model = stage.model
-    calibrated = model.unknown_rmd is not None or stage.index == 1
-    return (model.open_set_probe,) if calibrated and model.open_set_probe is not None else ()
-
-
-def _layout(stage: StageContext, head: Head | None) -> int:
-    """g of the PTM layout rows the head's input ends with: as stage 1 stored it, or as configured."""
-    if head is None:
-        return 0
-    return stage.model.layout_scored if stage.model.head is not None else head.layout_grid(stage.config)
 
 
 def _add_prototypes(stage: StageContext, feats: torch.Tensor, labels: torch.Tensor, computed: int | None) -> None:
@@ -346,7 +269,7 @@ def _calibrate(
     the moments of the classes before it) and its classes' moments, from every process's subspace-0
     features and rmd inputs (``openset.rmd_input``), put back in the stage's image order so that
     they do not depend on the sharding."""
-    features, rmd_features, targets = _in_image_order(shard, feats[:, 0], rmd_feats, labels)
+    features, rmd_features, targets = in_image_order(shard, feats[:, 0], rmd_feats, labels)
     n = len(stage.images.class_names)
     seed = stage.config.train.seed + stage.index
     cal = calibrate(features, targets, n, stage.config.open_set, seed=seed, earlier=earlier, rmd_features=rmd_features)

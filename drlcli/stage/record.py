@@ -50,6 +50,7 @@ class StageResult:
     first_session: dict[str, Any] | None = None  # stage 1's decision (``first_session.Decision.to_dict``)
     carry: dict[str, Any] | None = None  # a carried run's stage > 1: stage.json's ``carry``
     switch: dict[str, Any] | None = None  # a switched run: stage.json's ``switch`` (the track that answers)
+    passes: dict[str, Any] | None = None  # stage.json's ``metrics.passes``: the stage's cost (``cost.py``)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -81,7 +82,9 @@ def evaluate_stage(stage: StageContext) -> Evaluated:
     return Evaluated(report, warnings)
 
 
-def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated) -> Record:
+def record_stage(
+    stage: StageContext, trained: Trained, fitted: Fitted, evaluated: Evaluated, *, passes: dict[str, Any] | None = None
+) -> Record:
     """The stage's files: its tensors (refused if any is NaN or infinite) and its metadata; the run's
     totals through this stage go to its totals file (``heads.running``), out of its other files."""
     tensors = _stage_tensors(stage, trained, fitted)
@@ -93,6 +96,8 @@ def record_stage(stage: StageContext, trained: Trained, fitted: Fitted, evaluate
             f"committed: lower --lr (now {stage.config.train.lr:g})"
         )
     meta = _stage_meta(stage, trained, fitted, evaluated)
+    if passes is not None:  # what learning it cost, in forward passes per image (``cost.py``)
+        meta["metrics"]["passes"] = passes
     carried = stage.method.tensor_prefix if stage.method.carries_network(stage.config) else None
     weights, statistics, totals = _split_totals(
         stage.index, tensors, fitted.fit.statistics if fitted.fit else {}, network=carried
@@ -262,6 +267,7 @@ def learned_result(
         first_session=record.meta.get("first_session"),
         carry=record.meta.get("carry"),
         switch=record.meta.get("switch"),
+        passes=record.meta["metrics"].get("passes"),
         stage_bytes=sum(len(b) for b in record.files.values()),
         eval=evaluated.report,
         history=history_of([*stage.loaded.stage_metas, record.meta]),

@@ -47,7 +47,12 @@ RIDGE_DEFAULTS = {
 # the hold term keeps it near each stage's start): adaptation-bounds.md, fifth to eleventh rounds
 _CE = {"loss": "ce", "kd_weight": 0.0}
 CARRIED = {**first_session.CARRIED, "train": {**first_session.CARRIED["train"], **_CE}}
-SWITCHED = {**first_session.SWITCHED, "train": {**first_session.SWITCHED["train"], **_CE}}
+# ... and stage 1 trains only where a short trial says adapting pays on this data (``stage/trial.py``)
+SWITCHED = {
+    **first_session.SWITCHED,
+    first_session.SECTION: {**first_session.SWITCHED[first_session.SECTION], "trial": "transfer"},
+    "train": {**first_session.SWITCHED["train"], **_CE},
+}
 
 
 def build_ipa(ptm: nn.Module, config: RunConfig) -> StageNetwork:

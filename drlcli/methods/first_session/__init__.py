@@ -94,6 +94,8 @@ def rules(config: RunConfig, method: str) -> None:
         raise UsageError(
             "first_session.switch picks between a carried run and the frozen PTM: set first_session.stages all"
         )
+    if options.trial != "none" and options.pause != "transfer":
+        raise UsageError("first_session.trial decides whether stage 1 trains: set first_session.pause transfer")
     if options.pause != "none" and options.switch != "transfer":
         raise UsageError(
             "first_session.pause stops training a network the frozen track answers for: set first_session.switch transfer"

@@ -41,3 +41,10 @@ class FirstSessionConfig:
     # at a stage only while the run's forward transfer so far could still reach the switch's floor
     # (``metrics.Transfer.stalls``); a paused stage fits the head on the network as it stands
     pause: str = option("none", choices=("none", "transfer"))
+    # drl's extension, with pause "transfer" only: "transfer" tries adapting before a stage trains,
+    # while no stage has trained the set (``stage/trial.py``): a copy of the set trained
+    # ``trial_epochs`` on half of the stage's classes (at most ``trial_images`` images each), the
+    # other half's margins compared through it and the frozen PTM; the stage trains only where they widen
+    trial: str = option("none", choices=("none", "transfer"))
+    trial_epochs: int = option(10, within=Range(1, 1000))
+    trial_images: int = option(32, within=Range(1, 1_000_000))

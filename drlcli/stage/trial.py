@@ -1,0 +1,181 @@
+"""Stage 1's trial (``first_session.trial transfer``, the default's): whether adapting is worth its
+cost on this data, measured before stage 1 spends its training. A copy of the adapter set trains
+``trial_epochs`` on half of stage 1's classes (at most ``trial_images`` images of each, its
+classifier started at their class means); then the other half's images (at most ``MEASURED_IMAGES``
+of each), classes it never trained on, are compared through it and through the frozen PTM: how far
+it moves their leave-one-out margins (``metrics.margin_gain``, in which every image counts). Where
+the PTM's features already fit the data (photos close to ImageNet), a few epochs of adapting leave
+those margins where they were (within 0.2 %); where they are far from it (the sketches), adapting
+moves them by percents, widening them on most class orders. Stage 1 trains only where they move by
+at least ``FLOOR`` % either way, more than chance (``Tried.trains``; the switch still answers from
+the frozen head until adapting transfers): then the trial's set is dropped and stage 1 trains as it
+would without the trial, and later stages decide by their forward transfer. Otherwise the set stays
+untrained (the frozen PTM: AdaptFormer's Up starts at zero) for the run (``declined``): its rows are
+the frozen track's (no pass of its own), no stage trains it, and the run learns at about the frozen
+head's cost. A stage 1 of fewer than ``MIN_CLASSES`` classes, or one under torchrun, is not tried: it
+trains, as without the trial."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .. import distributed
+from ..data import LabelledImages
+from ..evaluation import EVAL_BATCH_SIZE
+from ..metrics import MarginGain, margin_gain
+from ..model import embed_images
+from ..progress import Progress
+from ..run.records import trial_declined
+from .context import StageContext
+from .cost import STEP
+from .train import TrainProgress, train_stage
+
+MIN_CLASSES = 4  # two to train on, two to tell apart
+MEASURED_IMAGES = 100  # of each class the margins are measured on: bounds the trial's pass on a large drop
+# the least mean move of the measured images' margins, in % of their frozen mean margin, either way,
+# for stage 1 to train (with |z| above 1.645). Chosen with ``trial_epochs`` 10, ``trial_images`` 32 and
+# the classifier started at the class means, on stage 1 of Caltech-101 and its sketches, B0 Inc10
+# (validation splits of orders 1993 to 1995, and order 2024's training images): the photos moved
+# -0.02 to +0.10 %, the sketches +1.08 to +7.57 % (docs/benchmarks.md)
+FLOOR = 0.5
+
+
+def trying(stage: StageContext) -> bool:
+    """Stage 1 of a run that pauses its training (``Method.pauses``) and tries adapting first."""
+    if stage.loaded.stage_metas or not stage.method.pauses(stage.config):
+        return False
+    return stage.config.first_session.trial == "transfer"
+
+
+def declined(stage: StageContext) -> bool:
+    """A later stage of a run whose stage 1's trial said adapting would not pay: its set is untrained
+    (the frozen PTM), and stays so."""
+    return stage.method.pauses(stage.config) and trial_declined(stage.loaded.stage_metas)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """What the trial measured and, for stage.json's ``carry.trial``, what it did."""
+
+    gain: MarginGain
+    meta: dict[str, Any]
+    passes: float  # forward-pass equivalents it spent (stage.json metrics.passes units), for the stage's cost
+
+    @property
+    def trains(self) -> bool:
+        """The trial moved the other classes' margins by at least ``FLOOR`` % (either way), more than chance."""
+        return self.gain.moves(FLOOR)
+
+
+@dataclass(frozen=True, eq=False)
+class _Classes(LabelledImages):
+    """Some classes of another source, at most ``cap`` images each (seeded), labelled 0..k-1."""
+
+    source: LabelledImages
+    keep: tuple[int, ...]  # the source's labels kept, in this order
+    cap: int
+    seed: int
+    indices: tuple[int, ...] = field(init=False)
+    class_names: tuple[str, ...] = field(init=False)
+    labels: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        labels = torch.tensor(self.source.labels, dtype=torch.long)
+        generator = torch.Generator().manual_seed(self.seed)
+        chosen = []
+        for local, label in enumerate(self.keep):
+            own = (labels == label).nonzero().squeeze(1)
+            own = own[torch.randperm(len(own), generator=generator)[: self.cap]].sort().values
+            chosen += [(int(i), local) for i in own]
+        object.__setattr__(self, "indices", tuple(i for i, _ in chosen))
+        object.__setattr__(self, "labels", tuple(local for _, local in chosen))
+        object.__setattr__(self, "class_names", tuple(self.source.class_names[c] for c in self.keep))
+
+    @property
+    def origin(self) -> str:
+        return f"{self.source.origin} ({len(self.indices)} of its images)"
+
+    def load(self, index: int) -> Any:
+        return self.source.load(self.indices[index])
+
+    def fingerprint(self) -> str:
+        return f"{self.source.fingerprint()}:{','.join(map(str, self.indices))}"
+
+
+def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
+    """The trial of stage 1 (``trying``); None where it is not run. ``frozen_f0``: every image's f_0
+    through the frozen PTM, in image order (a switched run's frozen track's), else passed here."""
+    n = len(stage.images.class_names)
+    if n < MIN_CLASSES or distributed.world_size() > 1:
+        return None
+    tick = time.perf_counter()
+    options, train = stage.config.first_session, stage.config.train
+    seed = train.seed + stage.index
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    trained = _Classes(stage.images, tuple(sorted(order[: n // 2])), options.trial_images, seed)
+    measured = _Classes(stage.images, tuple(sorted(order[n // 2 :])), MEASURED_IMAGES, seed)
+    network = stage.model.network
+    network.new_stage(seed=seed)
+    try:
+        train_stage(
+            network,
+            trained,
+            # its classifier starts at the class means: the few steps then refine the features instead
+            # of chasing random class directions, which narrowed every margin on a sketch order
+            replace(train, epochs=options.trial_epochs, head_init="prototypes"),
+            stage.model.data_config,
+            precision=stage.precision,
+            progress=_progress(stage),
+        )
+        adapted = _f0(stage, measured)
+    finally:
+        network.drop_adapters()  # stage 1 trains a set of its own, from the same start as without the trial
+    if frozen_f0 is not None and len(frozen_f0) == len(stage.images):
+        frozen = frozen_f0[torch.tensor(measured.indices, dtype=torch.long)]
+    else:
+        frozen = _f0(stage, measured)  # the set dropped: the frozen PTM
+    gain = margin_gain(adapted, frozen, torch.tensor(measured.labels, dtype=torch.long))
+    tried = Tried(gain, {}, 0.0)
+    if not tried.trains:  # stage 1's set, untrained: the frozen PTM (its Up starts at zero)
+        network.new_stage(seed=seed).requires_grad_(False).eval()
+    meta = {
+        "classes_trained": len(trained.class_names),
+        "images_trained": len(trained),
+        "epochs": options.trial_epochs,
+        "classes_measured": len(measured.class_names),
+        "images_measured": len(measured),
+        "margins": {**gain.to_dict(), "floor": FLOOR},
+        "trains": tried.trains,
+        "seconds": round(time.perf_counter() - tick, 3),
+    }
+    # a training step of an image counts 3 passes (forward and backward), the classifier's start one
+    passes = (STEP * options.trial_epochs + 1) * len(trained) + len(measured) * (1 if frozen_f0 is not None else 2)
+    return Tried(gain, meta, passes / len(stage.images))
+
+
+def _f0(stage: StageContext, images: LabelledImages) -> torch.Tensor:
+    feats, _ = embed_images(
+        stage.model.network,
+        images,
+        stage.model.data_config,
+        batch_size=EVAL_BATCH_SIZE,
+        num_workers=stage.config.train.num_workers,
+        precision=stage.precision,
+        progress=(lambda s, t: stage.say("trial", s, t, "the other classes, through it")) if stage.progress else None,
+    )
+    return feats[:, 0]
+
+
+def _progress(stage: StageContext) -> Any:
+    if stage.progress is None:
+        return None
+
+    def report(p: TrainProgress) -> None:
+        detail = f"{p.epochs} epochs on half the classes"
+        stage.progress(Progress("trial", (p.epoch - 1) * p.steps + p.step, p.epochs * p.steps, detail, loss=p.loss))
+
+    return report

@@ -1,0 +1,170 @@
+"""Stage 1's trial (``first_session.trial transfer``, the default's; ``stage/trial.py``): a short
+adaptation on half of stage 1's classes, the other half told apart through it, decides whether
+stage 1 trains at all; and what each stage's learning cost (``stage/cost.py``)."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from drlcli import evaluate, export_run, forget_class, learn_stage, restore_class
+from drlcli.api import info, verify
+from drlcli.cli import app
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.errors import UsageError
+from drlcli.metrics import MarginGain, margin_gain
+from drlcli.run.directory import RunDir
+from drlcli.run.load import load_run
+from drlcli.stage import trial as trial_module
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
+
+SMALL = {
+    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "train": {"epochs": 2, "batch_size": 8, "seed": 3},
+    "first_session": {"trial_images": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def four_class_stages(tmp_path_factory):
+    """Two stages of 4 classes: (train, test) folders, 10 train and 3 test images per class."""
+    return make_stages(tmp_path_factory.mktemp("data"), num_stages=2, classes_per_stage=4, train=10, test=3)
+
+
+def _init(run, overrides=None):
+    config = RunConfig.for_method("drl", {**SMALL, **(overrides or {})})
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+
+
+def _decides(monkeypatch, trains: bool) -> None:
+    """What the trial's margins say, whatever the tiny random PTM's are."""
+    gain = MarginGain(5.0, 4.0, 30) if trains else MarginGain(0.1, 0.5, 30)
+    monkeypatch.setattr(trial_module, "margin_gain", lambda *args: gain)
+
+
+def _learn(run, folders):
+    return [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in folders]
+
+
+def test_the_default_tries_adapting_first_and_the_trial_needs_a_pausing_run():
+    assert RunConfig.for_method("drl").first_session.trial == "transfer"
+    assert RunConfig.for_method("ranpac", preset="switched").first_session.trial == "none"  # as published before
+    with pytest.raises(UsageError, match="set first_session.pause transfer"):
+        RunConfig.for_method("drl", {"first_session": {"trial": "transfer", "pause": "none"}})
+
+
+def test_the_margin_gain_is_the_mean_widening_of_the_margins_and_its_z():
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])
+    frozen = torch.tensor([[1.0, 0.3], [1.0, 0.25], [1.0, 0.2], [0.3, 1.0], [0.25, 1.0], [0.2, 1.0]])
+    wider = torch.tensor([[1.0, 0.1], [1.0, 0.05], [1.0, 0.0], [0.1, 1.0], [0.05, 1.0], [0.0, 1.0]])
+    gain = margin_gain(wider, frozen, labels)
+    assert gain.percent > 50 and gain.z > 1.645 and gain.images == 6 and gain.moves(0.5)
+    back = margin_gain(frozen, wider, labels)
+    assert back.percent < 0 and back.z < -1.645 and back.moves(0.5)  # moved either way
+    assert not MarginGain(0.3, 9.0, 100).moves(0.5) and not MarginGain(-3.0, -1.0, 100).moves(0.5)
+    assert margin_gain(frozen, frozen, labels) == MarginGain(0.0, 0.0, 6)
+    assert margin_gain(frozen[:3], frozen[:3], labels[:3]).images == 0  # one class: nothing to compare
+
+
+def test_where_adapting_would_not_pay_stage_1_trains_nothing_and_the_run_answers_as_the_frozen_head(
+    tmp_path, four_class_stages, monkeypatch
+):
+    run, frozen = tmp_path / "run", tmp_path / "frozen"
+    _init(run)
+    init_run(
+        frozen,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", {"train": {"seed": 3}}, preset="frozen"),
+    )
+    _decides(monkeypatch, trains=False)
+    results = _learn(run, four_class_stages)
+    first = json.loads((run / "stages/001/stage.json").read_text())
+    tried = first["carry"]["trial"]
+    assert tried["trains"] is False and tried["classes_trained"] == 2 and tried["classes_measured"] == 2
+    assert tried["images_trained"] == 8 and tried["epochs"] == 10  # at most trial_images (4) of each class
+    assert first["metrics"]["train"]["paused"] is True and "epoch_losses" not in first["metrics"]["train"]
+    assert results[0].passes["training"] == 0 and results[0].passes["trial"] > 0
+    assert results[1].carry["paused"] is True  # a set that never trained transfers nothing: stage 2 pauses too
+    # the untrained set is the frozen PTM: the carried network's features are the frozen track's
+    model = load_run(RunDir(run), device="cpu", scoring=False).model
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        with model.network.bare():
+            plain = model.network(images)[:, 0]
+        assert torch.equal(model.network(images)[:, 0], plain)
+    _learn(frozen, four_class_stages)
+    ours, theirs = evaluate(run, all_seen=True, device="cpu"), evaluate(frozen, all_seen=True, device="cpu")
+    assert ours.report.to_dict() == theirs.report.to_dict()
+    assert verify(run).num_stages == 2
+    export_run(run, tmp_path / "model.drl")
+    forget_class(run, "class_00")
+    restore_class(run, "class_00")
+    assert verify(run).num_stages == 2
+
+
+def test_where_adapting_pays_stage_1_trains_exactly_as_without_the_trial(tmp_path, four_class_stages, monkeypatch):
+    tried, plain = tmp_path / "tried", tmp_path / "plain"
+    _init(tried)
+    _init(plain, {"first_session": {"trial": "none"}})
+    _decides(monkeypatch, trains=True)
+    [stage_tried] = _learn(tried, four_class_stages[:1])
+    [stage_plain] = _learn(plain, four_class_stages[:1])
+    assert stage_tried.carry["trial"]["trains"] is True and stage_plain.carry is None
+    assert stage_tried.epoch_losses == stage_plain.epoch_losses  # the trial's set is dropped, its RNG forked
+    a = load_run(RunDir(tried), device="cpu", scoring=False).model.network.stages[0].state_dict()
+    b = load_run(RunDir(plain), device="cpu", scoring=False).model.network.stages[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    passes = stage_tried.passes
+    assert passes["per_image"] == pytest.approx(passes["training"] + passes["features"] + passes["trial"], abs=0.02)
+    assert passes["training"] == pytest.approx(2 * 3)  # two epochs, 3 passes a step, no hold at stage 1
+
+
+def test_a_first_stage_of_fewer_than_four_classes_is_not_tried(tmp_path, stage_folders):
+    run = tmp_path / "run"
+    _init(run)
+    [result] = _learn(run, stage_folders[:1])  # 3 classes
+    assert result.carry is None and result.passes["training"] > 0
+
+
+def test_learn_stage_and_info_say_what_the_trial_decided_and_what_learning_cost(
+    tmp_path, four_class_stages, monkeypatch
+):
+    run = tmp_path / "run"
+    _init(run)
+    _decides(monkeypatch, trains=False)
+    (train, test), runner = four_class_stages[0], CliRunner()
+    out = runner.invoke(app, ["learn-stage", "--run", str(run), "--data", str(train), "--eval-data", str(test), "-q"])
+    assert out.exit_code == 0, out.output
+    assert "tried adapting first" in out.output and "adapting changes little here" in out.output
+    assert "cost: " in out.output and "forward passes an image" in out.output
+    out = runner.invoke(app, ["info", "--run", str(run)])
+    assert out.exit_code == 0 and "passes" in out.output and "tried adapting first" in out.output
+    stage = info(run)["stages"][0]
+    assert stage["trial"]["trains"] is False and stage["passes"]["trial"] > 0
+
+
+@pytest.mark.parametrize("value", ["x", 1e400, -1, None, [1]])
+def test_a_crafted_cost_or_trial_record_is_shown_as_none(tmp_path, four_class_stages, monkeypatch, value):
+    from drlcli.run.layout import sha256_bytes
+
+    run = tmp_path / "run"
+    _init(run)
+    _decides(monkeypatch, trains=False)
+    _learn(run, four_class_stages[:1])
+    path = run / "stages/001/stage.json"
+    meta = json.loads(path.read_text())
+    meta["metrics"]["passes"]["per_image"] = value
+    meta["carry"]["trial"]["images_trained"] = value
+    data = json.dumps(meta).encode()
+    path.write_bytes(data)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"]["stages/001/stage.json"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    out = CliRunner().invoke(app, ["info", "--run", str(run)])
+    assert out.exit_code in (0, 5), out.output  # shown without them, or refused as damage: never a crash
+    if out.exit_code == 0:
+        assert "tried adapting first" not in out.output
