@@ -29,8 +29,8 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def four_class_stages(tmp_path_factory):
-    """Two stages of 4 classes: (train, test) folders, 10 train and 3 test images per class."""
-    return make_stages(tmp_path_factory.mktemp("data"), num_stages=2, classes_per_stage=4, train=10, test=3)
+    """Three stages of 4 classes: (train, test) folders, 10 train and 3 test images per class."""
+    return make_stages(tmp_path_factory.mktemp("data"), num_stages=3, classes_per_stage=4, train=10, test=3)
 
 
 def _init(run, overrides=None):
@@ -81,14 +81,15 @@ def test_where_adapting_would_not_pay_stage_1_trains_nothing_and_the_run_answers
         config=RunConfig.for_method("drl", {"train": {"seed": 3}}, preset="frozen"),
     )
     _decides(monkeypatch, trains=False)
-    results = _learn(run, four_class_stages)
+    results = _learn(run, four_class_stages[:2])
     first = json.loads((run / "stages/001/stage.json").read_text())
     tried = first["carry"]["trial"]
     assert tried["trains"] is False and tried["classes_trained"] == 2 and tried["classes_measured"] == 2
     assert tried["images_trained"] == 8 and tried["epochs"] == 10  # at most trial_images (4) of each class
     assert first["metrics"]["train"]["paused"] is True and "epoch_losses" not in first["metrics"]["train"]
     assert results[0].passes["training"] == 0 and results[0].passes["trial"] > 0
-    assert results[1].carry["paused"] is True  # a set that never trained transfers nothing: stage 2 pauses too
+    assert results[1].carry["paused"] is True and results[1].carry["trial"]["trains"] is False  # tried again
+    assert results[1].passes["features"] == 1.0  # the frozen track's pass: the untrained set reads its rows
     # the untrained set is the frozen PTM: the carried network's features are the frozen track's
     model = load_run(RunDir(run), device="cpu", scoring=False).model
     images = torch.randn(3, 3, 32, 32)
@@ -96,7 +97,7 @@ def test_where_adapting_would_not_pay_stage_1_trains_nothing_and_the_run_answers
         with model.network.bare():
             plain = model.network(images)[:, 0]
         assert torch.equal(model.network(images)[:, 0], plain)
-    _learn(frozen, four_class_stages)
+    _learn(frozen, four_class_stages[:2])
     ours, theirs = evaluate(run, all_seen=True, device="cpu"), evaluate(frozen, all_seen=True, device="cpu")
     assert ours.report.to_dict() == theirs.report.to_dict()
     assert verify(run).num_stages == 2
@@ -168,3 +169,28 @@ def test_a_crafted_cost_or_trial_record_is_shown_as_none(tmp_path, four_class_st
     assert out.exit_code in (0, 5), out.output  # shown without them, or refused as damage: never a crash
     if out.exit_code == 0:
         assert "tried adapting first" not in out.output
+
+
+def test_after_declining_trials_a_later_stage_is_tried_and_trains_where_adapting_moves_the_features(
+    tmp_path, four_class_stages, monkeypatch
+):
+    run = tmp_path / "run"
+    _init(run)
+    _decides(monkeypatch, trains=False)
+    _learn(run, four_class_stages[:1])
+    _decides(monkeypatch, trains=True)
+    [second] = _learn(run, four_class_stages[1:2])
+    assert second.carry["trial"]["trains"] is True and "paused" not in second.carry and second.epoch_losses
+    assert second.carry["transfer"]["run"]["images"] == 0  # the untrained set counted no images
+    [third] = _learn(run, four_class_stages[2:])  # the set trained: the forward transfer decides, no trial
+    assert "trial" not in third.carry and third.carry["transfer"]["images"] == 40
+    assert verify(run).num_stages == 3
+
+
+def test_a_run_tries_at_most_trial_stages_stages(tmp_path, four_class_stages, monkeypatch):
+    run = tmp_path / "run"
+    _init(run, {"first_session": {"trial_images": 4, "trial_stages": 2}})
+    _decides(monkeypatch, trains=False)
+    results = _learn(run, four_class_stages)
+    assert [("trial" in r.carry, r.carry["paused"]) for r in results] == [(True, True), (True, True), (False, True)]
+    assert all(r.passes["training"] == 0 for r in results)

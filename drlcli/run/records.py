@@ -331,7 +331,9 @@ def _real(value: Any) -> bool:
 
 
 def trial_declined(metas: list[dict[str, Any]]) -> bool:
-    """Whether stage 1's trial said adapting would not pay (``stage/trial.py``): the run's adapter set
-    stays untrained, and no stage trains it."""
-    carry = metas[0].get("carry") if metas else None
-    return isinstance(carry, dict) and isinstance(carry.get("trial"), dict) and carry.get("paused") is True
+    """Whether the run's adapter set has never trained because its trials said adapting changes little
+    (``stage/trial.py``): stage 1 was tried, and every stage kept the set as it stood."""
+    carries = [m.get("carry") for m in metas]
+    if not carries or not (isinstance(carries[0], dict) and isinstance(carries[0].get("trial"), dict)):
+        return False
+    return all(isinstance(c, dict) and c.get("paused") is True for c in carries)

@@ -31,8 +31,8 @@ def carried_start(
     trial, and any other run's stages): after the first, the head's rows and the rmd inputs of the
     stage's images through the network as the stage begins, and their f_0 through the frozen PTM,
     which give the stage's forward transfer (``metrics.Transfer``) and, in a run that pauses
-    (``Method.pauses``), whether the stage trains the network at all; stage 1's trial decides whether
-    stage 1 trains, and where it did not, no stage does (``trial.py``). Every process ends with every image's rows, in
+    (``Method.pauses``), whether the stage trains the network at all; while the set has never
+    trained, a trial decides that instead (``trial.py``). Every process ends with every image's rows, in
     the stage's image order. ``frozen_f0``: this process's share of that f_0 as a switched run's
     frozen track computed it for the same images (its ``Fitted.f0``); None: a pass through the
     network with its adapters off. ``frozen_rows``: that track's head rows and rmd inputs of them
@@ -41,17 +41,21 @@ def carried_start(
     head = head_of(stage.config)
     if head is None or not stage.method.carries_network(stage.config):
         return None
-    if trying(stage):
-        tried = trial(stage, frozen_f0)
-        return _first_start(stage, head, tried, _handed(stage, head, frozen_rows))
+    untrained = declined(stage)  # the set never trained: the frozen PTM, its transfer nil (no images counted)
+    tried = trial(stage, frozen_f0) if trying(stage) else None
     if not stage.loaded.stage_metas:
-        return None
-    if not declined(stage):
+        return None if tried is None else _first_start(stage, head, tried, _handed(stage, head, frozen_rows))
+    if not untrained:
         return _began(stage, head, frozen_f0)
-    # stage 1's trial kept the set untrained: it is the frozen PTM, its transfer nil by construction
-    # (no images counted), and it stays as it stands
     began = _began(stage, head, frozen_f0, _handed(stage, head, frozen_rows))
-    return replace(began, transfer=Transfer(0, 0, 0).record(stage.earlier_transfer()), paused=True)
+    return replace(
+        began,
+        transfer=Transfer(0, 0, 0).record(stage.earlier_transfer()),
+        paused=tried is None or not tried.trains,
+        seconds=began.seconds + (tried.meta["seconds"] if tried else 0.0),
+        trial=tried.meta if tried else None,
+        trial_passes=tried.passes if tried else 0.0,
+    )
 
 
 def _handed(

@@ -1,4 +1,4 @@
-"""Stage 1's trial (``first_session.trial transfer``, the default's): whether adapting is worth its
+"""The trial of stage 1 (``first_session.trial transfer``, the default's): whether adapting is worth its
 cost on this data, measured before stage 1 spends its training. A copy of the adapter set trains
 ``trial_epochs`` on half of stage 1's classes (at most ``trial_images`` images of each, its
 classifier started at their class means); then the other half's images (at most ``MEASURED_IMAGES``
@@ -10,13 +10,15 @@ moves them by percents, widening them on most class orders. Stage 1 trains only 
 at least ``FLOOR`` % either way, more than chance (``Tried.trains``; the switch still answers from
 the frozen head until adapting transfers): then the trial's set is dropped and stage 1 trains as it
 would without the trial, and later stages decide by their forward transfer. Otherwise the set stays
-untrained (the frozen PTM: AdaptFormer's Up starts at zero) for the run (``declined``): its rows are
-the frozen track's (no pass of its own), no stage trains it, and the run learns at about the frozen
-head's cost. A stage 1 of fewer than ``MIN_CLASSES`` classes, or one under torchrun, is not tried: it
-trains, as without the trial."""
+untrained (the frozen PTM: AdaptFormer's Up starts at zero; ``declined``): its rows are the frozen
+track's (no pass of its own), and the next stage is tried the same way, up to ``trial_stages`` tried
+stages; after that no stage trains it, and the run learns at about the frozen head's cost. A stage
+of fewer than ``MIN_CLASSES`` classes, or one under torchrun, is not tried: stage 1 then trains, as
+without the trial; a later one keeps the set as it stands."""
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,15 +47,18 @@ FLOOR = 0.5
 
 
 def trying(stage: StageContext) -> bool:
-    """Stage 1 of a run that pauses its training (``Method.pauses``) and tries adapting first."""
-    if stage.loaded.stage_metas or not stage.method.pauses(stage.config):
+    """A stage of a run that pauses its training (``Method.pauses``) and tries adapting first, while
+    its set has never trained: stage 1, and each later one after declining trials, up to
+    ``trial_stages`` tried stages in all."""
+    if not stage.method.pauses(stage.config) or stage.config.first_session.trial != "transfer":
         return False
-    return stage.config.first_session.trial == "transfer"
+    metas = stage.loaded.stage_metas
+    return (not metas or trial_declined(metas)) and len(metas) < stage.config.first_session.trial_stages
 
 
 def declined(stage: StageContext) -> bool:
-    """A later stage of a run whose stage 1's trial said adapting would not pay: its set is untrained
-    (the frozen PTM), and stays so."""
+    """A later stage of a run whose trials said adapting changes little: its set is untrained (the
+    frozen PTM); it is tried again (``trying``) or stays so."""
     return stage.method.pauses(stage.config) and trial_declined(stage.loaded.stage_metas)
 
 
@@ -119,7 +124,9 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
     trained = _Classes(stage.images, tuple(sorted(order[: n // 2])), options.trial_images, seed)
     measured = _Classes(stage.images, tuple(sorted(order[n // 2 :])), MEASURED_IMAGES, seed)
     network = stage.model.network
+    kept = [copy.deepcopy(own.state_dict()) for own in network.stages]  # a later stage's untrained set
     network.new_stage(seed=seed)
+    network.drop_start()  # no hold: every trial trains as stage 1's does
     try:
         train_stage(
             network,
@@ -132,15 +139,15 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
             progress=_progress(stage),
         )
         adapted = _f0(stage, measured)
-    finally:
-        network.drop_adapters()  # stage 1 trains a set of its own, from the same start as without the trial
+    finally:  # the set as the stage began: it trains from there, as it would without the trial
+        _restore(network, kept)
     if frozen_f0 is not None and len(frozen_f0) == len(stage.images):
         frozen = frozen_f0[torch.tensor(measured.indices, dtype=torch.long)]
     else:
         frozen = _f0(stage, measured)  # the set dropped: the frozen PTM
     gain = margin_gain(adapted, frozen, torch.tensor(measured.labels, dtype=torch.long))
     tried = Tried(gain, {}, 0.0)
-    if not tried.trains:  # stage 1's set, untrained: the frozen PTM (its Up starts at zero)
+    if not tried.trains and not network.stages:  # stage 1's set, untrained: the frozen PTM (Up starts at zero)
         network.new_stage(seed=seed).requires_grad_(False).eval()
     meta = {
         "classes_trained": len(trained.class_names),
@@ -155,6 +162,16 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
     # a training step of an image counts 3 passes (forward and backward), the classifier's start one
     passes = (STEP * options.trial_epochs + 1) * len(trained) + len(measured) * (1 if frozen_f0 is not None else 2)
     return Tried(gain, meta, passes / len(stage.images))
+
+
+def _restore(network: Any, kept: list[dict[str, torch.Tensor]]) -> None:
+    """The network's set as before the trial: none at stage 1, else the untrained set it held."""
+    if not kept:
+        network.drop_adapters()
+        return
+    network.stages[0].load_state_dict(kept[0])
+    network.stages[0].requires_grad_(False).eval()
+    network.drop_start()
 
 
 def _f0(stage: StageContext, images: LabelledImages) -> torch.Tensor:

@@ -42,9 +42,10 @@ class FirstSessionConfig:
     # (``metrics.Transfer.stalls``); a paused stage fits the head on the network as it stands
     pause: str = option("none", choices=("none", "transfer"))
     # drl's extension, with pause "transfer" only: "transfer" tries adapting before a stage trains,
-    # while no stage has trained the set (``stage/trial.py``): a copy of the set trained
+    # while no stage has trained the set, up to ``trial_stages`` stages (``stage/trial.py``): a copy of the set trained
     # ``trial_epochs`` on half of the stage's classes (at most ``trial_images`` images each), the
     # other half's margins compared through it and the frozen PTM; the stage trains only where they widen
     trial: str = option("none", choices=("none", "transfer"))
     trial_epochs: int = option(10, within=Range(1, 1000))
     trial_images: int = option(32, within=Range(1, 1_000_000))
+    trial_stages: int = option(3, within=Range(1, 1_000_000))  # stages tried while the set never trained
