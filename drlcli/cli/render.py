@@ -70,8 +70,14 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
     lines += _cost_total(stages)
     lines_of = (("trial", trial_line), ("first_session", first_session_line), ("transfer", transfer_line))
     for key, line in (*lines_of, ("switch", switch_line)):
-        lines += [f"stage {s['stage']}: " + line(s[key]) for s in stages if s.get(key)]
+        lines += [f"stage {s['stage']}: " + line(s[key]) for s in stages if s.get(key) and _counted(key, s[key])]
     return lines + _growth_notes(stages)
+
+
+def _counted(key: str, record: dict[str, Any]) -> bool:
+    """A record worth a line: a forward transfer only once the run has counted images (an untrained
+    set's stages, kept by their trials, count none)."""
+    return key != "transfer" or bool(record["run"]["images"])
 
 
 def _passes(p: dict[str, Any] | None) -> str:
@@ -100,7 +106,12 @@ def _growth_notes(stages: list[dict[str, Any]]) -> list[str]:
         if isinstance(e := s.get("eval_data"), dict) and "held_out" in e
     ]
     lines += [
-        f"stage {s['stage']}: the carried network was not trained (the run's forward transfer said adapting stalls)"
+        f"stage {s['stage']}: the carried network was not trained ("
+        + (
+            "its trial said adapting changes little)"
+            if s.get("trial")
+            else "the run's forward transfer said adapting stalls)"
+        )
         for s in stages
         if s.get("paused")
     ]
@@ -172,10 +183,14 @@ def _learned_line(r: dict[str, Any]) -> str:
             f"{r['num_params']:,} head parameters solved); no stage adapters: "
             + (r.get("skipped_because") or "nothing trained")
         )
-    if (r.get("carry") or {}).get("paused"):  # a switched run's carried network, kept as it stood
+    carry = r.get("carry") or {}
+    if carry.get("paused"):  # a switched run's carried network, kept as it stood
+        why = (
+            "its trial (below)" if carry.get("trial") else "the run's forward transfer so far says adapting stalls here"
+        )
         return (
             f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s); the carried "
-            "network was not trained: the run's forward transfer so far says adapting stalls here"
+            f"network was not trained: {why}"
         )
     resumed = " over every call that trained it" if r["resumed_from_epoch"] else ""  # more than this call's total
     return (

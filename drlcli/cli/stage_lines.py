@@ -74,15 +74,16 @@ def carry_lines(c: dict[str, Any]) -> list[str]:
             f"{_sums_how(c)} ({c['seconds']:.1f}s)"
             + ("; the unknown answer's class means moved with them" if "unknown_move" in c else "")
         ]
-    return lines + ([transfer_line(c["transfer"])] if c.get("transfer") else [])
+    counted = c.get("transfer") and c["transfer"]["run"]["images"]  # an untrained set's stage counts none
+    return lines + ([transfer_line(c["transfer"])] if counted else [])
 
 
 def trial_line(t: dict[str, Any]) -> str:
     """A stage's trial (``first_session.trial``), for people."""
     m = t["margins"]
     then = (
-        "adapting changes little here: the stage did not train the adapters, no stage will, and the run learns "
-        "at about the frozen head's cost"
+        "adapting changes little here: the stage kept the adapters untrained (the frozen PTM), at about the "
+        "frozen head's cost"
         if not t["trains"]
         else "adapting moves these features: the stage trained the adapters on all its classes"
     )

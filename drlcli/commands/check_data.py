@@ -308,15 +308,26 @@ def _feature_passes(state: _RunState, trained: bool) -> tuple[int, list[str]]:
         notes.append("the run's frozen track makes its own feature pass")
         if method.pauses(config) and index > 1:
             notes.append("training may pause at this stage if the run's forward transfer stalls (no training passes)")
-    if method.pauses(config) and index == 1 and config.first_session.trial == "transfer":
-        trial = config.first_session
-        notes.append(
-            f"stage 1 first tries adapting on half its classes ({trial.trial_epochs} epochs on at most "
-            f"{trial.trial_images} images of each, not counted) and trains only where that pays; otherwise it "
-            "has no training passes and no later stage trains"
-        )
-    elif method.pauses(config) and trial_declined(state.metas):
-        notes.append("stage 1's trial said adapting would not pay here: no stage trains the adapter set")
+    notes += _trial_notes(state)
     if trained and method.decides_first_stage(config) and index == 1:
         notes.append("stage 1 trains on part of its images and scores the rest with both PTMs")
     return passes, notes
+
+
+def _trial_notes(state: _RunState) -> list[str]:
+    """What the trial (``stage/trial.py``) changes about the estimate, if the run tries adapting first."""
+    config, method = state.config, state.method
+    if not method.pauses(config) or config.first_session.trial != "transfer":
+        return []
+    if state.index == 1:
+        trial = config.first_session
+        return [
+            f"stage 1 first tries adapting on half its classes ({trial.trial_epochs} epochs on at most "
+            f"{trial.trial_images} images of each, not counted) and trains only where that moves their features; "
+            "otherwise it has no training passes"
+        ]
+    if trial_declined(state.metas):
+        return [
+            "the run's trials kept its adapter set untrained: this stage may be tried again, else it does not train"
+        ]
+    return []

@@ -314,11 +314,10 @@ def trial_record(meta: dict[str, Any]) -> dict[str, Any] | None:
         return None
     margins = record["margins"]
     counts = ("classes_trained", "images_trained", "epochs", "classes_measured", "images_measured")
-    if not (all(_count(record.get(k)) for k in counts) and _count(margins.get("images"))):
-        return None
-    if not all(_real(margins.get(k)) for k in ("percent", "z", "floor")):
-        return None
-    if not (_amount(record.get("seconds")) and type(record.get("trains")) is bool):
+    checks = [_count(record.get(k)) for k in counts] + [_count(margins.get("images"))]
+    checks += [_real(margins.get(k)) for k in ("percent", "z", "floor")]
+    checks += [_amount(record.get("seconds")), type(record.get("trains")) is bool]
+    if not all(checks):
         return None
     return {
         **{k: record[k] for k in (*counts, "seconds", "trains")},

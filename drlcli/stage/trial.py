@@ -77,7 +77,7 @@ class Tried:
 
 
 @dataclass(frozen=True, eq=False)
-class _Classes(LabelledImages):
+class ClassSample(LabelledImages):
     """Some classes of another source, at most ``cap`` images each (seeded), labelled 0..k-1."""
 
     source: LabelledImages
@@ -121,8 +121,8 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
     options, train = stage.config.first_session, stage.config.train
     seed = train.seed + stage.index
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    trained = _Classes(stage.images, tuple(sorted(order[: n // 2])), options.trial_images, seed)
-    measured = _Classes(stage.images, tuple(sorted(order[n // 2 :])), MEASURED_IMAGES, seed)
+    trained = ClassSample(stage.images, tuple(sorted(order[: n // 2])), options.trial_images, seed)
+    measured = ClassSample(stage.images, tuple(sorted(order[n // 2 :])), MEASURED_IMAGES, seed)
     network = stage.model.network
     kept = [copy.deepcopy(own.state_dict()) for own in network.stages]  # a later stage's untrained set
     network.new_stage(seed=seed)
