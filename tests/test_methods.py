@@ -57,7 +57,9 @@ def test_the_facts_of_each_method():
     # rows split between the fit and held-out Grams: the twenty-first's)
     same = RunConfig.for_method("ranpac", preset="switched").to_dict()
     mine = default.to_dict()
-    assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train", "ranpac"}
+    assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train", "ranpac", "first_session"}
+    # ... and for the default's trial of stage 1 (``stage/trial.py``), which ranpac's preset keeps off
+    assert {k for k, v in mine["first_session"].items() if v != same["first_session"][k]} == {"trial"}
     assert {k: v for k, v in mine["ranpac"].items() if same["ranpac"][k] != v} == {
         "carry_mean": "exact",
         "carry_draws": 25,

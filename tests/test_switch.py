@@ -42,6 +42,22 @@ def _track(run):
     return frozen_track(own, own.manifest())
 
 
+def _record_phases(monkeypatch) -> list:
+    """The phase of every pass over a stage's images (``begin.embed_stage``, which the feature phase shares)."""
+    import drlcli.stage.begin as begin_module
+    import drlcli.stage.fit as fit_module
+
+    phases, embed = [], begin_module.embed_stage
+
+    def recorded(*args, phase="prototypes", **kwargs):
+        phases.append(phase)
+        return embed(*args, phase=phase, **kwargs)
+
+    monkeypatch.setattr(begin_module, "embed_stage", recorded)
+    monkeypatch.setattr(fit_module, "embed_stage", recorded)
+    return phases
+
+
 def _learn(run, folders):
     return [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in folders]
 
@@ -168,12 +184,7 @@ def test_while_adapting_stalls_a_paused_run_keeps_its_carried_network_as_it_stoo
     _transfers(monkeypatch, False, stalls=True)
     results = _learn(run, stage_folders[:1])
     sets = [{k: v.clone() for k, v in _carried_set(run).items()}]
-    import drlcli.stage.fit as fit_module
-
-    phases, embed = [], fit_module._embed
-    monkeypatch.setattr(
-        fit_module, "_embed", lambda *a, phase="prototypes", **k: phases.append(phase) or embed(*a, phase=phase, **k)
-    )
+    phases = _record_phases(monkeypatch)
     results += _learn(run, stage_folders[1:])
     sets.append(_carried_set(run))
     paused = pause == "transfer"
@@ -450,17 +461,13 @@ def test_the_transfer_passes_itself_when_the_frozen_track_listed_other_images(tm
     (its data's fingerprint); a folder that changed between the two listings makes the run pass them."""
     import itertools
 
-    import drlcli.stage.fit as fit_module
     from drlcli.data.images import ImageSet
 
     run = tmp_path / "run"
     _init(run)
     _transfers(monkeypatch, False)
     _learn(run, stage_folders[:1])
-    phases, embed = [], fit_module._embed
-    monkeypatch.setattr(
-        fit_module, "_embed", lambda *a, phase="prototypes", **k: phases.append(phase) or embed(*a, phase=phase, **k)
-    )
+    phases = _record_phases(monkeypatch)
     listing = itertools.count()
     monkeypatch.setattr(ImageSet, "fingerprint", lambda self: f"listing {next(listing)}")
     result = _learn(run, stage_folders[1:2])[0]

@@ -97,11 +97,11 @@ def trial_line(t: dict[str, Any]) -> str:
 
 def cost_line(p: dict[str, Any]) -> str:
     """What a stage's learning cost (stage.json ``metrics.passes``), for people."""
-    parts = [f"training {p['training']:g}" if p.get("training") else "no training"]
+    parts = [f"training {p['training']:g}"] if p.get("training") else []
     parts.append(f"feature passes {p['features']:g}")
     if p.get("trial"):
         parts.append(f"the trial {p['trial']:g}")
-    return f"cost: {p['per_image']:g} forward passes an image ({', '.join(parts)})"
+    return f"cost: {p['per_image']:g} forward pass{'' if p['per_image'] == 1 else 'es'} an image ({', '.join(parts)})"
 
 
 def _sums_how(carry: dict) -> str:
