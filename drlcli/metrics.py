@@ -249,24 +249,27 @@ class Transfer:
         return cls(*values)
 
 
-def leave_one_out_right(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(N,) whether nearest class mean (cosine) answers each row of ``x`` (N, d) right, each row's
-    own class mean taken without it."""
+def _leave_one_out_scores(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N, C) each row of ``x`` (N, d)'s cosine to every class mean, its own class's taken without it."""
     x = F.normalize(x.double(), dim=1)
     sums = torch.zeros(int(labels.max()) + 1, x.shape[1], dtype=x.dtype).index_add_(0, labels, x)
     scores = x @ F.normalize(sums, dim=1).T
     own = F.normalize(sums[labels] - x, dim=1)  # a class of one image: a zero mean, scored 0
     scores[torch.arange(len(labels)), labels] = (x * own).sum(1)
-    return scores.argmax(1) == labels
+    return scores
+
+
+def leave_one_out_right(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) whether nearest class mean (cosine) answers each row of ``x`` (N, d) right, each row's
+    own class mean taken without it."""
+    return _leave_one_out_scores(x, labels).argmax(1) == labels
 
 
 def leave_one_out_margin(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(N,) each row's cosine to its own class mean (taken without it) less its best other class mean's."""
-    x = F.normalize(x.double(), dim=1)
-    sums = torch.zeros(int(labels.max()) + 1, x.shape[1], dtype=x.dtype).index_add_(0, labels, x)
-    scores = x @ F.normalize(sums, dim=1).T
+    scores = _leave_one_out_scores(x, labels)
     rows = torch.arange(len(labels))
-    own = (x * F.normalize(sums[labels] - x, dim=1)).sum(1)
+    own = scores[rows, labels].clone()
     scores[rows, labels] = -torch.inf
     return own - scores.max(1).values
 

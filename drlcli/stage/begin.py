@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -41,21 +40,55 @@ def carried_start(
     head = head_of(stage.config)
     if head is None or not stage.method.carries_network(stage.config):
         return None
-    untrained = declined(stage)  # the set never trained: the frozen PTM, its transfer nil (no images counted)
+    first = not stage.loaded.stage_metas
     tried = trial(stage, frozen_f0) if trying(stage) else None
-    if not stage.loaded.stage_metas:
-        return None if tried is None else _first_start(stage, head, tried, _handed(stage, head, frozen_rows))
-    if not untrained:
+    if not (first or declined(stage)):
         return _began(stage, head, frozen_f0)
-    began = _began(stage, head, frozen_f0, _handed(stage, head, frozen_rows))
-    return replace(
-        began,
-        transfer=Transfer(0, 0, 0).record(stage.earlier_transfer()),
-        paused=tried is None or not tried.trains,
-        seconds=began.seconds + (tried.meta["seconds"] if tried else 0.0),
-        trial=tried.meta if tried else None,
-        trial_passes=tried.passes if tried else 0.0,
+    if first and tried is None:
+        return None
+    return _untrained_start(stage, head, tried, frozen_f0, _handed(stage, head, frozen_rows))
+
+
+def _untrained_start(
+    stage: StageContext,
+    head: Head,
+    tried: Tried | None,
+    frozen_f0: torch.Tensor | None,
+    handed: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
+) -> Began:
+    """A stage of a set no stage has trained: the frozen PTM, its transfer nil by construction (no
+    images counted). The trial decides; a stage it cannot try keeps the set as it stands."""
+    tick = time.perf_counter()
+    first = not stage.loaded.stage_metas
+    paused = tried is None or not tried.trains
+    rows = rmd_rows = None
+    passes = 0.0
+    if paused or not first:  # the fit reads them, or a later stage carries its earlier classes from them
+        rows, rmd_rows, passes = _untrained_rows(stage, head, frozen_f0, handed)
+    return Began(
+        rows,
+        rmd_rows,
+        None if first else Transfer(0, 0, 0).record(stage.earlier_transfer()),
+        paused,
+        time.perf_counter() - tick + (tried.meta["seconds"] if tried else 0.0),
+        tried.meta if tried else None,
+        passes,
+        tried.passes if tried else 0.0,
     )
+
+
+def _untrained_rows(
+    stage: StageContext,
+    head: Head,
+    frozen_f0: torch.Tensor | None,
+    handed: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The untrained set's rows and rmd inputs of every image, and the passes they cost: the frozen
+    track's (``handed``), else the set's own pass as any carried stage begins (``_began``)."""
+    if handed is not None:
+        return (*handed(), 0.0)
+    began = _began(stage, head, frozen_f0)
+    return began.rows, began.rmd_rows, began.passes
 
 
 def _handed(
@@ -77,21 +110,10 @@ def _handed(
     return as_the_sets
 
 
-def _began(
-    stage: StageContext,
-    head: Head,
-    frozen_f0: torch.Tensor | None,
-    handed: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> Began:
-    """A carried stage after the first as it begins: its rows (``handed`` by the frozen track while
-    no stage trained the set), and its forward transfer."""
+def _began(stage: StageContext, head: Head, frozen_f0: torch.Tensor | None) -> Began:
+    """A carried stage after the first as it begins: its rows, and its forward transfer."""
     tick = time.perf_counter()
     shard, network, probes = distributed.shard(len(stage.images)), stage.model.network, probes_of(stage)
-    if handed is not None and frozen_f0 is not None:
-        rows, rmd_rows = handed()
-        labels = torch.tensor(stage.images.labels, dtype=torch.long)
-        own = Transfer(0, 0, 0)  # the untrained set's transfer is nil: the caller records none
-        return Began(rows, rmd_rows, own.record(own), False, time.perf_counter() - tick, passes=0.0)
     rows, labels = embed_stage(stage, shard, None, layout_of(stage, head), probes, phase="carry")
     bare = frozen_f0
     if bare is None:
@@ -107,32 +129,6 @@ def _began(
     paused = stage.method.pauses(stage.config) and run.stalls
     passes = 1.0 if frozen_f0 is not None else 2.0  # the rows; f_0 through the frozen PTM unless handed over
     return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick, passes=passes)
-
-
-def _first_start(
-    stage: StageContext,
-    head: Head,
-    tried: Tried | None,
-    handed: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None,
-) -> Began | None:
-    """Stage 1 after its trial (None: not tried, it trains as it would without one): where the trial
-    says adapting would not pay, every image's rows through the set as it stands, untrained (the
-    frozen PTM: stage 1 does not train it, and its fit reads these)."""
-    if tried is None:
-        return None
-    tick = time.perf_counter()
-    paused = not tried.trains
-    rows = rmd_rows = None
-    passes = 0.0
-    if paused and handed is not None:
-        rows, rmd_rows = handed()
-    elif paused:
-        probes = probes_of(stage)
-        feats, _ = embed_stage(stage, None, None, layout_of(stage, head), probes)
-        rows, rmd_rows = split_probe(feats, len(probes), stage.model.probe_weight)
-        passes = 1.0
-    seconds = time.perf_counter() - tick + tried.meta["seconds"]
-    return Began(rows, rmd_rows, None, paused, seconds, tried.meta, passes, tried.passes)
 
 
 def in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:
