@@ -3,7 +3,7 @@ without training stage 1 itself: for each order, the trial's move of the other h
 of their frozen mean margin), its z and whether stage 1 would train.
 
     python benchmarks/trial_signal.py --data ../shared/data/caltech101 --weights $W --seeds 1993,1994,1995 \
-        [--val-fraction 0.2] [--epochs 10] [--images 32]
+        [--val-fraction 0.2] [--epochs 10] [--images 32] [--start random] [--split-shift K]
 
 Stage 1 of B0 Inc10 (``--split``) over each seed's class order, as ``drl benchmark`` draws it; with
 ``--val-fraction`` the trial reads only the training part of the validation split (the setting the
@@ -46,11 +46,11 @@ def first_stage(data_dir: Path, seed: int, split: str, val_fraction: float | Non
     return ImageSet(root, tuple(plan.stages[0]), tuple(p for p, _ in pairs), tuple(k for _, k in pairs))
 
 
-def trial_of(images: ImageSet, weights: Path, epochs: int, per_class: int) -> dict:
+def trial_of(images: ImageSet, weights: Path, epochs: int, per_class: int, start: str, shift: int) -> dict:
     config = RunConfig.for_method("drl")
     ptm = create_ptm("deit_tiny_patch16_224", source=PTMSource(weights_path=weights))
     network, config_data = method_of(config).build(ptm, config), data_config(ptm)
-    n, seed = len(images.class_names), config.train.seed + 1  # stage 1's, as learn-stage seeds it
+    n, seed = len(images.class_names), config.train.seed + 1 + shift  # stage 1's, as learn-stage seeds it
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     trained = ClassSample(images, tuple(sorted(order[: n // 2])), per_class, seed)
     measured = ClassSample(images, tuple(sorted(order[n // 2 :])), MEASURED_IMAGES, seed)
@@ -61,7 +61,7 @@ def trial_of(images: ImageSet, weights: Path, epochs: int, per_class: int) -> di
     tick = time.perf_counter()
     frozen = f0()
     network.new_stage(seed=seed)
-    train_stage(network, trained, replace(config.train, epochs=epochs, head_init="prototypes"), config_data)
+    train_stage(network, trained, replace(config.train, epochs=epochs, head_init=start), config_data)
     gain = margin_gain(f0(), frozen, torch.tensor(measured.labels))
     return {
         "images_trained": len(trained),
@@ -81,10 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-fraction", type=float, default=None)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--images", type=int, default=32)
+    # what the trial was chosen against: the classifier's random start, and other class splits (seed + K)
+    parser.add_argument("--start", choices=("prototypes", "random"), default="prototypes")
+    parser.add_argument("--split-shift", type=int, default=0)
     args = parser.parse_args(argv)
     for seed in parse_seeds(args.seeds):
         images = first_stage(args.data, seed, args.split, args.val_fraction)
-        row = {"data": args.data.name, "seed": seed, **trial_of(images, args.weights, args.epochs, args.images)}
+        row = {
+            "data": args.data.name,
+            "seed": seed,
+            **trial_of(images, args.weights, args.epochs, args.images, args.start, args.split_shift),
+        }
         print(json.dumps(row), flush=True)
     return 0
 
