@@ -90,7 +90,7 @@ def with_default_head(model: IncrementalModel, method: str = "drl", preset: str 
     """``model`` scored as ``method``'s new run (with ``preset``) scores with the ridge head: the
     default ``drl``'s, ridge on ReLU([f_0, PTM layout] R) (M and the layout grid from the config) plus
     class covariances; ``ranpac``'s, the ridge on f_0 alone. Random tensors of the real shapes."""
-    cfg = RunConfig.for_method(method, preset=preset).ranpac
+    cfg = RunConfig.for_method(method, preset=preset).ridge
     g = torch.Generator().manual_seed(1)
     d, num_classes = model.network.width, len(model.class_names)
     proj_dim = cfg.resolved_proj_dim(d)

@@ -26,10 +26,10 @@ from drlcli.benchmark.protocol import class_order, load_data, stage_classes
 from drlcli.config import RunConfig
 from drlcli.data.images import ImageSet
 from drlcli.data.loading import ImageDataset, eval_transform
+from drlcli.features.ipa import IPAConfig
+from drlcli.features.ipa.network import IPANetwork
 from drlcli.heads.ridge.head import RanpacHead, expand, random_projection
 from drlcli.heads.ridge.statistics import Statistics, choose_lambda, lambda_grid, solve, validation_mask
-from drlcli.methods.drl.network import IPANetwork
-from drlcli.methods.drl.options import IPAConfig
 from drlcli.metrics import accuracy_report, summarize_history
 from drlcli.ptm import backbone
 from drlcli.ptm.backbone import PTMSource
@@ -60,7 +60,7 @@ def replay(data, lookup: dict[str, torch.Tensor], *, seed: int, caps: list[int |
     """Both methods over the stages of ``seed``'s class order, evaluated on the test set at each cap."""
     order = class_order(list(data.train), seed=seed, shuffle=True)
     stages = stage_classes(order, 0, 10)
-    cfg = RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": proj_dim}, "train": {"seed": seed}})
+    cfg = RunConfig.for_method("ranpac", {"ridge": {"proj_dim": proj_dim}, "train": {"seed": seed}})
     projection = random_projection(next(iter(lookup.values())).shape[-1], proj_dim, seed=seed).to(torch.float64)
     stored: list[Statistics] = []
     class_names: list[str] = []
@@ -73,10 +73,10 @@ def replay(data, lookup: dict[str, torch.Tensor], *, seed: int, caps: list[int |
         paths = [p for c in names for p in data.train[c]]
         labels = torch.tensor([i for i, c in enumerate(names) for _ in data.train[c]])
         h = torch.stack([lookup[str(p.resolve())] for p in paths])
-        val = validation_mask(labels, fraction=cfg.ranpac.val_fraction, seed=seed + k)
+        val = validation_mask(labels, fraction=cfg.ridge.val_fraction, seed=seed + k)
         stage = Statistics.of(expand(h, projection), labels, len(names), val)
         total = Statistics.accumulate([*stored, stage])
-        lam, _ = choose_lambda(total, lambda_grid(cfg.ranpac))
+        lam, _ = choose_lambda(total, lambda_grid(cfg.ridge))
         lambdas.append(lam)
         head = RanpacHead(projection, solve(total, lam))
         stored.append(Statistics.from_tensors(stage.to_tensors()))  # what a later stage reads back

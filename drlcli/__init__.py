@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import RunConfig
 from .errors import DrlError
-from .methods.drl.options import IPAConfig
+from .features.ipa import IPAConfig
 from .options import ScoreConfig, TrainConfig
 from .version import __version__ as __version__
 

@@ -2,11 +2,11 @@
 frozen, with strict YAML/dict round trips.
 
 The sections every run has (``train``, ``score``, ``open_set``) are ``options.py``'s; the others
-come from the registries: each method's own (``ipa``, ``ease``) and each analytic head's
-(the ridge head's), read as attributes (``config.ipa``). Every config holds every
-section, so a run's ``run.yaml`` says all it was made with. A new run starts from its method's
-defaults and named preset (``methods/``); unknown keys and out-of-range values are errors, never
-silently ignored.
+come from the registries: the feature networks' (``ipa``, ``ease``, ``adapter``), the schedule's
+and each analytic head's (``ridge``), read as attributes (``config.ridge``). Every config holds every
+section, so a run's ``run.yaml`` says all it was made with. A new run starts from a recipe
+(``recipes.py``); unknown keys and out-of-range values are errors, never silently ignored. The
+section names of earlier releases (``ranpac``, ``first_session``) read as today's (``RENAMED``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from . import heads, jsonio, methods, storage
+from . import heads, jsonio, methods, recipes, storage
 from .errors import UsageError, shown
 from .options import (
     SHARED_SECTIONS,
@@ -31,6 +31,35 @@ from .options import (
 )
 
 MAX_CONFIG_FILE_BYTES = 1 << 20  # a --config file: a few sections of options, never megabytes
+# sections of earlier releases (run.yaml, .drl files, --config files, benchmark variants) and the
+# sections of today that hold their keys: each key goes to the one section that has it
+RENAMED: dict[str, tuple[str, ...]] = {"ranpac": ("ridge",), "first_session": ("adapter", "schedule")}
+
+
+def _renamed_key(old: str, key: Any) -> str:
+    """The section of today that holds key ``key`` of the earlier section ``old``."""
+    owners = [name for name in RENAMED[old] if key in {f.name for f in dataclasses.fields(config_sections()[name])}]
+    if not owners:
+        raise UsageError(f"unknown key {shown(key)} in config section {old} (now {' and '.join(RENAMED[old])})")
+    return owners[0]
+
+
+def current_sections(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data``'s sections under today's names (an earlier release's ``ranpac`` is ``ridge``; its
+    ``first_session`` keys go to ``adapter`` and ``schedule``); a section given under both names is an error."""
+    out = {name: value for name, value in data.items() if name not in RENAMED}
+    for old, new in RENAMED.items():
+        if old not in data:
+            continue
+        if any(name in data for name in new):
+            raise UsageError(f"config section {old} is {' and '.join(new)} today: give one of them, not both")
+        values = data[old]
+        if not isinstance(values, dict):
+            out[new[0]] = values  # build_section names the problem
+            continue
+        for key, value in values.items():
+            out.setdefault(_renamed_key(old, key), {})[key] = value
+    return out
 
 
 def own_sections() -> dict[str, type]:
@@ -83,6 +112,7 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         if not isinstance(data, dict):
             raise UsageError(f"config must be a mapping, got {type(data).__name__}")
+        data = current_sections(data)
         known = config_sections()
         unknown = sorted(set(data) - set(known) - {"method"}, key=str)  # YAML keys may be numbers
         if unknown:
@@ -97,17 +127,15 @@ class RunConfig:
         return cls(method=method, sections=built, **shared)
 
     @classmethod
-    def for_method(cls, method: str, data: dict[str, Any] | None = None, *, preset: str | None = None) -> RunConfig:
-        """``method``'s defaults (its train recipe and other sections), then the named ``preset`` of the
-        method (if none is named, its default preset, if it has one), overlaid by ``data``'s sections."""
-        spec = methods.get_method(method)
-        if preset is not None and preset not in spec.presets:
-            known = list(spec.presets) or "none"
-            raise UsageError(f"method {method} has no preset {shown(preset)}; its presets: {known}")
-        preset = spec.default_preset if preset is None else preset
-        base = cls(method=method, train=spec.train_defaults).to_dict()
-        layers = [spec.defaults, spec.presets[preset] if preset else {}, data or {}]
-        for layer in layers:
+    def for_recipe(cls, name: str, data: dict[str, Any] | None = None) -> RunConfig:
+        """Recipe ``name`` (``recipes.py``): its method's defaults and its options, overlaid by ``data``'s sections."""
+        return cls._from_recipe(recipes.get_recipe(name), data)
+
+    @classmethod
+    def _from_recipe(cls, recipe: recipes.Recipe, data: dict[str, Any] | None) -> RunConfig:
+        spec = methods.get_method(recipe.method)
+        base = cls(method=recipe.method, train=spec.train_defaults).to_dict()
+        for layer in (recipe.overrides, current_sections(data or {})):
             for section, values in layer.items():
                 if section == "method":
                     continue
@@ -118,23 +146,20 @@ class RunConfig:
         return cls.from_dict(base)
 
     @classmethod
-    def from_yaml(cls, path: Path, *, method: str | None = None, preset: str | None = None) -> RunConfig:
-        """A config file's sections over ``method``'s defaults and preset (``method`` and ``preset``
-        override the file's ``method`` and ``preset``)."""
-        try:
-            text = storage.read_regular(Path(path), limit=MAX_CONFIG_FILE_BYTES, what="config", follow=True)
-            data = jsonio.load_yaml(text) or {}
-        except OSError as exc:
-            raise UsageError(f"cannot read config {path}: {exc.strerror}; pass a readable YAML file") from exc
-        except ValueError as exc:
-            raise UsageError(
-                f"config {path} is not a YAML file drl reads ({exc}); pass a YAML mapping of sections"
-            ) from exc
-        if not isinstance(data, dict):
-            raise UsageError(f"config {path} must be a YAML mapping of sections")
-        named = data.pop("preset", None)  # the file may name its method's preset; --preset wins
-        if named is not None and not isinstance(named, str):
-            raise UsageError(f"config {path}: preset must be a preset's name, got {shown(named)}")
+    def for_method(cls, method: str, data: dict[str, Any] | None = None, *, preset: str | None = None) -> RunConfig:
+        """The recipe ``--method METHOD [--preset PRESET]`` names (``recipes.recipe_for``), overlaid by ``data``."""
+        return cls._from_recipe(recipes.recipe_for(method, preset), data)
+
+    @classmethod
+    def from_yaml(
+        cls, path: Path, *, method: str | None = None, preset: str | None = None, recipe: str | None = None
+    ) -> RunConfig:
+        """A config file's sections over a recipe: ``recipe``, else the file's ``recipe``, else the one
+        ``method`` and ``preset`` name (which override the file's ``method`` and ``preset``)."""
+        data = _config_file(path)
+        named, chosen = _name_in(data, "preset", path), _name_in(data, "recipe", path)  # the options win
+        if recipe is not None or (chosen is not None and method is None and preset is None):
+            return cls.for_recipe(recipe or chosen, {k: v for k, v in data.items() if k != "method"})
         return cls.for_method(method or data.get("method", "drl"), data, preset=preset or named)
 
     def with_train(self, **overrides: Any) -> RunConfig:
@@ -142,6 +167,57 @@ class RunConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         merged = {**dataclasses.asdict(self.train), **given}
         return dataclasses.replace(self, train=build_section(TrainConfig, merged, "train"))
+
+
+def _config_file(path: Path) -> dict[str, Any]:
+    """A ``--config`` file's mapping of sections (bounded, strict YAML)."""
+    try:
+        text = storage.read_regular(Path(path), limit=MAX_CONFIG_FILE_BYTES, what="config", follow=True)
+        data = jsonio.load_yaml(text) or {}
+    except OSError as exc:
+        raise UsageError(f"cannot read config {path}: {exc.strerror}; pass a readable YAML file") from exc
+    except ValueError as exc:
+        raise UsageError(
+            f"config {path} is not a YAML file drl reads ({exc}); pass a YAML mapping of sections"
+        ) from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"config {path} must be a YAML mapping of sections")
+    return data
+
+
+def _name_in(data: dict[str, Any], key: str, path: Path) -> str | None:
+    """The ``preset`` or ``recipe`` a config file names (taken out of its sections), or None."""
+    value = data.pop(key, None)
+    if value is not None and not isinstance(value, str):
+        raise UsageError(f"config {path}: {key} must be a {key}'s name, got {shown(value)}")
+    return value
+
+
+def _leaves(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        f"{section}.{key}": value
+        for section, values in config.items()
+        if isinstance(values, dict)
+        for key, value in values.items()
+    }
+
+
+def differing(config: RunConfig, other: RunConfig) -> list[str]:
+    """The options (``section.key``) in which two configs differ."""
+    mine, theirs = _leaves(config.to_dict()), _leaves(other.to_dict())
+    return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+
+
+def closest_recipe(config: RunConfig) -> tuple[recipes.Recipe, list[str]]:
+    """The recipe of the config's method it is closest to (``recipes.py``; a method no recipe names:
+    its defaults alone) and the options that differ from it (a run of an earlier release records its
+    options, not a recipe's name)."""
+    found = [recipe for recipe in recipes.RECIPES if recipe.method == config.method]
+    scored = [
+        (recipe, differing(config, RunConfig._from_recipe(recipe, None)))
+        for recipe in found or [recipes.recipe_for(config.method)]
+    ]
+    return min(scored, key=lambda item: len(item[1]))  # the first of equals wins
 
 
 def validate(cfg: RunConfig) -> None:

@@ -183,7 +183,7 @@ def _mean(values: list[float]) -> float | None:
 # sketches gain 3 to 5 % from stage 2 or 3 on, the photos of Caltech-101 0.2 % (where carrying cost
 # 0.7 to 1 A_T); docs/research/adaptation-bounds.md at b4fbb16, fourteenth round. They say that adapting stalls
 # when even the gain's one-sided upper bound is under ``GAIN`` (a paused switched run,
-# ``first_session.pause``, then trains no further stage while they say so).
+# ``schedule.pause``, then trains no further stage while they say so).
 
 Z = 1.645  # one-sided 5 %
 GAIN = 1.0  # % of the images compared

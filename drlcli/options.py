@@ -4,7 +4,7 @@ errors naming the option, never silently ignored).
 
 The sections every run has live here: ``train`` (one stage's optimisation, SPEC §2.2), ``score``
 (the prototype bank's scoring, SPEC §2.3) and ``open_set`` (the "unknown" answer's calibration). A
-method's or a head's own section lives in its folder (``methods/drl/options.py``,
+method's or a head's own section lives in its folder (``features/ipa/__init__.py``,
 ``heads/ridge/options.py``) and is declared to the registry; ``config.RunConfig`` assembles them.
 Defaults are the paper's (§IV "Training details") unless SPEC.md says otherwise.
 """

@@ -39,10 +39,10 @@ def carried_run(tmp_path_factory, stage_folders):
 
 def test_the_preset_is_the_researched_schedule():
     config = RunConfig.for_method("ranpac", preset="carried")
-    first = config.first_session
-    assert (first.peft, first.stages, first.blocks, first.hold_weight) == ("adaptformer", "all", 0.5, 3.0)
+    adapter, schedule = config.adapter, config.schedule
+    assert (adapter.peft, schedule.stages, adapter.blocks, schedule.hold_weight) == ("adaptformer", "all", 0.5, 3.0)
     assert (config.train.loss, config.train.lr, config.train.epochs, config.train.batch_size) == ("ce", 0.05, 20, 48)
-    head = config.ranpac
+    head = config.ridge
     assert (head.covariance_rank, head.layout_grid, head.carry_rank, head.carry_lambda) == (16, 2, 16, 1000.0)
 
 
@@ -298,8 +298,8 @@ def test_crafted_carried_classes_are_refused_and_nothing_is_committed(carried_ru
 @pytest.mark.parametrize(
     "sections, problem",
     [
-        ({"first_session": {"peft": "none"}}, "stages all trains the adapters"),
-        ({"first_session": {"decide": True}}, "first_session.decide is for stages first"),
+        ({"first_session": {"peft": "none"}}, "stages all trains the adapter set"),
+        ({"first_session": {"decide": True}}, "schedule.decide is for stages first"),
     ],
 )
 def test_carried_options_are_checked(sections, problem):
@@ -382,7 +382,7 @@ def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gra
     config = RunConfig.for_method(
         "drl", {**SMALL, "ranpac": {**SMALL["ranpac"], "carry_gram_draws": 10}}, preset="carried"
     )
-    assert (config.ranpac.carry_mean, config.ranpac.carry_gram_draws) == ("exact", 10)
+    assert (config.ridge.carry_mean, config.ridge.carry_gram_draws) == ("exact", 10)
     run = tmp_path / "run"
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     results = [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders[:2]]

@@ -338,7 +338,7 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     exact = _fit(EarlierStages(fit1.head, [weights1], lambda: [fit1.statistics]), feats2, labels2, config, 2)
 
     tokens = torch.cat([feats1[:, :1], feats1[:, 2:]], 1).double()  # what the head reads: f_0 and the cells
-    val = validation_mask(labels1, fraction=config.ranpac.val_fraction, seed=config.train.seed + 1)
+    val = validation_mask(labels1, fraction=config.ridge.val_fraction, seed=config.train.seed + 1)
     parts = torch.tensor([[int((~val[labels1 == c]).sum()), int(val[labels1 == c].sum())] for c in range(3)])
     sums = expected_sums(
         ClassGaussians.of([tokens[labels1 == c] for c in range(3)], rank=3),

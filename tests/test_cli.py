@@ -222,13 +222,13 @@ def test_the_default_learns_its_adapter_set_and_answers_from_its_frozen_track_fi
     assert not out["training_skipped"] and len(out["epoch_losses"]) == 2 and out["num_params"] > 0
     assert out["switch"]["answers"] == "frozen"
     text = drl("learn-stage", "--run", run, "--data", stage_folders[1][0], "--eval-data", stage_folders[1][1], *FAST)
-    assert text.exit_code == 0 and "`drl --preset frozen`" in text.stdout  # says which track answered
+    assert text.exit_code == 0 and "`drl init --recipe frozen`" in text.stdout  # says which track answered
     assert (
         "drawn 25 times per image (their means in closed form, the Grams from at most 50,000 draws, split between "
         "the fit and held-out parts)" in text.stdout
     )
     result, info = drl_json("info", "--run", run)
-    assert info["config"]["first_session"]["switch"] == "transfer" and info["frozen_track"]["num_stages"] == 2
+    assert info["config"]["schedule"]["switch"] == "transfer" and info["frozen_track"]["num_stages"] == 2
     assert info["frozen_track"]["answers"] == "frozen"
     assert drl("export", "--run", run, "--out", tmp_path / "model.drl").exit_code == 0
     predicted = drl("predict", "--model", tmp_path / "model.drl", stage_folders[1][1], "--device", "cpu")

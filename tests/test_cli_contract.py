@@ -235,7 +235,7 @@ def test_init_config_help_names_every_section():
     from drlcli.config import config_sections
 
     sections = list(config_sections())
-    text = " ".join(drl("init", "--help").stdout.split()).split("--config", 1)[1].split("--preset", 1)[0]
+    text = " ".join(drl("init", "--help").stdout.split()).split("--config <path>", 1)[1].split("--preset", 1)[0]
     assert len(sections) >= 5 and all(section in text for section in sections), (sections, text)
 
 

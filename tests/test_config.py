@@ -33,9 +33,9 @@ def test_a_config_file_may_name_its_preset_and_the_option_wins(tmp_path):
     cfg = RunConfig.from_yaml(path)
     assert cfg == RunConfig.for_method("drl", {"train": {"skip_unread": False}}, preset="frozen")
     assert RunConfig.from_yaml(path, preset="paper").score.head == "prototypes"  # drl init --preset paper
-    assert RunConfig.from_yaml(tmp_path / "c.yaml").first_session.peft == "none"
+    assert RunConfig.from_yaml(tmp_path / "c.yaml").adapter.peft == "none"
     path.write_text("train: {epochs: 3}\n")  # no preset: the method's default one
-    assert RunConfig.from_yaml(path).first_session.switch == "transfer"
+    assert RunConfig.from_yaml(path).schedule.switch == "transfer"
     path.write_text("preset: [frozen]\n")
     with pytest.raises(UsageError, match="preset must be a preset's name"):
         RunConfig.from_yaml(path)

@@ -7,8 +7,8 @@ from drlcli.commands.export import export_run
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.data.images import scan_class_folders
-from drlcli.methods.ease.network import EaseNetwork
-from drlcli.methods.ease.options import EaseConfig
+from drlcli.features.ease import EaseConfig
+from drlcli.features.ease.network import EaseNetwork
 from drlcli.model.incremental import embed_images
 from drlcli.options import TrainConfig
 from drlcli.run.load import load_run

@@ -37,11 +37,14 @@ RECIPES = [
     ("ease", None),
     ("simplecil", None),
 ]
-# a full disk (the issue that found two commits a stage) runs in the default suite; the rest with the slow tests
+# a full disk (the issue that found two commits a stage) runs in the default suite at every third storage
+# call and its last (the sweep's outcomes must still hold both states); every call, and the other
+# faults, with the slow tests
 MODES = [
-    pytest.param("full"),
-    pytest.param("crash", marks=pytest.mark.slow),
-    pytest.param("error", marks=pytest.mark.slow),
+    pytest.param("full", 3),
+    pytest.param("full", 1, marks=pytest.mark.slow),
+    pytest.param("crash", 1, marks=pytest.mark.slow),
+    pytest.param("error", 1, marks=pytest.mark.slow),
 ]
 
 
@@ -58,19 +61,28 @@ def data(tmp_path_factory):
     return stages, test
 
 
+class _Templates(dict):
+    """Per recipe, made when first asked for: a run with stage 1 learned (``before``) and the same run
+    with stage 2 (``after``)."""
+
+    def __init__(self, root: Path, data):
+        super().__init__()
+        self.root, self.data = root, data
+
+    def __missing__(self, recipe: tuple[str, str | None]) -> tuple[Path, Path]:
+        method, preset = recipe
+        before = self.root / f"{method}-{preset}" / "before"
+        init_run(before, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=_config(method, preset))
+        learn_stage(before, data_dir=self.data[0][0], device="cpu")
+        after = Path(shutil.copytree(before, before.parent / "after"))
+        learn_stage(after, data_dir=self.data[0][1], device="cpu")
+        self[recipe] = before, after
+        return before, after
+
+
 @pytest.fixture(scope="module")
 def templates(tmp_path_factory, data):
-    """Per recipe: a run with stage 1 learned (``before``) and the same run with stage 2 (``after``)."""
-    root = tmp_path_factory.mktemp("faults-runs")
-    made = {}
-    for method, preset in RECIPES:
-        before = root / f"{method}-{preset}" / "before"
-        init_run(before, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=_config(method, preset))
-        learn_stage(before, data_dir=data[0][0], device="cpu")
-        after = Path(shutil.copytree(before, before.parent / "after"))
-        learn_stage(after, data_dir=data[0][1], device="cpu")
-        made[method, preset] = before, after
-    return made
+    return _Templates(tmp_path_factory.mktemp("faults-runs"), data)
 
 
 def _answers(run: Path, test: Path, *, commands: bool = True) -> tuple[list[str], torch.Tensor]:
@@ -90,8 +102,10 @@ def _same(a, b) -> bool:
     return a[0] == b[0] and torch.allclose(a[1], b[1], atol=1e-5)
 
 
-def _sweep(faults: FailAt, mode: str, source: Path, tmp_path: Path, command, states: list, test: Path) -> set[int]:
-    """Fail every storage call of ``command(run)`` in turn (on a copy of ``source``): each time the run
+def _sweep(
+    faults: FailAt, mode: str, source: Path, tmp_path: Path, command, states: list, test: Path, every: int = 1
+) -> set[int]:
+    """Fail every storage call (with ``every`` k: every k-th and the last) of ``command(run)`` in turn (on a copy of ``source``): each time the run
     verifies and answers as one of ``states`` (its index is returned; a run whose manifest is the
     source's, byte for byte, reads the source's listed files: the first state, once it verifies). Where the outcome changes, and
     at every eighth call, ``eval`` and ``predict`` answer too and, where the run is at an earlier
@@ -101,7 +115,7 @@ def _sweep(faults: FailAt, mode: str, source: Path, tmp_path: Path, command, sta
     num_calls = len(faults.calls)
     untouched = (source / "manifest.json").read_bytes()
     outcomes: list[int] = []
-    for k in range(1, num_calls + 1):
+    for k in sorted({*range(1, num_calls + 1, every), num_calls}):
         run = Path(shutil.copytree(source, tmp_path / f"k{mode}{k:03d}"))
         faults.arm(k, mode)
         try:
@@ -118,7 +132,7 @@ def _sweep(faults: FailAt, mode: str, source: Path, tmp_path: Path, command, sta
             found = _answers(run, test, commands=False)
             matches = [i for i, answers in enumerate(states) if _same(found, answers)]
         assert matches, (k, mode, faults.calls[k - 1] if k <= len(faults.calls) else None)
-        if not outcomes or matches[0] != outcomes[-1] or k % 8 == 0 or k == num_calls:
+        if not outcomes or matches[0] != outcomes[-1] or k % (8 * every) == 1 % every or k == num_calls:
             _answers(run, test)
             if matches[0] != len(states) - 1:  # a command that completed is not run again (forget refuses it)
                 command(run)
@@ -128,20 +142,22 @@ def _sweep(faults: FailAt, mode: str, source: Path, tmp_path: Path, command, sta
     return set(outcomes)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("mode", "every"), MODES)
 def test_the_default_survives_a_fault_at_every_storage_call_of_learn_stage(
-    templates, data, tmp_path, monkeypatch, mode
+    templates, data, tmp_path, monkeypatch, mode, every
 ):
     before, after = templates["drl", None]
     test = data[1]
     states = [_answers(before, test), _answers(after, test)]
     faults = FailAt(monkeypatch)
     learn = lambda run: learn_stage(run, data_dir=data[0][1], device="cpu")  # noqa: E731
-    assert _sweep(faults, mode, before, tmp_path, learn, states, test) == {0, 1}
+    assert _sweep(faults, mode, before, tmp_path, learn, states, test, every) == {0, 1}
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_default_survives_a_fault_at_every_storage_call_of_forget(templates, data, tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize(("mode", "every"), MODES)
+def test_the_default_survives_a_fault_at_every_storage_call_of_forget(
+    templates, data, tmp_path, monkeypatch, mode, every
+):
     _, after = templates["drl", None]
     test = data[1]
     forgotten = Path(shutil.copytree(after, tmp_path / "forgotten"))
@@ -152,7 +168,7 @@ def test_the_default_survives_a_fault_at_every_storage_call_of_forget(templates,
     def forget(run: Path) -> None:
         forget_class(run, "class_02", purge=mode == "full")
 
-    assert _sweep(faults, mode, after, tmp_path, forget, states, test) == {0, 1}
+    assert _sweep(faults, mode, after, tmp_path, forget, states, test, every) == {0, 1}
     assert RunDir(forgotten).manifest()["format_version"] == 4  # the frozen track listed in the run's manifest
 
 

@@ -11,11 +11,11 @@ from drlcli.cli import app
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import UsageError
+from drlcli.features.adapter import AdapterConfig
+from drlcli.features.adapter.network import AdapterNetwork
+from drlcli.features.ease import EaseConfig
+from drlcli.features.ease.network import EaseNetwork
 from drlcli.methods import get_method
-from drlcli.methods.ease.network import EaseNetwork
-from drlcli.methods.ease.options import EaseConfig
-from drlcli.methods.first_session.network import FirstSessionNetwork
-from drlcli.methods.first_session.options import FirstSessionConfig
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
@@ -33,10 +33,10 @@ def published_run(tmp_path_factory, stage_folders):
 
 def test_the_preset_is_ranpacs_first_session_recipe():
     config = RunConfig.for_method("ranpac", preset="published")
-    assert config.first_session.peft == "adaptformer" and config.first_session.adapter_dim == 64
+    assert config.adapter.peft == "adaptformer" and config.adapter.adapter_dim == 64
     train = config.train
     assert (train.loss, train.epochs, train.lr, train.batch_size, train.kd_weight) == ("ce", 20, 0.01, 48, 0.0)
-    assert RunConfig.for_method("ranpac").first_session.peft == "none"  # RanPAC without its first phase
+    assert RunConfig.for_method("ranpac").adapter.peft == "none"  # RanPAC without its first phase
 
 
 def test_stage_one_alone_is_trained_and_stored(published_run):
@@ -44,13 +44,12 @@ def test_stage_one_alone_is_trained_and_stored(published_run):
     assert [r.training_skipped for r in results] == [False, True, True]
     assert (
         len(results[0].epoch_losses) == 2
-        and results[0].num_params
-        == FirstSessionNetwork(_tiny_ptm(), FirstSessionConfig()).new_stage(seed=0).num_params()
+        and results[0].num_params == AdapterNetwork(_tiny_ptm(), AdapterConfig()).new_stage(seed=0).num_params()
     )
     assert "adapts the PTM in stage 1 only" in results[1].skipped_because
     loaded = load_run(run, device="cpu")
     network = loaded.model.network
-    assert isinstance(network, FirstSessionNetwork) and network.num_stages == 1
+    assert isinstance(network, AdapterNetwork) and network.num_stages == 1
     assert network.stages[0].up.abs().sum() > 0  # trained: Up starts at zero
     metas = loaded.stage_metas
     assert sorted(metas[0]) == sorted(metas[1])  # the same record shape for a trained and an untrained stage
@@ -66,7 +65,7 @@ def test_the_adapted_pass_is_adaptformer_and_the_head_reads_it(published_run, im
     ease.stages.append(network.stages[0])
     with torch.no_grad():
         adapted = network(images)
-        bare = FirstSessionNetwork(network.ptm, FirstSessionConfig())(images)
+        bare = AdapterNetwork(network.ptm, AdapterConfig())(images)
         assert adapted.shape == (len(images), 2, network.width)
         torch.testing.assert_close(adapted[:, 0], ease(images)[:, 0])
         torch.testing.assert_close(adapted[:, 1], adapted[:, 0])  # stage 1's subspace is the same feature
@@ -110,10 +109,10 @@ def test_plain_ranpac_trains_and_stores_no_network(tmp_path, stage_folders):
     "sections, problem",
     [
         ({"first_session": {"peft": "adaptformer"}, "train": {"kd_weight": 0.5}}, "train.kd_weight must be 0"),
-        ({"first_session": {"peft": "ssf"}}, "first_session.peft must be one of"),
-        ({"first_session": {"peft": "adaptformer", "blocks": 0.0}}, "first_session.blocks must be"),
-        ({"first_session": {"peft": "adaptformer", "blocks": 1.5}}, "first_session.blocks must be"),
-        ({"first_session": {"stages": "all"}}, "first_session.stages all trains the adapters"),
+        ({"first_session": {"peft": "ssf"}}, "adapter.peft must be one of"),
+        ({"first_session": {"peft": "adaptformer", "blocks": 0.0}}, "adapter.blocks must be"),
+        ({"first_session": {"peft": "adaptformer", "blocks": 1.5}}, "adapter.blocks must be"),
+        ({"first_session": {"stages": "all"}}, "schedule.stages all trains the adapter set"),
     ],
 )
 def test_first_session_options_are_checked(sections, problem):
@@ -125,9 +124,9 @@ def test_first_session_options_are_checked(sections, problem):
 
 def test_leading_blocks_only_are_adapted_as_a_full_set_with_zero_adapters_after_them(images):
     ptm = _tiny_ptm().eval()  # 4 blocks
-    half = FirstSessionNetwork(ptm, FirstSessionConfig(blocks=0.5, dropout=0.0))
-    full = FirstSessionNetwork(ptm, FirstSessionConfig(dropout=0.0))
-    assert half.adapted_blocks == 2 and FirstSessionNetwork(ptm, FirstSessionConfig(blocks=0.01)).adapted_blocks == 1
+    half = AdapterNetwork(ptm, AdapterConfig(blocks=0.5, dropout=0.0))
+    full = AdapterNetwork(ptm, AdapterConfig(dropout=0.0))
+    assert half.adapted_blocks == 2 and AdapterNetwork(ptm, AdapterConfig(blocks=0.01)).adapted_blocks == 1
     lead, every = half.new_stage(seed=3), full.new_stage(seed=3)
     assert lead.down.shape[0] == 2 and every.down.shape[0] == 4
     with torch.no_grad():
@@ -137,7 +136,7 @@ def test_leading_blocks_only_are_adapted_as_a_full_set_with_zero_adapters_after_
             p.zero_()
             p[:2] = getattr(lead, name)
         torch.testing.assert_close(half(images), full(images))
-        assert not torch.allclose(half(images), FirstSessionNetwork(ptm, FirstSessionConfig())(images), atol=1e-4)
+        assert not torch.allclose(half(images), AdapterNetwork(ptm, AdapterConfig())(images), atol=1e-4)
 
 
 def test_a_run_with_half_the_blocks_adapted_stores_and_reloads_them(tmp_path, stage_folders, images):
@@ -146,10 +145,7 @@ def test_a_run_with_half_the_blocks_adapted_stores_and_reloads_them(tmp_path, st
     config = RunConfig.for_method("ranpac", sections, preset="published")
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     result = learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
-    assert (
-        result.num_params
-        == FirstSessionNetwork(_tiny_ptm(), FirstSessionConfig(blocks=0.5)).new_stage(seed=0).num_params()
-    )
+    assert result.num_params == AdapterNetwork(_tiny_ptm(), AdapterConfig(blocks=0.5)).new_stage(seed=0).num_params()
     model = load_run(run, device="cpu").model
     assert model.network.stages[0].up.shape[0] == 2 and model.network.stages[0].up.abs().sum() > 0
     assert "blocks: 0.5" in (run / "run.yaml").read_text()
@@ -259,12 +255,12 @@ def test_a_crafted_first_session_record_is_read_as_none(crafted):
 
 
 def test_a_reopened_set_learns_again_held_near_where_it_began(images):
-    """first_session.stages all (a carried run's network): new_stage reopens the one set and keeps a
+    """schedule.stages all (a carried run's network): new_stage reopens the one set and keeps a
     frozen copy of it as it began; forward_train adds hold_weight times the read tokens' move from it."""
-    from drlcli.methods.first_session.network import hold_loss
+    from drlcli.features.adapter.network import hold_loss
 
     ptm = _tiny_ptm().eval()
-    network = FirstSessionNetwork(ptm, FirstSessionConfig(stages="all", hold_weight=2.0, dropout=0.0), read_grid=2)
+    network = AdapterNetwork(ptm, AdapterConfig(dropout=0.0), carried=True, hold_weight=2.0, read_grid=2)
     stage = network.new_stage(seed=0)
     assert network.start is None and len(network.forward_train(images)) == 2  # stage 1: no hold term
     with torch.no_grad():
@@ -291,7 +287,7 @@ def test_a_reopened_set_learns_again_held_near_where_it_began(images):
 
 
 def test_hold_loss_by_hand():
-    from drlcli.methods.first_session.network import hold_loss
+    from drlcli.features.adapter.network import hold_loss
 
     target = torch.tensor([[[3.0, 4.0]], [[1.0, 0.0]]])  # ‖t₀‖² 25 and 1
     tokens = torch.tensor([[[3.0, 5.0]], [[1.0, 0.0]]])  # moved by 1 and 0

@@ -20,7 +20,7 @@ from drlcli.config import RunConfig
 from drlcli.run.layout import sha256_bytes
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-MAX_PROJ_DIM = 16_384  # ranpac.proj_dim's upper bound (heads/ridge/options.py)
+MAX_PROJ_DIM = 16_384  # ridge.proj_dim's upper bound (heads/ridge/options.py)
 
 runner = CliRunner()
 TINY_ARGS = ["--ptm", TINY_PTM, "--random-init"] + [
@@ -145,9 +145,9 @@ def test_a_projection_whose_gram_cannot_be_allocated_is_refused_at_init(tmp_path
     config = tmp_path / "wide.yaml"
     config.write_text("ranpac:\n  proj_dim: 65536\n")
     result = drl("init", "--run", tmp_path / "run", *TINY_ARGS, "--config", config)
-    one_line_error(result, errors.UsageError.exit_code, "ranpac.proj_dim", str(MAX_PROJ_DIM))
+    one_line_error(result, errors.UsageError.exit_code, "ridge.proj_dim", str(MAX_PROJ_DIM))
     assert not (tmp_path / "run").exists()
-    assert RunConfig.for_method("drl", {"ranpac": {"proj_dim": MAX_PROJ_DIM}}).ranpac.proj_dim == MAX_PROJ_DIM
+    assert RunConfig.for_method("drl", {"ranpac": {"proj_dim": MAX_PROJ_DIM}}).ridge.proj_dim == MAX_PROJ_DIM
     assert MAX_PROJ_DIM**2 * 8 <= 2**31  # one (M, M) float64 Gram: 2 GiB at most
 
 
@@ -186,7 +186,7 @@ def test_a_number_no_float_holds_is_refused_as_a_ptm_float(tmp_path):
 @pytest.mark.parametrize(
     ("option", "value", "names"),
     [
-        ("--methods", "drl/ranpac.proj_dim=65536", ("ranpac.proj_dim",)),
+        ("--methods", "drl/ranpac.proj_dim=65536", ("ridge.proj_dim",)),
         ("--methods", "drl/lr=[1", ("--methods drl/lr",)),
         ("--methods", "drl/epochs=!!int", ("--methods drl/epochs",)),
         ("--methods", f"drl/epochs={HUGE}", ("--methods drl/epochs", "5000 digits")),
@@ -233,7 +233,7 @@ def runs(tmp_path_factory, stage_folders) -> dict[str, Path]:
         for train, test in stage_folders[:2]:
             learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu")
         out[preset] = run
-    assert RunConfig.for_method("drl").first_session.switch == "transfer"  # the default is the switched one
+    assert RunConfig.for_method("drl").schedule.switch == "transfer"  # the default is the switched one
     return out
 
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from drlcli.methods.drl.network import IPANetwork
-from drlcli.methods.drl.options import IPAConfig
+from drlcli.features.ipa import IPAConfig
+from drlcli.features.ipa.network import IPANetwork
 from drlcli.ptm import backbone
 
 
@@ -129,7 +129,7 @@ def test_fast_path_equals_the_plain_reference(tiny_ptm, images, cfg):
 def test_stacked_weights_are_reused_and_follow_every_parameter_change(tiny_ptm, images, monkeypatch):
     """Frozen stages are stacked once, not per forward, and a forward after any change of their
     parameters (in place, or by load_state_dict) computes with the new values."""
-    from drlcli.methods.drl import network as ipa
+    from drlcli.features.ipa import network as ipa
 
     net = _network(tiny_ptm, stages=2)
     stacks, stack = [], ipa._stack
@@ -325,7 +325,7 @@ def test_under_bf16_autocast_the_in_place_streams_stay_fp32(tiny_ptm, images, mo
     matmuls writing into them and the gate's mixing, are in the streams' dtype, fp32 (autocast does
     not apply to out= calls; the PTM's own matmuls and the adapters' hidden run in bf16). The
     functional body (training, export) lets autocast choose; both stay close to fp32."""
-    from drlcli.methods.drl import network as ipa
+    from drlcli.features.ipa import network as ipa
     from drlcli.serving.graph import exportable
 
     net = _network(tiny_ptm, stages=2, randomize=True)

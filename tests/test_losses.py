@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from drlcli.stage.losses import ce_loss, das_loss, kd_loss
+from drlcli.features.losses import ce_loss, das_loss, kd_loss
 
 
 def test_das_matches_hand_computed_example():

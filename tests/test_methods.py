@@ -9,9 +9,10 @@ import torch
 
 from drlcli.config import RunConfig
 from drlcli.errors import UsageError
+from drlcli.features import StageNetwork
+from drlcli.features.ipa import build as build_ipa
 from drlcli.methods import METHODS, get_method, method_of, stage_is_read
-from drlcli.methods.base import Method, StageNetwork
-from drlcli.methods.drl import build_ipa
+from drlcli.methods.base import Method
 from drlcli.options import TrainConfig
 
 
@@ -43,11 +44,11 @@ def test_the_facts_of_each_method():
     assert RunConfig.for_method("drl", preset="paper").train == TrainConfig()
     # its default is the switched schedule: the adapter set trained with cross-entropy, no distillation
     default = RunConfig.for_method("drl")
-    assert METHODS["drl"].default_preset == "switched" and default == RunConfig.for_method("drl", preset="switched")
+    assert default == RunConfig.for_method("drl", preset="switched") == RunConfig.for_recipe("default")
     assert default.train == dataclasses.replace(
         TrainConfig(), skip_unread=True, loss="ce", kd_weight=0.0, lr=0.05, epochs=20, batch_size=48, scale_init=16.0
     )
-    assert (default.first_session.peft, default.first_session.switch, default.first_session.pause) == (
+    assert (default.adapter.peft, default.schedule.switch, default.schedule.pause) == (
         "adaptformer",
         "transfer",
         "transfer",
@@ -57,16 +58,16 @@ def test_the_facts_of_each_method():
     # rows split between the fit and held-out Grams: the twenty-first's)
     same = RunConfig.for_method("ranpac", preset="switched").to_dict()
     mine = default.to_dict()
-    assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train", "ranpac", "first_session"}
+    assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train", "ridge", "schedule"}
     # ... and for the default's trial of stage 1 (``stage/trial.py``), which ranpac's preset keeps off
-    assert {k for k, v in mine["first_session"].items() if v != same["first_session"][k]} == {"trial"}
-    assert {k: v for k, v in mine["ranpac"].items() if same["ranpac"][k] != v} == {
+    assert {k for k, v in mine["schedule"].items() if v != same["schedule"][k]} == {"trial"}
+    assert {k: v for k, v in mine["ridge"].items() if same["ridge"][k] != v} == {
         "carry_mean": "exact",
         "carry_draws": 25,
         "carry_gram_draws": 50_000,
         "carry_grams": "split",
     }
-    assert tuple(same["ranpac"][k] for k in ("carry_mean", "carry_draws", "carry_gram_draws", "carry_grams")) == (
+    assert tuple(same["ridge"][k] for k in ("carry_mean", "carry_draws", "carry_gram_draws", "carry_grams")) == (
         "drawn",
         100,
         None,
@@ -100,15 +101,15 @@ def test_method_rules_are_checked_with_every_config():
         RunConfig.for_method("drl", {"train": {"kd_weight": 0.5}})
     with pytest.raises(UsageError, match="score.head must be ridge for method drl adapting the PTM"):
         RunConfig.for_method("drl", {"score": {"head": "prototypes"}})
-    with pytest.raises(UsageError, match="ranpac.subspaces must be 1 for method drl adapting the PTM"):
+    with pytest.raises(UsageError, match="ridge.subspaces must be 1 for method drl adapting the PTM"):
         RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
     # a method's section rules hold in every config: each run.yaml holds every section
     for name in ("drl", "ranpac"):
-        with pytest.raises(UsageError, match="ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp"):
+        with pytest.raises(UsageError, match="ridge.lambda_min_exp must be <= ridge.lambda_max_exp"):
             RunConfig.for_method(name, {"ranpac": {"lambda_min_exp": 2, "lambda_max_exp": 1}})
-        with pytest.raises(UsageError, match="ranpac.carry_gram_draws needs the closed-form"):
+        with pytest.raises(UsageError, match="ridge.carry_gram_draws needs the closed-form"):
             RunConfig.for_method(name, {"ranpac": {"carry_mean": "drawn", "carry_gram_draws": 1000}})
-        with pytest.raises(UsageError, match="ranpac.carry_grams split needs the closed-form"):
+        with pytest.raises(UsageError, match="ridge.carry_grams split needs the closed-form"):
             RunConfig.for_method(
                 name, {"ranpac": {"carry_mean": "drawn", "carry_gram_draws": None, "carry_grams": "split"}}
             )
@@ -205,7 +206,7 @@ def test_a_stage_nothing_reads_has_no_network_and_changes_no_answer(tmp_path, st
 
 
 def test_a_stage_the_head_reads_is_trained(tmp_path, stage_folders):
-    """ranpac.subspaces 2 reads stage 1's subspace: stage 1 is trained, stage 2 is not."""
+    """ridge.subspaces 2 reads stage 1's subspace: stage 1 is trained, stage 2 is not."""
     from drlcli.run.load import load_run
 
     config = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}}, preset="frozen")

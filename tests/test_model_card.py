@@ -103,7 +103,11 @@ def test_drl_export_writes_the_card_beside_it(frozen_run, tmp_path):
     assert [r["dataset"]["name"] for r in results] == ["test", "test"]  # the registered --eval-data folders
     assert all(r["metrics"][0]["type"] == "accuracy" for r in results)
     assert f"- sha256: {hashlib.sha256(out.read_bytes()).hexdigest()}" in body
-    assert "- Format: drl" in body and "- Method: drl" in body and "- Preset: frozen, as shipped" in body
+    assert (
+        "- Format: drl" in body
+        and "- Method (as run.yaml stores it): drl" in body
+        and "- Recipe: `frozen`, as shipped" in body
+    )
     assert "drl 0.1.0" in body and "plain\\_1 | 2 | yes" in body
     assert "Licence of the weights: none: random weights" in body
 
@@ -167,8 +171,8 @@ def test_default_recipe_card_names_the_answering_head(tmp_path):
     answers = _metas(run)[-1]["switch"]["answers"]
     head = {"frozen": "the frozen PTM's head", "carried": "the adapted network's head"}[answers]
     assert f"- Answers from {head}" in body
-    assert "- Preset: closest to switched (the method's default); " in body
-    assert "ranpac\\.carry\\_draws" in body
+    assert "- Recipe: `default` (drl's default), with " in body
+    assert "ridge\\.carry\\_draws" in body
     assert [r["metrics"][0]["value"] for r in front["model-index"][0]["results"]] == [
         m["metrics"]["eval"]["top1"] for m in _metas(run)
     ]

@@ -17,8 +17,8 @@ from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.data.images import scan_class_folders
 from drlcli.errors import RunStateError, UsageError
-from drlcli.methods.drl.network import IPANetwork
-from drlcli.methods.drl.options import IPAConfig
+from drlcli.features.ipa import IPAConfig
+from drlcli.features.ipa.network import IPANetwork
 from drlcli.options import TrainConfig
 from drlcli.precision import autocast, check_precision, grad_scaler
 from drlcli.run.checkpoint import seal_checkpoint

@@ -265,9 +265,9 @@ def test_cli_init_method_ranpac(tmp_path, stage_folders):
 
 
 def test_ranpac_config_is_validated():
-    with pytest.raises(UsageError, match="ranpac"):
+    with pytest.raises(UsageError, match="ridge"):
         RunConfig.for_method("ranpac", {"ranpac": {"val_fraction": 1.0}})
-    with pytest.raises(UsageError, match="ranpac"):
+    with pytest.raises(UsageError, match="ridge"):
         RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 0}})
 
 
@@ -312,9 +312,9 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
 def test_ridge_head_options_are_checked():
     with pytest.raises(UsageError, match="score.head ridge"):
         RunConfig.for_method("ease", {"score": {"head": "ridge"}})
-    with pytest.raises(UsageError, match="ranpac.subspaces must be 1 for method ranpac"):
+    with pytest.raises(UsageError, match="ridge.subspaces must be 1 for method ranpac"):
         RunConfig.for_method("ranpac", {"ranpac": {"subspaces": 2}})
-    with pytest.raises(UsageError, match="ranpac.subspaces"):
+    with pytest.raises(UsageError, match="ridge.subspaces"):
         RunConfig.for_method("drl", {"score": {"head": "ridge"}, "ranpac": {"subspaces": 3}})
 
 
@@ -436,10 +436,10 @@ def test_precisions_of_real_widths_under_several_threads(threads):
 
 
 def test_drl_defaults_to_class_covariances_and_ranpac_stays_ranpac():
-    assert RunConfig.for_method("drl").ranpac.covariance_weight == 4.0
-    assert (RunConfig.for_method("drl").ranpac.layout_grid, RunConfig.for_method("drl").ranpac.layout_scale) == (2, 0.5)
+    assert RunConfig.for_method("drl").ridge.covariance_weight == 4.0
+    assert (RunConfig.for_method("drl").ridge.layout_grid, RunConfig.for_method("drl").ridge.layout_scale) == (2, 0.5)
     assert RunConfig.for_method("drl").score.head == "ridge"
-    assert RunConfig.for_method("ranpac").ranpac.covariance_weight == 0.0  # the baseline as published
+    assert RunConfig.for_method("ranpac").ridge.covariance_weight == 0.0  # the baseline as published
     assert RunConfig.for_method("drl", preset="paper").score.head == "prototypes"
     with pytest.raises(UsageError, match="covariance_weight"):
         RunConfig.for_method("drl", {"ranpac": {"covariance_weight": -1}})
@@ -524,7 +524,7 @@ def test_layout_head_equals_the_batch_ridge_on_f0_and_the_layout(layout_run, sta
 
 
 def test_layout_grid_is_checked():
-    assert RunConfig.for_method("ranpac").ranpac.layout_grid == 0  # the baseline as published
+    assert RunConfig.for_method("ranpac").ridge.layout_grid == 0  # the baseline as published
     with pytest.raises(UsageError, match="layout_grid"):
         RunConfig.for_method("drl", {"ranpac": {"layout_grid": 9}})
     with pytest.raises(UsageError, match="layout_scale"):

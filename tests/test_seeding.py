@@ -1,8 +1,8 @@
 import torch
 
 from drlcli.data.images import scan_class_folders
-from drlcli.methods.drl.network import IPANetwork
-from drlcli.methods.drl.options import IPAConfig
+from drlcli.features.ipa import IPAConfig
+from drlcli.features.ipa.network import IPANetwork
 from drlcli.options import TrainConfig
 from drlcli.seeding import reseed, seeded
 from drlcli.stage.train import train_stage

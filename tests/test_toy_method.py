@@ -1,9 +1,12 @@
-"""A new method touches one folder and one registry line (issue 31): a toy method, defined here with
-its own network and option section and registered by one ``METHODS`` entry, goes through init,
-learn-stage, eval, export, predict from the export, and forget/restore, with no other change."""
+"""A recipe's three parts are each added in one place (issues 31 and 60): a toy feature network with
+its own option section, registered by one ``METHODS`` entry, goes through init, learn-stage, eval,
+export, predict from the export, and forget/restore, with no other change; a schedule is one
+``Method.schedule`` and a recipe one ``RECIPES`` entry, which init, info, the card and the benchmark's
+variants then take by name."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -11,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drlcli import methods
+from drlcli import methods, recipes
 from drlcli.config import RunConfig
 from drlcli.methods.base import Method
 from drlcli.options import Range, TrainConfig, option
+from drlcli.schedule import Schedule
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 
@@ -130,3 +134,31 @@ def test_a_method_registered_in_one_line_goes_through_every_command(toy, tmp_pat
     restore_class(run, name)
     restored = list(predict_sources(images, run_dir=run, device="cpu"))
     assert [p.top for p in restored] == [p.top for p in from_run]
+
+
+# a schedule: the toy network trained in stage 1 only; a recipe: that schedule with rank 2
+TOY_FIRST = dataclasses.replace(TOY, name="toy-first", schedule=lambda config: Schedule(trained_stages=1))
+TOY_RECIPE = recipes.Recipe(
+    "toy-rank2", "toy-first", "a low-rank residual", "stage 1 only", "prototypes", {"toy": {"rank": 2}}
+)
+
+
+def test_a_schedule_and_a_recipe_are_each_one_entry(monkeypatch, tmp_path, stage_folders):
+    from drlcli import init_run, learn_stage
+    from drlcli.api import info
+    from drlcli.benchmark.variants import parse_variant
+    from drlcli.commands.card import model_card
+
+    monkeypatch.setitem(methods.METHODS, "toy-first", TOY_FIRST)
+    monkeypatch.setattr(recipes, "RECIPES", (*recipes.RECIPES, TOY_RECIPE))
+    monkeypatch.setitem(recipes.BY_NAME, "toy-rank2", TOY_RECIPE)
+    config = RunConfig.for_recipe("toy-rank2")
+    assert config.method == "toy-first" and config.toy.rank == 2
+    assert parse_variant("toy-rank2/epochs=1").config(epochs=None, seed=0) == config.with_train(epochs=1)
+    run = tmp_path / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    results = [learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu") for train, test in stage_folders[:2]]
+    assert [r.num_params for r in results] == [2 * 64 * 2, 0]  # the schedule trains stage 1 alone
+    assert info(run)["recipe"] == "toy-rank2"
+    card = model_card(run).card
+    assert "- Recipe: `toy-rank2`, as shipped" in card, card[card.index("## Recipe") :][:300]

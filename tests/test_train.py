@@ -6,8 +6,8 @@ import torch
 import drlcli.stage.train as train_module
 from drlcli.data.images import scan_class_folders
 from drlcli.data.loading import ImageDataset, eval_transform
-from drlcli.methods.drl.network import IPANetwork
-from drlcli.methods.drl.options import IPAConfig
+from drlcli.features.ipa import IPAConfig
+from drlcli.features.ipa.network import IPANetwork
 from drlcli.options import TrainConfig
 from drlcli.stage.train import PROGRESS_EVERY, CosineClassifier, initial_class_means, train_stage
 

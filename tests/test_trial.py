@@ -49,9 +49,9 @@ def _learn(run, folders):
 
 
 def test_the_default_tries_adapting_first_and_the_trial_needs_a_pausing_run():
-    assert RunConfig.for_method("drl").first_session.trial == "transfer"
-    assert RunConfig.for_method("ranpac", preset="switched").first_session.trial == "none"  # as published before
-    with pytest.raises(UsageError, match="set first_session.pause transfer"):
+    assert RunConfig.for_method("drl").schedule.trial == "transfer"
+    assert RunConfig.for_method("ranpac", preset="switched").schedule.trial == "none"  # as published before
+    with pytest.raises(UsageError, match="set schedule.pause transfer"):
         RunConfig.for_method("drl", {"first_session": {"trial": "transfer", "pause": "none"}})
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import jsonio, storage
 from ..config import RunConfig
-from ..methods import method_of
+from ..methods import schedule_of
 from ..metrics import AccuracyReport, summarize_history
 from ..run.load import LoadedRun
 from ..run.records import history_of, passes_record, train_metrics
@@ -124,7 +124,7 @@ def _stage_bytes(loaded: LoadedRun, config: RunConfig) -> list[int]:
     """Each stage's bytes on disk; a switched run's with its frozen track's stage (``run/track.py``)."""
     run, manifest = loaded.run, loaded.manifest
     sizes = [run.stage_bytes(i, manifest) for i in run.stage_indices(manifest)]
-    if not method_of(config).switches(config):
+    if not schedule_of(config).switches:
         return sizes
     track, held, _ = tied_track(run, manifest, loaded.stage_metas, classes=False)
     return [size + track.stage_bytes(i, held) for size, i in zip(sizes, run.stage_indices(manifest), strict=True)]

@@ -25,7 +25,7 @@ from ..config import RunConfig
 from ..data import check_workers
 from ..device import resolve_device
 from ..errors import UsageError
-from ..methods import method_of
+from ..methods import method_of, schedule_of
 from ..precision import check_precision
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
@@ -217,9 +217,9 @@ class _Session:
         row = summary_row(variant.label, variant, loaded, config, per_image)
         if not (score_options and method_of(config).trains):
             return [row]
-        if method_of(config).carries_network(config):
+        if schedule_of(config).carries:
             # the prototype bank's rows were taken on networks that later stages moved
-            self.say(f"[{variant.label}] not rescored: its network is carried (first_session.stages all)")
+            self.say(f"[{variant.label}] not rescored: its network is carried (schedule.stages all)")
             return [row]
         if any(train_metrics(meta).get("skipped") is True for meta in loaded.stage_metas):
             # scoring by other options would read subspaces of stages that were never trained

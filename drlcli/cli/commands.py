@@ -9,32 +9,26 @@ from typing import Any
 import typer
 
 from ..errors import UsageError
-from ..options import MAX_SEED, MAX_WORKERS
-from . import render
+from ..options import MAX_WORKERS
+from . import create, render  # noqa: F401  (create: init, registered first so --help lists it first)
 from .app import app
 from .boundary import command, execute
 from .options import (
-    CONFIG_SECTIONS,
-    PRESETS,
     CardOpt,
     DeviceOpt,
     ExportFormat,
     JsonOpt,
-    MethodName,
     PrecisionName,
     PrecisionOpt,
     PredictFormat,
     PredictFormatOpt,
-    PtmArgOpt,
     QuietOpt,
-    RandomInitOpt,
     ReportOpt,
     RunOpt,
     TensorBoardOpt,
     VerboseOpt,
     WeightsOpt,
     WorkersOpt,
-    parse_ptm_args,
     predict_style,
     train_default,
 )
@@ -46,66 +40,6 @@ def _api() -> Any:
     from .. import api
 
     return api
-
-
-@app.command(short_help="Create a run directory for a PTM (records its name, sha256 and data config).")
-def init(
-    ptm: str = typer.Option(
-        ...,
-        "--ptm",
-        help="timm ViT name, e.g. deit_tiny_patch16_224, or hf-hub:timm/REPO[@REVISION] from the Hugging Face cache.",
-    ),
-    ptm_weights: Path | None = WeightsOpt,
-    random_init: bool = RandomInitOpt,
-    ptm_arg: list[str] = PtmArgOpt,
-    method: MethodName | None = typer.Option(None, "--method", help="Method; default drl, or the --config file's."),
-    config: Path | None = typer.Option(
-        None,
-        "--config",
-        help=f"YAML run config: method, and any of the sections {', '.join(CONFIG_SECTIONS)} (each a mapping "
-        "of that section's keys; what is left out keeps the method's default).",
-    ),
-    preset: str | None = typer.Option(
-        None,
-        "--preset",
-        help=f"A named recipe of the method under --config's sections ({PRESETS}). drl's default trains one "
-        "adapter set where adapting pays and answers from the frozen PTM's head until it does; frozen is that head "
-        "alone, carried the adapted network alone, paper the DRL paper's IPA network + DAS (docs/methods.md).",
-    ),
-    seed: int = typer.Option(0, "--seed", min=0, max=MAX_SEED, help="Seed for --random-init."),
-    allow_nonempty: bool = typer.Option(
-        False,
-        "--allow-nonempty",
-        help="Create the run in a folder that holds other files (never changed). Without it init needs an "
-        "empty folder; a file under one of the run's own names (ptm.safetensors, stages, ...) is refused either way.",
-    ),
-    run: Path = RunOpt,
-    as_json: bool = JsonOpt,
-    quiet: bool = QuietOpt,
-    verbose: bool = VerboseOpt,
-) -> None:
-    """Create a run directory for a PTM (records its name, sha256 and data config)."""
-    from ..config import RunConfig
-
-    def action(reporter: Reporter) -> Any:
-        name = method.value if method else None
-        if config:
-            cfg = RunConfig.from_yaml(config, method=name, preset=preset)
-        else:
-            cfg = RunConfig.for_method(name or "drl", preset=preset)
-        return _api().init_run(
-            run,
-            ptm=ptm,
-            ptm_weights=ptm_weights,
-            random_init=random_init,
-            ptm_kwargs=parse_ptm_args(ptm_arg),
-            config=cfg,
-            seed=seed,
-            allow_nonempty=allow_nonempty,
-            progress=reporter,
-        )
-
-    execute(action, render.init, name="init", phase=f"creating {run}", as_json=as_json, quiet=quiet, verbose=verbose)
 
 
 @app.command(
@@ -127,7 +61,7 @@ def learn_stage(
         min=1,
         show_default=False,
         help=f"Training epochs for this stage, if it is trained (drl's default trains its adapter set at each "
-        f"stage until adapting stops paying; --preset frozen trains none); {train_default('epochs')}.",
+        f"stage until adapting stops paying; recipe frozen trains none); {train_default('epochs')}.",
     ),
     batch_size: int | None = typer.Option(
         None, "--batch-size", min=1, show_default=False, help=f"Images per step; {train_default('batch_size')}."

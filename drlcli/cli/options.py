@@ -14,6 +14,7 @@ from ..config import RunConfig, config_sections
 from ..errors import EXIT_CODES, UsageError, shown
 from ..methods import METHODS
 from ..options import MAX_WORKERS, PRECISIONS, TrainConfig, parse_value
+from ..recipes import presets_of
 
 # "\b" keeps click from re-wrapping the list into one paragraph
 EPILOG = "Exit codes:\n\n\b\n" + "\n".join(f"{code:>5}  {text}" for code, text in EXIT_CODES.items())
@@ -39,12 +40,8 @@ CONFIG_SECTIONS = tuple(config_sections())
 
 # choices that --help and shell completion show (the values are the library's own names)
 MethodName = Enum("MethodName", {m: m for m in METHODS}, type=str)
-# every method's named recipes, for --preset's help: "drl: paper; ..."
-PRESETS = "; ".join(
-    f"{name}: {', '.join(p + (' (default)' if p == m.default_preset else '') for p in m.presets)}"
-    for name, m in METHODS.items()
-    if m.presets
-)
+# every method's listed presets, for --preset's help: "drl: default, frozen, paper; ..."
+PRESETS = "; ".join(f"{name}: {', '.join(presets_of(name))}" for name in METHODS if presets_of(name))
 ExportFormat = Enum("ExportFormat", {f: f for f in ("drl", "torchscript", "pt2", "onnx")}, type=str)
 PrecisionName = Enum("PrecisionName", {p: p for p in PRECISIONS}, type=str)
 

@@ -143,7 +143,7 @@ def accuracy_lines(acc: dict[str, Any]) -> list[str]:
 def init(r: dict[str, Any]) -> str:
     return _text(
         [
-            f"initialised {r['run_dir']}: method {r['method']}, PTM {r['ptm']} ({_ptm_source(r['ptm_source'], r.get('ptm_hub'))}, "
+            f"initialised {r['run_dir']}: recipe {r.get('recipe') or '-'} (method {r['method']}), PTM {r['ptm']} ({_ptm_source(r['ptm_source'], r.get('ptm_hub'))}, "
             f"sha256 {r['ptm_sha256'][:12]}...)"
         ]
     )
@@ -283,7 +283,8 @@ def card(r: dict[str, Any]) -> str:
 def info(r: dict[str, Any]) -> str:
     ptm = r["ptm"]
     lines = [
-        f"run {r['run_dir']} (generation {r['generation']}), method {r['method']}",
+        f"run {r['run_dir']} (generation {r['generation']}), "
+        + (f"recipe {r['recipe']} (method {r['method']})" if r.get("recipe") else f"method {r['method']}"),
         f"PTM {ptm['name']} ({_ptm_source(ptm['source'], ptm.get('hub'))}, sha256 {ptm['sha256'][:12]}...), "
         f"input {ptm['data_config']['input_size']}",
         f"{r['num_stages']} stages, {r['num_classes']} classes, {r['total_bytes'] / 2**20:.2f} MiB "
@@ -292,7 +293,7 @@ def info(r: dict[str, Any]) -> str:
     track = r.get("frozen_track")
     if track:  # a switched run
         lines.append(
-            f"frozen track {track['run_dir']}: the frozen PTM (`drl --preset frozen`), {track['num_stages']} stages, "
+            f"frozen track {track['run_dir']}: the frozen PTM (`drl init --recipe frozen`), {track['num_stages']} stages, "
             f"{track['total_bytes'] / 2**20:.2f} MiB more"
             + {"frozen": "; the run answers from it", "carried": "; the run answers from the carried network"}.get(
                 track.get("answers"), ""

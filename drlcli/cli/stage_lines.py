@@ -8,7 +8,7 @@ from typing import Any
 
 
 def first_session_line(d: dict[str, Any]) -> str:
-    """Stage 1's first-session decision (``first_session.decide``), for people."""
+    """Stage 1's first-session decision (``schedule.decide``), for people."""
     scores = f"held-out top-1 {d['adapted_top1']:.2f} adapted, {d['frozen_top1']:.2f} frozen, on {d['held_out']} images"
     if d["kept"] == "adapted":
         return f"first session: the adapted PTM is kept ({scores})"
@@ -22,13 +22,13 @@ def transfer_line(d: dict[str, Any]) -> str:
     elif d.get("stalls"):
         verdict = (
             f"adapting does not transfer to new classes here: even its upper bound, {d['ceiling']:+.1f} %, is under "
-            f"the {d['floor']:g} % a switch needs (a switched run with first_session.pause transfer trains its carried network "
+            f"the {d['floor']:g} % a switch needs (a switched run with schedule.pause transfer trains its carried network "
             "no further while that holds)"
         )
     else:
         verdict = (
             f"adapting does not transfer to new classes here yet (its upper bound is {d['ceiling']:+.1f} %; the "
-            "frozen PTM (`drl --preset frozen`) may answer as well)"
+            "frozen PTM (`drl init --recipe frozen`) may answer as well)"
         )
     so_far = f"run so far {d['gain']:+.1f} % of {d['run']['images']} images: {verdict}"
     if not d["images"]:  # metrics.measure: a stage of one class has nothing to tell apart
@@ -47,7 +47,7 @@ def switch_line(d: dict[str, Any]) -> str:
     if d["answers"] == "carried":
         return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']})"
     return (
-        f"the run answers from its frozen track, the frozen PTM (`drl --preset frozen`; top-1 {top1['frozen']}; the "
+        f"the run answers from its frozen track, the frozen PTM (`drl init --recipe frozen`; top-1 {top1['frozen']}; the "
         f"carried network {top1['carried']}), until adapting transfers to new classes"
     )
 
@@ -79,7 +79,7 @@ def carry_lines(c: dict[str, Any]) -> list[str]:
 
 
 def trial_line(t: dict[str, Any]) -> str:
-    """A stage's trial (``first_session.trial``), for people."""
+    """A stage's trial (``schedule.trial``), for people."""
     m = t["margins"]
     then = (
         "adapting changes little here: the stage kept the adapters untrained (the frozen PTM), at about the "

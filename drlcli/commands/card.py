@@ -20,9 +20,10 @@ from typing import Any
 
 import yaml
 
-from ..config import RunConfig
+from ..config import RunConfig, closest_recipe, differing
 from ..errors import StorageError
-from ..methods import get_method
+from ..methods import schedule_of
+from ..recipes import BY_NAME, DEFAULT
 from ..run.directory import RunDir
 from ..run.forgotten import ForgetLog, read_log
 from ..run.records import checked_metas, history_of, read_record, switch_record
@@ -231,40 +232,24 @@ def _ptm_section(ptm: dict[str, Any]) -> list[str]:
     ]
 
 
-def preset_of(config: RunConfig) -> tuple[str | None, list[str]]:
-    """The method's preset the run's options are closest to (the run records its options, not the
-    preset's name) and the options (``section.key``) that differ from it; (None, []) for a method without presets."""
-    presets = get_method(config.method).presets
-    options = _leaves(config.to_dict())
-    best: tuple[str | None, list[str]] = (None, [])
-    for name in presets:
-        shipped = _leaves(RunConfig.for_method(config.method, preset=name).to_dict())
-        differ = sorted(k for k in options.keys() | shipped.keys() if options.get(k) != shipped.get(k))
-        if best[0] is None or len(differ) < len(best[1]):
-            best = (name, differ)
-    return best
-
-
-def _leaves(config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        f"{section}.{key}": value
-        for section, values in config.items()
-        if isinstance(values, dict)
-        for key, value in values.items()
-    }
-
-
 def _recipe_section(facts: CardFacts) -> list[str]:
     config = facts.config
-    method = get_method(config.method)
-    preset, differ = preset_of(config)
+    recorded = facts.record.get("recipe")
+    recipe, differ = closest_recipe(config)
+    if isinstance(recorded, str) and recorded in BY_NAME and BY_NAME[recorded].method == config.method:
+        recipe, differ = BY_NAME[recorded], differing(config, RunConfig.for_recipe(recorded))
     lines = [
         "## Recipe",
         "",
-        f"- Method: {md(config.method)}",
-        f"- Preset: {_preset_line(preset, differ, method.default_preset)}",
+        f"- Recipe: {_recipe_line(recipe.name, differ)}",
+        *(
+            [f"- Features: {recipe.features}; schedule: {recipe.schedule}; head: {recipe.head}"]
+            if recipe.features
+            else []
+        ),
+        f"- Method (as run.yaml stores it): {md(config.method)}",
     ]
-    return lines + _answers_lines(facts, method.switches(config))
+    return lines + _answers_lines(facts, schedule_of(config).switches)
 
 
 def _answers_lines(facts: CardFacts, switched: bool) -> list[str]:
@@ -285,17 +270,14 @@ def _answers_lines(facts: CardFacts, switched: bool) -> list[str]:
     return lines
 
 
-def _preset_line(preset: str | None, differ: list[str], default: str | None) -> str:
-    if preset is None:
-        return "none (the method has no presets; its options as the run records them)"
-    shipped = f"{md(preset)}" + (" (the method's default)" if preset == default else "")
+def _recipe_line(name: str, differ: list[str]) -> str:
+    shipped = f"`{name}`" + (
+        " (drl's default)" if name == DEFAULT else ""
+    )  # a name of the table's, never the run's bytes
     if not differ:
-        return f"{shipped}, as shipped (the run records its options, which are this preset's)"
+        return f"{shipped}, as shipped (the run records its options, which are this recipe's)"
     more = ", ..." if len(differ) > 12 else ""
-    return (
-        f"closest to {shipped}; {len(differ)} options set otherwise: {', '.join(md(k) for k in differ[:12])}{more} "
-        "(the run records its options, not a preset's name)"
-    )
+    return f"{shipped}, with {len(differ)} options set otherwise: {', '.join(md(k) for k in differ[:12])}{more}"
 
 
 def _head(config: RunConfig) -> str:

@@ -277,9 +277,10 @@ def trains_at(method: Method, config: RunConfig, index: int) -> bool:
     """Whether the run's recipe trains a stage network at stage ``index`` (``StageContext.untrained``)."""
     if not method.trains:
         return False
-    if method.carries_network(config):
+    schedule = method.schedule(config)
+    if schedule.carries:
         return True
-    limit = method.trained_stages(config)
+    limit = schedule.trained_stages
     if limit is not None:
         return index <= limit
     return not (config.train.skip_unread and not stage_is_read(config, index))
@@ -287,7 +288,7 @@ def trains_at(method: Method, config: RunConfig, index: int) -> bool:
 
 def _cost(state: _RunState, images: ImageSet, eval_images: ImageSet | None) -> StageCost:
     config, method, index, n = state.config, state.method, state.index, len(images)
-    trained = trains_at(method, config, index) and not (method.pauses(config) and trial_declined(state.metas))
+    trained = trains_at(method, config, index) and not (method.schedule(config).pauses and trial_declined(state.metas))
     epochs = config.train.epochs if trained else 0
     passes, notes = _feature_passes(state, trained)
     if any(m.get("eval_data") for m in state.metas):
@@ -298,29 +299,28 @@ def _cost(state: _RunState, images: ImageSet, eval_images: ImageSet | None) -> S
 
 def _feature_passes(state: _RunState, trained: bool) -> tuple[int, list[str]]:
     """Feature passes per image of the stage's images beside training, and what they are."""
-    config, method, index = state.config, state.method, state.index
+    schedule, index = state.method.schedule(state.config), state.index
     passes, notes = 1, []
-    if trained and method.carries_network(config) and index > 1:
+    if trained and schedule.carries and index > 1:
         passes += 1
         notes.append("a carried run's stage after the first passes its images through the network as it begins")
-    if method.switches(config):
+    if schedule.switches:
         passes += 1
         notes.append("the run's frozen track makes its own feature pass")
-        if method.pauses(config) and index > 1:
+        if schedule.pauses and index > 1:
             notes.append("training may pause at this stage if the run's forward transfer stalls (no training passes)")
     notes += _trial_notes(state)
-    if trained and method.decides_first_stage(config) and index == 1:
+    if trained and schedule.decides_first and index == 1:
         notes.append("stage 1 trains on part of its images and scores the rest with both PTMs")
     return passes, notes
 
 
 def _trial_notes(state: _RunState) -> list[str]:
     """What the trial (``stage/trial.py``) changes about the estimate, if the run tries adapting first."""
-    config, method = state.config, state.method
-    if not method.pauses(config) or config.first_session.trial != "transfer":
+    if not state.method.schedule(state.config).tries:
         return []
     if state.index == 1:
-        trial = config.first_session
+        trial = state.config.schedule
         return [
             f"stage 1 first tries adapting on half its classes ({trial.trial_epochs} epochs on at most "
             f"{trial.trial_images} images of each, not counted) and trains only where that moves their features; "

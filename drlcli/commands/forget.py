@@ -364,7 +364,7 @@ def _restorable(state: ForgetState, name: str) -> Forgotten:
         )
     entry = max(kept, key=lambda f: f.generation)
     moved = [k for k in state.indices if k > entry.last_stage and _moved(state.metas[k])]
-    if moved:  # a carried run (first_session.stages all): its kept Gaussian was not moved with the others
+    if moved:  # a carried run (schedule.stages all): its kept Gaussian was not moved with the others
         raise RunStateError(
             f"class {name!r} was forgotten before stage {moved[0]}, which trained this run's carried network and "
             "moved its classes while the kept rows stayed as they were; learn it again with `drl learn-stage`"

@@ -15,6 +15,7 @@ from ..run.records import (
     history_of,
     passes_record,
     read_record,
+    recorded_recipe,
     switch_record,
     train_metrics,
     transfer_record,
@@ -64,9 +65,9 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
                 "num_params": meta["num_params"],  # learned in this stage (the PTM is frozen)
                 # no stage network: nothing the run answers would read it (train.skip_unread)
                 "untrained": train_metrics(meta).get("skipped") is True,
-                # a switched run's carried network, kept as it stood: its forward transfer stalled (first_session.pause)
+                # a switched run's carried network, kept as it stood: its forward transfer stalled (schedule.pause)
                 "paused": train_metrics(meta).get("paused") is True,
-                # stage 1 of a run with first_session.decide: both held-out scores and what was kept
+                # stage 1 of a run with schedule.decide: both held-out scores and what was kept
                 "first_session": first_session_record(meta),
                 # a carried run's stage after the first: does adapting transfer to classes it never trained on
                 "transfer": transfer_record(meta),
@@ -98,6 +99,7 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
         "format_version": manifest["format_version"],
         "generation": manifest["generation"],
         "method": record["config"]["method"],
+        "recipe": recorded_recipe(record),  # null for a run of an earlier release
         "ptm": {
             **{k: record["ptm"][k] for k in ("name", "kwargs", "sha256", "source", "data_config")},
             "hub": record["ptm"].get("hub"),  # hf-hub: repo, revision, weights_sha256; else null

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
+from ..config import RunConfig, closest_recipe
 from ..errors import UsageError
-from ..methods import method_of
+from ..methods import schedule_of
 from ..progress import Progress, ProgressFn
 from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
@@ -31,6 +31,7 @@ class InitResult:
     ptm_source: str  # random | file | hub | hf-hub
     data_config: dict[str, Any]
     ptm_hub: dict[str, str] | None = None  # hf-hub: repo, revision (commit), weights_sha256
+    recipe: str | None = None  # the recipe run.yaml records (``recipes.py``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,6 +45,7 @@ def init_run(
     random_init: bool = False,
     ptm_kwargs: dict[str, Any] | None = None,
     config: RunConfig | None = None,
+    recipe: str | None = None,
     seed: int = 0,
     allow_nonempty: bool = False,
     progress: ProgressFn | None = None,
@@ -52,13 +54,15 @@ def init_run(
 
     The folder must be empty (or hold only what an interrupted init left); ``allow_nonempty``
     accepts other files beside the run, which drl never changes. A user's file under one of the
-    run's own names (``ptm.safetensors``, ``stages``...) is refused either way."""
+    run's own names (``ptm.safetensors``, ``stages``...) is refused either way. ``recipe``: the recipe
+    run.yaml records (``recipes.py``; default: the one ``config`` is closest to)."""
     if ptm_weights is not None and random_init:
         raise UsageError("--ptm-weights and --random-init exclude each other; pass one")
     if hub.is_hub_name(ptm) and (ptm_weights is not None or random_init):
         raise UsageError(f"{ptm} brings its own weights; drop --ptm-weights/--random-init, or name a timm model")
     ptm_kwargs = backbone.check_ptm_kwargs(ptm_kwargs, origin="--ptm-arg (ptm_kwargs)")  # before creating anything
-    config = config or RunConfig.for_method("drl")
+    config = config or RunConfig.for_recipe("default")
+    recipe = recipe or closest_recipe(config)[0].name
     run = RunDir(run_dir)
     with run.writer(create=True, allow_nonempty=allow_nonempty) as writer:
         if progress is not None:
@@ -66,15 +70,22 @@ def init_run(
         model, ptm_record = _init_ptm(
             ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
         )
-        record = run_record(ptm_record, config)
+        record = run_record(ptm_record, config, recipe)
         state = model.state_dict() if random_init else None
         files = init_files(record, state)
-        if method_of(config).switches(config):  # its frozen track, committed with it from the start
+        if schedule_of(config).switches:  # its frozen track, committed with it from the start
             files.update(track_init_files(record, config, state))
         writer.commit(files, manifest=None)
     info = record["ptm"]
     return InitResult(
-        str(run.path), config.method, info["name"], info["sha256"], info["source"], info["data_config"], info.get("hub")
+        str(run.path),
+        config.method,
+        info["name"],
+        info["sha256"],
+        info["source"],
+        info["data_config"],
+        info.get("hub"),
+        recipe,
     )
 
 

@@ -106,7 +106,7 @@ class AnalyticHead(Protocol):
         ...
 
     def carry_stage(self, config: Any, features: Tensor, labels: Tensor, **kwargs: Any) -> Any:
-        """learn-stage in a run whose method carries its network (``Method.carries_network``; the
+        """learn-stage in a run whose method carries its network (``Schedule.carries``; the
         ridge head's ``carry.carry_stage``): the earlier classes moved with the network, for
         ``fit_stage`` (``EarlierStages.carried``), and every class's carried state for the totals."""
         ...

@@ -1,18 +1,17 @@
-"""The methods drl offers (SPEC §3, ``--method``): one folder each, registered here.
+"""The methods a run stores (run.yaml's ``method``; SPEC §3 ``--method``): which feature network it
+builds, whether it trains, its PTM subspace, its stage tensors' prefix, its rules and its schedule.
+People choose recipes (``recipes.py``), each a method with options over it.
 
-- ``drl/``: the IPA network, one pass for every subspace, PTM subspace + one per stage.
-- ``simplecil/``: the PTM's subspace alone, nothing trained.
-- ``ease/``: independent adapters per stage, one ViT pass per stage, no PTM subspace.
-- ``ranpac/``: the PTM's subspace scored by the ridge head (``heads/ridge``), nothing trained.
+- ``drl``: the IPA streams (``features/ipa``), or with ``adapter.peft`` the one adapter set inside
+  the PTM (``features/adapter``, the default recipe); scored by ``score.head``.
+- ``ranpac``: the ridge head on the frozen PTM, or on the PTM adapted in stage 1 (``adapter.peft``).
+- ``ease``: independent adapters per stage (``features/ease``), no PTM subspace.
+- ``simplecil``: the frozen PTM's subspace alone, class-mean prototypes, nothing trained.
 
-To add a method: write ``methods/<name>/__init__.py`` defining ``METHOD = Method(...)`` (``base.py``
-says what each field means; its network follows the ``StageNetwork`` protocol, its options are a
-section dataclass named in ``Method.sections``) and add it to the ``METHODS`` line below. Nothing
-else names methods: the CLI's ``--method`` choices, the config's sections, defaults and validation,
-learn-stage, loading, export and forget all read this registry.
-
-This module and the method folders' ``__init__`` import no torch: ``drl --help`` lists the
-registry's names without loading it. Networks are imported when first built.
+To add a method: a ``Method(...)`` here (``base.py`` says what each field means) and its name in the
+``METHODS`` line; a recipe naming it (``recipes.py``) makes it a choice. Nothing else names methods:
+the CLI, the config's sections and validation, learn-stage, loading, export and forget read this
+registry. It imports no torch: networks are imported when first built.
 """
 
 from __future__ import annotations
@@ -20,15 +19,109 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError, shown
+from ..features import StageNetwork, adapter, ease, ipa
 from ..heads import HEADS, Head
-from . import drl, ease, ranpac, simplecil
-from .base import Method, StageNetwork
+from ..options import TrainConfig
+from ..schedule import EVERY_STAGE, NO_STAGE, Schedule, ScheduleConfig, adapter_schedule
+from ..schedule import rules as schedule_rules
+from .base import Method
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from ..config import RunConfig
 
+ADAPTER_SECTIONS = {adapter.SECTION: adapter.AdapterConfig, "schedule": ScheduleConfig}
+
+
+def _adapted_or_ipa(ptm: nn.Module, config: RunConfig) -> StageNetwork:
+    # without adaptation: the IPA network (the bare PTM pass for a method that never gives it a stage)
+    return adapter.build(ptm, config) if adapter.adapts(config) else ipa.build(ptm, config)
+
+
+def _adapting_rules(config: RunConfig, method: str) -> None:
+    """The schedule's rules, and those of adapting a PTM that the ridge head reads alone."""
+    schedule_rules(config)
+    if not adapter.adapts(config):
+        return
+    if config.ridge.subspaces != 1:
+        raise UsageError(
+            f"ridge.subspaces must be 1 for method {method} adapting the PTM (its head reads the adapted PTM's "
+            "subspace); set adapter.peft none to read stage subspaces"
+        )
+    if config.train.kd_weight:
+        raise UsageError(
+            f"train.kd_weight must be 0 for method {method} adapting the PTM (there is no frozen PTM to distil to)"
+        )
+
+
+def _drl_rules(config: RunConfig) -> None:
+    _adapting_rules(config, "drl")
+    if adapter.adapts(config) and config.score.head != "ridge":
+        raise UsageError(
+            "score.head must be ridge for method drl adapting the PTM (adapter.peft); "
+            "the prototype bank reads stage subspaces: use --recipe paper"
+        )
+
+
+def _ranpac_rules(config: RunConfig) -> None:
+    if config.ridge.subspaces != 1:
+        raise UsageError("ridge.subspaces must be 1 for method ranpac (its head reads the PTM's subspace)")
+    _adapting_rules(config, "ranpac")
+
+
+def _ease_rules(config: RunConfig) -> None:
+    if config.train.kd_weight:
+        raise UsageError("train.kd_weight must be 0 for method ease (it has no PTM stream to distil from)")
+
+
+def _drl_schedule(config: RunConfig) -> Schedule:
+    return adapter_schedule(config) if adapter.adapts(config) else EVERY_STAGE
+
+
+def _ranpac_schedule(config: RunConfig) -> Schedule:
+    return adapter_schedule(config) if adapter.adapts(config) else NO_STAGE
+
+
+DRL = Method(
+    name="drl",
+    build=_adapted_or_ipa,
+    trains=True,
+    offset=1,
+    tensor_prefix="ipa.",
+    sections={"ipa": ipa.IPAConfig, **ADAPTER_SECTIONS},
+    rules=_drl_rules,
+    schedule=_drl_schedule,
+)
+SIMPLECIL = Method(name="simplecil", build=ipa.build, trains=False, offset=1, tensor_prefix="")
+EASE = Method(
+    name="ease",
+    build=ease.build,
+    trains=True,
+    offset=0,  # EASE's default use_init_ptm = false
+    tensor_prefix="ease.",
+    sections={"ease": ease.EaseConfig},
+    # the EASE paper / LAMDA-PILOT ease.json: CE through a cosine head whose scale starts at 1, no distillation
+    train_defaults=TrainConfig(loss="ce", kd_weight=0.0, scale_init=1.0, lr=0.025, epochs=20, batch_size=48),
+    rules=_ease_rules,
+)
+RANPAC = Method(
+    name="ranpac",
+    build=_adapted_or_ipa,
+    trains=True,  # stage 1 only, and only with an adapter (its schedule)
+    offset=1,
+    tensor_prefix="adapt.",
+    sections=ADAPTER_SECTIONS,
+    # RanPAC's first session (its public code, after LAMDA-PILOT): CE through a cosine head whose
+    # scale starts at 1, SGD lr 0.01, momentum 0.9, weight decay 5e-4, cosine schedule, 20 epochs, batch 48
+    train_defaults=TrainConfig(loss="ce", kd_weight=0.0, scale_init=1.0, lr=0.01, epochs=20, batch_size=48),
+    rules=_ranpac_rules,
+    head="ridge",
+    schedule=_ranpac_schedule,
+)
+
 # the order is the CLI's (--help, shell completion)
-METHODS: dict[str, Method] = {m.name: m for m in (drl.METHOD, simplecil.METHOD, ease.METHOD, ranpac.METHOD)}
+METHODS: dict[str, Method] = {m.name: m for m in (DRL, SIMPLECIL, EASE, RANPAC)}
 
 
 def get_method(name: str) -> Method:
@@ -41,6 +134,11 @@ def get_method(name: str) -> Method:
 
 def method_of(config: RunConfig) -> Method:
     return METHODS[config.method]
+
+
+def schedule_of(config: RunConfig) -> Schedule:
+    """The run's schedule (``schedule/``): when its network trains and which head answers."""
+    return method_of(config).schedule(config)
 
 
 def sections() -> dict[str, type]:
@@ -76,6 +174,7 @@ __all__ = [
     "get_method",
     "head_of",
     "method_of",
+    "schedule_of",
     "sections",
     "stage_is_read",
     "stages_read",

@@ -16,9 +16,9 @@ from torch.utils.data import Subset
 
 from .. import distributed
 from ..data import ImageDataset, LabelledImages, eval_transform, make_loader, start_workers
+from ..features import StageNetwork
 from ..heads.openset.rmd import CosineKnown, Moments, RmdKnown, open_set_bias, split_probe
 from ..heads.prototypes import concat_scores, score_weights, synthesize, weighted_scores
-from ..methods import StageNetwork
 from ..options import ScoreConfig
 from ..precision import autocast
 

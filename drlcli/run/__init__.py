@@ -19,7 +19,7 @@ Layout (format version 3; 1 and 2: runs of earlier releases, read as they are)::
     forgotten/log-gGGGGGG.json the forget log: forgotten classes and every forget/restore (forget.py)
     forgotten/rows-gGGGGGG.safetensors  what the forget of generation GGGGGG took out of the stage
                                files (one class's slices), kept so that ``--restore`` can put it back
-    frozen/                    a switched run only (``Method.switches``, ``track.py``): its
+    frozen/                    a switched run only (``Schedule.switches``, ``track.py``): its
                                frozen track's files (the frozen head learning the same stages),
                                listed in this manifest and committed with the run's (format 4)
     .lock                      writer lock (flock) with the holder's pid, host and start time

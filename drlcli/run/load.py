@@ -16,7 +16,7 @@ from ..device import resolve_device
 from ..errors import IntegrityError, PTMError, UsageError
 from ..heads import PROTOTYPES, AnalyticHead, since_totals
 from ..heads.openset import BIAS, RMD_MEAN, RMD_MEAN_CARRIED, RMD_ROWS, RUNNING
-from ..methods import Method, head_of, method_of
+from ..methods import Method, head_of, method_of, schedule_of
 from ..model import CLASS_STAGE, HEAD, IncrementalModel, empty_prototypes, restore_model, stage_prefix, with_prefix
 from ..ptm import backbone, hub
 from ..ptm.backbone import PTMSource
@@ -112,7 +112,7 @@ def load_run(
 def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None, scoring: bool) -> LoadedRun:
     start = time.perf_counter()
     record, config = read_record(run, manifest)
-    if scoring and method_of(config).switches(config):
+    if scoring and schedule_of(config).switches:
         frozen = _frozen_answers(run, manifest, device=device, ptm_weights=ptm_weights)
         if frozen is not None:
             return frozen
@@ -124,7 +124,7 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
     head = head_of(config)
     analytic = head.load() if head is not None else None
     method = method_of(config)
-    carried = method.carries_network(config)
+    carried = schedule_of(config).carries
     tensors = _run_tensors(
         run, method, analytic, stages, classes, width=backbone.width(ptm), scoring=scoring, carried=carried
     )

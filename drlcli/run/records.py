@@ -14,6 +14,7 @@ from ..config import RunConfig
 from ..errors import IntegrityError, UsageError
 from ..metrics import AccuracyReport, HistorySummary, Transfer, summarize_history
 from ..ptm.record import check_ptm_record
+from ..recipes import BY_NAME
 from ..version import __version__
 from .layout import RUN_CONFIG, RUN_CONFIG_KIND
 
@@ -21,15 +22,23 @@ if TYPE_CHECKING:
     from .directory import RunDir
 
 
-def run_record(ptm_record: dict[str, Any], config: RunConfig) -> dict[str, Any]:
-    """run.yaml of a new run: its PTM section and config."""
+def run_record(ptm_record: dict[str, Any], config: RunConfig, recipe: str | None = None) -> dict[str, Any]:
+    """run.yaml of a new run: its PTM section, the recipe it was made from (``recipes.py``) and its config."""
     return {
         "kind": RUN_CONFIG_KIND,
         "drl_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "ptm": ptm_record,
+        **({"recipe": recipe} if recipe is not None else {}),
         "config": config.to_dict(),
     }
+
+
+def recorded_recipe(record: dict[str, Any]) -> str | None:
+    """The recipe run.yaml names (``recipes.py``), or None: a run of an earlier release, or a name no
+    recipe has (a hand-edited record)."""
+    name = record.get("recipe")
+    return name if isinstance(name, str) and name in BY_NAME else None
 
 
 def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], RunConfig]:

@@ -1,5 +1,5 @@
-"""A switched run's two tracks (``Method.switches``): the carried run itself, and its frozen track,
-the frozen default learning the same stages (a ``drl --preset frozen`` run's files, under
+"""A switched run's two tracks (``Schedule.switches``): the carried run itself, and its frozen track,
+the frozen default learning the same stages (a ``drl init --recipe frozen`` run's files, under
 ``frozen/``). After each stage the run answers from one of them: from the carried network once the
 run's forward transfer (stage.json ``carry.transfer``, ``metrics.Transfer``) says adapting tells
 new classes apart better than the frozen PTM, and from the frozen track until then (stage 1 has no
@@ -24,7 +24,7 @@ from typing import Any
 from .. import storage
 from ..config import RunConfig
 from ..errors import IntegrityError, RunStateError
-from ..methods import method_of
+from ..methods import schedule_of
 from ..metrics import Transfer
 from .access import real_dir
 from .directory import RunDir
@@ -205,25 +205,25 @@ def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
 
 
 def frozen_config(config: RunConfig) -> RunConfig:
-    """The frozen track's config: ``drl --preset frozen`` with the run's seed, workers and "unknown" answer."""
+    """The frozen track's config: recipe ``frozen`` with the run's seed, workers and "unknown" answer."""
     train = {"seed": config.train.seed, "num_workers": config.train.num_workers}
-    return RunConfig.for_method("drl", {"train": train, "open_set": config.to_dict()["open_set"]}, preset="frozen")
+    return RunConfig.for_recipe("frozen", {"train": train, "open_set": config.to_dict()["open_set"]})
 
 
 def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
     """Whether the run is a switched one (its method and config say so)."""
     config = read_record(run, manifest)[1]
-    return method_of(config).switches(config)
+    return schedule_of(config).switches
 
 
 def _frozen_default(own: RunConfig, config: RunConfig) -> bool:
     """Whether ``own`` is a frozen track's config for a run of ``config``: the method ``drl`` on the
     frozen PTM (a run that never has a frozen track of its own), the run's seed and "unknown" answer
-    options. The rest is ``drl --preset frozen``'s as its release wrote it (a later release may change
+    options. The rest is ``drl init --recipe frozen``'s as its release wrote it (a later release may change
     it)."""
     return (
         own.method == "drl"
-        and own.first_session.peft == "none"
+        and own.adapter.peft == "none"
         and own.train.seed == config.train.seed
         and own.to_dict()["open_set"] == config.to_dict()["open_set"]
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import distributed
 from ..device import resolve_device
-from ..methods import method_of
+from ..methods import schedule_of
 from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
@@ -174,7 +174,7 @@ def _learn(
         return unchanged
     check_classes(records.images, records.eval_images, records.learned)
     outcome = frozen_f0 = None
-    if method_of(records.config).switches(records.config):
+    if schedule_of(records.config).switches:
         overrides = options.train_overrides or {}
         records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None

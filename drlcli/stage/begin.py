@@ -30,7 +30,7 @@ def carried_start(
     trial, and any other run's stages): after the first, the head's rows and the rmd inputs of the
     stage's images through the network as the stage begins, and their f_0 through the frozen PTM,
     which give the stage's forward transfer (``metrics.Transfer``) and, in a run that pauses
-    (``Method.pauses``), whether the stage trains the network at all; while the set has never
+    (``Schedule.pauses``), whether the stage trains the network at all; while the set has never
     trained, a trial decides that instead (``trial.py``). Every process ends with every image's rows, in
     the stage's image order. ``frozen_f0``: this process's share of that f_0 as a switched run's
     frozen track computed it for the same images (its ``Fitted.f0``); None: a pass through the
@@ -38,7 +38,7 @@ def carried_start(
     (``Fitted.rows``), which are the untrained set's too: a run whose set no stage trained reads them
     instead of passing the images again."""
     head = head_of(stage.config)
-    if head is None or not stage.method.carries_network(stage.config):
+    if head is None or not stage.schedule.carries:
         return None
     first = not stage.loaded.stage_metas
     tried = trial(stage, frozen_f0) if trying(stage) else None
@@ -126,7 +126,7 @@ def _began(stage: StageContext, head: Head, frozen_f0: torch.Tensor | None) -> B
         rows, rmd_rows, bare, labels = in_image_order(shard, rows, rmd_rows, bare, labels)
     own = measure(rows[:, 0], bare, labels)
     run = own + stage.earlier_transfer()
-    paused = stage.method.pauses(stage.config) and run.stalls
+    paused = stage.schedule.pauses and run.stalls
     passes = 1.0 if frozen_f0 is not None else 2.0  # the rows; f_0 through the frozen PTM unless handed over
     return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick, passes=passes)
 

@@ -23,6 +23,7 @@ from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
 from ..run.load import LoadedRun
 from ..run.writer import RunWriter
+from ..schedule import Schedule
 from ..tracking import TensorBoardLog
 from .train import TrainResult
 
@@ -58,15 +59,20 @@ class StageContext:
         return self.loaded.model
 
     @property
+    def schedule(self) -> Schedule:
+        """When the run's network trains and which head answers (``schedule/``)."""
+        return self.method.schedule(self.config)
+
+    @property
     def untrained(self) -> bool:
-        """The method trains stages, but this one gets no stage network: the method trains only
-        the stages before it (``Method.trained_stages``), or nothing the run answers reads its
+        """The method trains stages, but this one gets no stage network: the schedule trains only
+        the stages before it (``Schedule.trained_stages``), or nothing the run answers reads its
         subspace (``train.skip_unread``, ``methods.stage_is_read``)."""
         if not self.method.trains:
             return False
-        if self.method.carries_network(self.config):
+        if self.schedule.carries:
             return False
-        limit = self.method.trained_stages(self.config)
+        limit = self.schedule.trained_stages
         if limit is not None:
             return self.index > limit
         return self.config.train.skip_unread and not stage_is_read(self.config, self.index)
@@ -86,12 +92,12 @@ class StageContext:
     @property
     def skip_reason(self) -> str:
         """Why an untrained stage has no network, for people (``untrained``)."""
-        limit = self.method.trained_stages(self.config)
+        limit = self.schedule.trained_stages
         if limit is None:
             return "nothing the run answers would read them (train.skip_unread; a run initialised with it false trains and stores them)"
         if limit == 0:
-            return f"method {self.method.name} trains none (first_session.peft none)"
-        return f"method {self.method.name} adapts the PTM in stage 1 only (first_session.peft)"
+            return f"method {self.method.name} trains none (adapter.peft none)"
+        return f"method {self.method.name} adapts the PTM in stage 1 only (schedule.stages first)"
 
     def say(self, phase: str, step: int, total: int, detail: str = "") -> None:
         if self.progress is not None:
@@ -115,7 +121,7 @@ class Began:
     """A carried run's stage as it begins (``begin.carried_start``): every image's head rows and rmd
     inputs through the network as the stage begins, in the stage's image order, and the stage's
     forward transfer, stage.json's ``carry.transfer``. ``paused``: a switched run that pauses
-    (``Method.pauses``) and whose transfer so far, this stage's included, says adapting stalls (or,
+    (``Schedule.pauses``) and whose transfer so far, this stage's included, says adapting stalls (or,
     while no stage trained the set, whose trial says adapting would not pay) does not train the
     network this stage. Stage 1 has one only where it was tried."""
 

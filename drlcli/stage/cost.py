@@ -16,8 +16,7 @@ STEP = 3  # a training step of one image, in forward passes
 
 def holds(stage: StageContext) -> bool:
     """A carried run's stage after the first trains against its starting set's tokens (the hold)."""
-    config = stage.config
-    return stage.method.carries_network(config) and stage.index > 1 and config.first_session.hold_weight > 0
+    return stage.schedule.hold and stage.index > 1
 
 
 def stage_passes(
@@ -41,7 +40,7 @@ def stage_passes(
         features += began.passes
         trial = began.trial_passes
     if fitted.decision is not None:
-        features += 1.0  # stage 1's pass without the adapters (first_session.decide)
+        features += 1.0  # stage 1's pass without the adapters (schedule.decide)
     total = training + features + trial
     return {
         "per_image": round(total, 2),

@@ -1,5 +1,5 @@
-"""learn-stage's first-session decision (``Method.decides_first_stage``, set by
-``first_session.decide``): stage 1's adapters are trained on the fit part of its images only; the
+"""learn-stage's first-session decision (``Schedule.decides_first``, set by
+``schedule.decide``): stage 1's adapters are trained on the fit part of its images only; the
 head is then fitted on the fit part twice, on the adapted and on the frozen PTM's features, and
 scored on the held-out part. The adapters are kept only when they score higher there: a first drop
 of 2 classes, or of photos the PTM already knows, ends no lower than the frozen PTM would."""
@@ -45,7 +45,7 @@ class Decision:
 
 
 def deciding(stage: StageContext) -> bool:
-    return stage.index == 1 and stage.method.decides_first_stage(stage.config)
+    return stage.index == 1 and stage.schedule.decides_first
 
 
 def held_out_mask(stage: StageContext) -> torch.Tensor:
@@ -58,7 +58,7 @@ def training_images(stage: StageContext) -> LabelledImages:
     if not deciding(stage):
         return stage.images
     if distributed.world_size() > 1:
-        raise UsageError("first_session.decide runs in one process: learn stage 1 without torchrun")
+        raise UsageError("schedule.decide runs in one process: learn stage 1 without torchrun")
     mask = held_out_mask(stage)
     return ImageSubset(stage.images, tuple((~mask).nonzero().squeeze(1).tolist()))
 

@@ -96,7 +96,7 @@ def _carried(
 ) -> tuple[Any, tuple[Moments, torch.Tensor] | None]:
     """A carried run's stage (``_carry``; None for any other run) and the earlier classes' rmd
     statistics ``old_rmd``, their moments moved with the network where the carry moved them."""
-    if not (stage.method.carries_network(stage.config) and head is not None):
+    if not (stage.schedule.carries and head is not None):
         return None, old_rmd
     earlier_rmd = old_rmd[0] if old_rmd is not None and len(old_rmd[0].counts) else None
     carry, moved = _carry(stage, head, rows.feats, rows.rmd_feats, rows.labels, shard, began, earlier_rmd)
@@ -127,7 +127,7 @@ def _carry(
     began: Began | None,
     earlier_rmd: Moments | None,
 ) -> tuple[Any, Moments | None]:
-    """A carried run's stage (``Method.carries_network``): the head carries the earlier classes
+    """A carried run's stage (``Schedule.carries``): the head carries the earlier classes
     (``AnalyticHead.carry_stage``) from ``began``'s rows (the network as the stage began) to these, and
     the same images' rmd inputs before and after move ``earlier_rmd``, the earlier classes' moments of
     the "unknown" answer (``openset.rmd.carried_moments``); a paused stage did not train the network, so
@@ -250,7 +250,7 @@ def _fit_head(
         config=stage.config,
         stage_index=stage.index,
         carries=carry is not None,
-        keeps=carry is not None and stage.method.pauses(stage.config),
+        keeps=carry is not None and stage.schedule.pauses,
     )
     stage.model.head = fit.head.to(stage.model.device)
     log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])

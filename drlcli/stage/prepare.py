@@ -114,7 +114,7 @@ def prepare(
         progress=progress,
         held_out=records.held_out,
     )
-    if stage.method.carries_network(stage.config) and loaded.stage_metas:
+    if stage.schedule.carries and loaded.stage_metas:
         stage.earlier_transfer()  # a crafted record stops the call before any training
     return stage
 

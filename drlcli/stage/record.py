@@ -98,7 +98,7 @@ def record_stage(
     meta = _stage_meta(stage, trained, fitted, evaluated)
     if passes is not None:  # what learning it cost, in forward passes per image (``cost.py``)
         meta["metrics"]["passes"] = passes
-    carried = stage.method.tensor_prefix if stage.method.carries_network(stage.config) else None
+    carried = stage.method.tensor_prefix if stage.schedule.carries else None
     weights, statistics, totals = _split_totals(
         stage.index, tensors, fitted.fit.statistics if fitted.fit else {}, network=carried
     )
@@ -135,7 +135,7 @@ def _stage_tensors(stage: StageContext, trained: Trained, fitted: Fitted) -> dic
         joined = stage.model.unknown_rmd  # the earlier classes' moments joined with the stage's: the totals
         if joined is not None and len(joined[0].counts) == len(stage.model.class_names):
             tensors.update({name: joined[0].tensors()[name] for name in openset.RUNNING})
-            if stage.method.carries_network(stage.config):  # every class's mean as this stage moved it
+            if stage.schedule.carries:  # every class's mean as this stage moved it
                 tensors[openset.RMD_MEAN_CARRIED] = joined[0].means.float()
     if _stores_network(stage, trained, fitted):
         new = stage.model.network.stages[-1].state_dict()

@@ -1,4 +1,4 @@
-"""learn-stage in a switched run (``Method.switches``, ``run/track.py``): the run's frozen track (the
+"""learn-stage in a switched run (``Schedule.switches``, ``run/track.py``): the run's frozen track (the
 frozen default's files inside the run) learns the stage too, and its files are committed with the
 run's, in one commit; the stage's forward transfer picks the track the run answers from, and
 stage.json's ``switch`` says which, with both tracks' top-1 on the stage's evaluation and the

@@ -28,12 +28,12 @@ from torch.utils.data import DataLoader, Sampler
 from .. import distributed
 from ..data import ImageDataset, LabelledImages, make_loader, start_workers, train_transform
 from ..errors import DivergedError, UsageError
-from ..methods import StageNetwork
+from ..features import StageNetwork
+from ..features.losses import ce_loss, das_loss, kd_loss
 from ..model import class_means, embed_images
 from ..options import TrainConfig
 from ..precision import autocast, grad_scaler
 from ..seeding import reseed, seeded
-from .losses import ce_loss, das_loss, kd_loss
 from .train_state import TrainState, capture, fork_python_random, restore
 
 PROGRESS_EVERY = 10  # training steps between progress reports (the first and last step always report)

@@ -1,4 +1,4 @@
-"""The trial of stage 1 (``first_session.trial transfer``, the default's): whether adapting is worth its
+"""The trial of stage 1 (``schedule.trial transfer``, the default's): whether adapting is worth its
 cost on this data, measured before stage 1 spends its training. A copy of the adapter set trains
 ``trial_epochs`` on half of stage 1's classes (at most ``trial_images`` images of each, its
 classifier started at their class means); then the other half's images (at most ``MEASURED_IMAGES``
@@ -47,19 +47,18 @@ FLOOR = 0.5
 
 
 def trying(stage: StageContext) -> bool:
-    """A stage of a run that pauses its training (``Method.pauses``) and tries adapting first, while
-    its set has never trained: stage 1, and each later one after declining trials, up to
-    ``trial_stages`` tried stages in all."""
-    if not stage.method.pauses(stage.config) or stage.config.first_session.trial != "transfer":
+    """A stage of a run that tries adapting first (``Schedule.tries``), while its set has never trained:
+    stage 1, and each later one after declining trials, up to ``trial_stages`` tried stages in all."""
+    if not stage.schedule.tries:
         return False
     metas = stage.loaded.stage_metas
-    return (not metas or trial_declined(metas)) and len(metas) < stage.config.first_session.trial_stages
+    return (not metas or trial_declined(metas)) and len(metas) < stage.config.schedule.trial_stages
 
 
 def declined(stage: StageContext) -> bool:
     """A later stage of a run whose trials said adapting changes little: its set is untrained (the
     frozen PTM); it is tried again (``trying``) or stays so."""
-    return stage.method.pauses(stage.config) and trial_declined(stage.loaded.stage_metas)
+    return stage.schedule.pauses and trial_declined(stage.loaded.stage_metas)
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
     if n < MIN_CLASSES or distributed.world_size() > 1:
         return None
     tick = time.perf_counter()
-    options, train = stage.config.first_session, stage.config.train
+    options, train = stage.config.schedule, stage.config.train
     seed = train.seed + stage.index
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     trained = ClassSample(stage.images, tuple(sorted(order[: n // 2])), options.trial_images, seed)

@@ -37,7 +37,7 @@ kept images'), and the stage's threshold t is the ``open_set.rejection`` quantil
 images' best score; each class of the stage stores t (``unknown_bias``, ``unknown_rmd_bias``).
 No image or per-image feature is kept: only these numbers and the moments go into the stage.
 
-A carried run (``Method.carries_network``) moves the network at every stage, so the earlier
+A carried run (``Schedule.carries``) moves the network at every stage, so the earlier
 classes' means and the scatter would describe x of a network that no longer exists. Each of its
 stages moves them with the network as the head's class Gaussians are moved: one ridge map of x
 (``linalg.ridge_map``) from the stage's own images before its training to after it, applied to every

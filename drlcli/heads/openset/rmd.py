@@ -122,7 +122,7 @@ class Moments:
 
 
 def carried_moments(earlier: Moments, f0: Tensor, before: Tensor, after: Tensor, lam: float) -> tuple[Moments, float]:
-    """A carried run's stage (``Method.carries_network``): ``earlier`` moved by one ridge map of x,
+    """A carried run's stage (``Schedule.carries``): ``earlier`` moved by one ridge map of x,
     the unit rmd input, from the stage's images before its training to after it (``before``,
     ``after``: (N, w) rmd inputs, in image order), with the images' relative squared move of x. λ is
     the head's class-token map's (``lam``, fitted on raw f_0) scaled to unit rows: divided by the

@@ -30,9 +30,9 @@ fp32 each: 18 MB at M 3000), the image counts, and W for every class seen (M, C)
 adds its images to them and supersedes the file, so that a stage reads and writes the same bytes
 whatever T is and the run keeps one copy. (Runs of earlier releases hold each stage's increments
 of G and each stage's W; they are summed once, at their next stage.) RanPAC's first-stage adaptation of the
-PTM (its phase 1) is method ``ranpac``'s (``first_session``): the head reads the adapted PTM's f_0.
+PTM (its phase 1) is the ``adapter`` feature network's (recipe ``ranpac-published``): the head reads the adapted PTM's f_0.
 
-Class covariances (``ranpac.covariance_weight`` w > 0; drl's default, not RanPAC's): a second,
+Class covariances (``ridge.covariance_weight`` w > 0; drl's default, not RanPAC's): a second,
 FeCAM-style score on x = f_0 / ‖f_0‖, the negative Mahalanobis distance to each class's mean,
 
     m_c(x) = −(x − μ_c)ᵀ P_c (x − μ_c),    P_c = shrink_a((1 − b) S_c + b S)⁻¹,
@@ -47,23 +47,23 @@ weights hold the pooled S and (w, a, b). The precisions are computed when the he
 every class's P_c uses the newest S (``docs/research/class-covariances.md`` at b4fbb16: freezing them at their own stage lost
 the gain on Caltech-101).
 
-The PTM's layout (``ranpac.layout_grid`` g > 0; drl's default g 2, not RanPAC's): the ridge's input
+The PTM's layout (``ridge.layout_grid`` g > 0; drl's default g 2, not RanPAC's): the ridge's input
 is h = [f_0, l_1, ..., l_g²], l_k the mean of the PTM's final patch tokens over cell k of a g x g
 grid of the image (``backbone.ptm_layout``, from the same PTM pass: its last block runs for every
 token instead of the class token alone). The class token is trained to ignore where things are;
 the cells keep it, which separates classes such as Caltech-101's Faces and Faces_easy (the same
-faces, framed wide or tight). ``ranpac.layout_scale`` s weighs the cells against f_0; it is folded
+faces, framed wide or tight). ``ridge.layout_scale`` s weighs the cells against f_0; it is folded
 into R (the cells' rows times s), so scoring costs nothing for it. g is stored in stage 1's weights
 beside R. The class covariances stay on f_0.
 
-A carried run (``carry.py``; ``ranpac``'s carried and switched presets, issue 32) retrains the network the head reads at
+A carried run (``carry.py``; the default's schedule) retrains the network the head reads at
 every stage, so the earlier classes' stored sums no longer describe their features: its fit reads
 them from class Gaussians moved with the network (``EarlierStages.carried``), solves every column
 of W again, and keeps every class's covariance rows, as drawn, in the newest stage's totals, with
 the sums it fitted (Q of every class, the Grams, the scatter): a stage that did not train the
 network (a paused switched run) reads those instead of drawing them again.
 
-The folder: ``options.py`` its run-config section (``ranpac`` in run.yaml), ``statistics.py`` the
+The folder: ``options.py`` its run-config section (``ridge``; ``ranpac`` in runs of earlier releases), ``statistics.py`` the
 sums and the ridge solve, ``covariance.py`` the class covariances, ``head.py`` the scoring module,
 ``fit.py`` one stage's fit and the re-solve of a restored class, ``carry.py``, ``sums.py`` and ``carried.py`` the carried classes. This module holds the head's
 facts for the registry (no torch): its tensor names, its per-class tensors, what it reads.
@@ -75,13 +75,13 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import UsageError
 from ..base import AnalyticHead, Head, PerClass
-from .options import RanpacConfig
+from .options import RidgeConfig
 
 if TYPE_CHECKING:
     from ...config import RunConfig
 
-SECTION = "ranpac"  # the options' section in run.yaml, and the prefix of the head's stage tensors
-PREFIX = f"{SECTION}."
+SECTION = "ridge"  # the options' section in run.yaml (``ranpac`` in runs of earlier releases)
+PREFIX = "ranpac."  # the head's stage tensors, as every release has named them
 PROJECTION = f"{PREFIX}projection"  # (rows, M) R, in stage 1's weights
 WEIGHT = f"{PREFIX}weight"  # (M, C) W for every class seen, in each stage's weights (the newest scores)
 LAYOUT = f"{PREFIX}layout"  # () int64 in stage 1's weights: g, the PTM layout grid of the head's input
@@ -145,37 +145,37 @@ def _load() -> AnalyticHead:
 
 
 def _stages_read(config: RunConfig) -> int:
-    return config.ranpac.subspaces - 1
+    return config.ridge.subspaces - 1
 
 
 def _layout_grid(config: RunConfig) -> int:
-    return config.ranpac.layout_grid
+    return config.ridge.layout_grid
 
 
 def _rules(config: RunConfig, method: Any) -> None:
-    cfg = config.ranpac
+    cfg = config.ridge
     if cfg.lambda_min_exp > cfg.lambda_max_exp:
-        raise UsageError("ranpac.lambda_min_exp must be <= ranpac.lambda_max_exp")
+        raise UsageError("ridge.lambda_min_exp must be <= ridge.lambda_max_exp")
     if cfg.carry_gram_draws is not None and cfg.carry_mean != "exact":
         raise UsageError(
-            "ranpac.carry_gram_draws needs the closed-form E[φ]: set ranpac.carry_mean exact, "
-            "or ranpac.carry_gram_draws null for the drawn carry"
+            "ridge.carry_gram_draws needs the closed-form E[φ]: set ridge.carry_mean exact, "
+            "or ridge.carry_gram_draws null for the drawn carry"
         )
     if cfg.carry_grams == "split" and cfg.carry_mean != "exact":
         raise UsageError(
-            "ranpac.carry_grams split needs the closed-form E[φ]: set ranpac.carry_mean exact, "
-            "or ranpac.carry_grams shared for the drawn carry"
+            "ridge.carry_grams split needs the closed-form E[φ]: set ridge.carry_mean exact, "
+            "or ridge.carry_grams shared for the drawn carry"
         )
     if config.score.head == "ridge" and not method.offset:
         raise UsageError(f"score.head ridge needs a PTM subspace, which method {config.method} has not: use prototypes")
     if cfg.subspaces == 2 and not (method.trains and method.offset and config.score.head == "ridge"):
-        raise UsageError("ranpac.subspaces 2 reads stage 1's subspace: only for method drl with score.head ridge")
+        raise UsageError("ridge.subspaces 2 reads stage 1's subspace: only for method drl with score.head ridge")
 
 
 HEAD = Head(
     name="ridge",
     section=SECTION,
-    options=RanpacConfig,
+    options=RidgeConfig,
     load=_load,
     per_class=PER_CLASS,
     running=RUNNING,

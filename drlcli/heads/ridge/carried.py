@@ -1,4 +1,4 @@
-"""One stage of a carried run (``ranpac --preset carried``, ``Method.carries_network``; issue 32),
+"""One stage of a carried run (``recipe carried``, ``Schedule.carries``; issue 32),
 from ``carry.py``'s maths: learn-stage hands ``carry_stage`` the stage's features and a pass
 through the network as the stage began; it reads no file and runs no network itself. ``Carried``
 is what the stage's fit reads of the earlier classes: their sums drawn from the moved Gaussians,
@@ -166,7 +166,7 @@ def carry_stage(
     before: Tensor | None,
     device: torch.device | str = "cpu",
 ) -> CarryStep:
-    """A carried run's stage (``Method.carries_network``): ``feats`` (N, S', d) are the head's rows of
+    """A carried run's stage (``Schedule.carries``): ``feats`` (N, S', d) are the head's rows of
     the stage's images through the trained network, in image order, ``labels`` local. Its own
     classes' Gaussians are taken from them. After stage 1 (``earlier``: the run's stage tensors and
     its newest totals, holding ``earlier_classes`` classes), ``before`` holds the same images'
@@ -177,7 +177,7 @@ def carry_stage(
     kept (a run of an earlier release kept none: drawn again). The drawn sums are taken on ``device``
     (the run's). A crafted or damaged carry is an IntegrityError."""
     tick = time.perf_counter()
-    cfg = config.ranpac
+    cfg = config.ridge
     width = feats.shape[-1] * (cfg.subspaces + layout**2)
     tokens = _tokens(feats, width, layout)
     own, own_parts = _own_classes(config, tokens, labels.cpu(), stage_index)
@@ -205,7 +205,7 @@ def _own_classes(config: RunConfig, tokens: Tensor, labels: Tensor, stage_index:
     """The stage's own classes' Gaussians, from its images' ``tokens`` and local ``labels`` (on the
     CPU), and their (C, 2) fit and held-out image counts, split as the head's fit splits them
     (``validation_mask``, the same seed)."""
-    cfg = config.ranpac
+    cfg = config.ridge
     n = int(labels.max()) + 1 if len(labels) else 0
     val = validation_mask(labels, fraction=cfg.val_fraction, seed=config.train.seed + stage_index)
     own = ClassGaussians.of([tokens[labels == c] for c in range(n)], cfg.carry_rank)
@@ -241,7 +241,7 @@ def _kept(
 def _carry_meta(config: RunConfig, carried: Carried, *, move: float, classes: int, tick: float) -> dict[str, Any]:
     """stage.json's record of the carry: how far the images moved, and how the earlier classes' sums
     were had (drawn, with the run's options, or the stage before's kept: no draws)."""
-    cfg = config.ranpac
+    cfg = config.ridge
     return {
         "move": round(move, 6),  # the stage's images' relative squared move: what the maps follow
         "map_lambda": cfg.carry_lambda,
@@ -265,7 +265,7 @@ def _drawn(
 ) -> DrawnSums:
     """The earlier classes' sums drawn from their Gaussians (``expected_sums``), as the run's options
     say; IntegrityError when they are not finite (Gaussians of a crafted spread or mean)."""
-    cfg = config.ranpac
+    cfg = config.ridge
     sums = expected_sums(
         gaussians,
         parts,

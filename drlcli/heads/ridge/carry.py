@@ -16,8 +16,8 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
 - ``sums.expected_sums``: the ridge's statistics and the class covariances' moments that the
   classes' images would give, from draws of these Gaussians.
 
-Pure tensor maths: ``carried.py`` puts it together for one stage of a carried run (``ranpac
---preset carried``); the research harness (``benchmarks/research/adapt`` at b4fbb16) replays its runs through it.
+Pure tensor maths: ``carried.py`` puts it together for one stage of a carried run (the default's
+schedule, ``Schedule.carries``); the research harness (``benchmarks/research/adapt`` at b4fbb16) replays its runs through it.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from .statistics import (
 
 if TYPE_CHECKING:
     from ...config import RunConfig
-    from .options import RanpacConfig
+    from .options import RidgeConfig
 
 from_state = RanpacHead.from_state
 from_stages = RanpacHead.from_stages
@@ -90,7 +90,7 @@ def fit_stage(
     them instead of drawing (``carried.Carried``).
     """
     start = time.perf_counter()
-    cfg = config.ranpac
+    cfg = config.ridge
     projection, layout = _projection(earlier, features.shape[-1], cfg, seed=config.train.seed)
     val_all = validation_mask(
         torch.tensor(image_labels), fraction=cfg.val_fraction, seed=config.train.seed + stage_index
@@ -221,7 +221,7 @@ def _assemble(projection: Tensor, rows: _HeadRows, layout: int) -> RanpacHead:
 def _choose_lambda(
     total: Statistics,
     lambdas: list[float],
-    cfg: RanpacConfig,
+    cfg: RidgeConfig,
     *,
     first: bool,
     images: tuple[Tensor, Tensor, Tensor],
@@ -257,7 +257,7 @@ def _moved(
     return {"previous": previous, "phi": phi}
 
 
-def _projection(earlier: EarlierStages, width: int, cfg: RanpacConfig, *, seed: int) -> tuple[Tensor, int]:
+def _projection(earlier: EarlierStages, width: int, cfg: RidgeConfig, *, seed: int) -> tuple[Tensor, int]:
     """(R in float64, g): new for stage 1, else as stage 1 stored them (the head was built from them),
     R on the CPU where the statistics are summed (the head itself may live on a GPU)."""
     if earlier.head is not None:
@@ -287,7 +287,7 @@ def _covariances(
     features: Tensor,
     labels: Tensor,
     num_classes: int,
-    cfg: RanpacConfig,
+    cfg: RidgeConfig,
     previous: list[dict[str, Tensor]],  # the earlier stages' scatters and counts
     tensors: dict[str, Tensor],
     statistics: dict[str, Tensor],

@@ -10,7 +10,7 @@ MAX_LAYOUT_GRID = 8  # layout_grid's bound (and that of a g a run or an export s
 
 
 @dataclass(frozen=True)
-class RanpacConfig:
+class RidgeConfig:
     """Random projection + ReLU + ridge regression from accumulated statistics (``heads/ridge``)."""
 
     # M, width of the random projection; None: min(3000, 16 d) (3000 for DeiT-Tiny)
@@ -42,7 +42,7 @@ class RanpacConfig:
     layout_grid: int = option(0, within=Range(0, MAX_LAYOUT_GRID))
     # the layout's weight against f_0 in the input (folded into R's rows)
     layout_scale: float = option(1.0, within=Range(0, 100, low_open=True))
-    # a carried run (ranpac's first_session.stages all): each class kept as a Gaussian of the head's
+    # a carried run (schedule.stages all): each class kept as a Gaussian of the head's
     # tokens with this many leading directions, moved by per-token ridge maps of this λ (absolute:
     # tuned on DeiT-Tiny's sketch validation split), the head's sums rebuilt from this many draws per image
     carry_rank: int = option(16, within=Range(1, 4096))

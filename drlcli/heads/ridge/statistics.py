@@ -14,12 +14,12 @@ from torch import Tensor
 from ... import distributed
 from ..base import TOTALS_MARK
 from . import LAMBDA
-from .options import RanpacConfig
+from .options import RidgeConfig
 
 STAT_DTYPE = torch.float64  # statistics are summed and solved in float64, stored as float32
 
 
-def lambda_grid(cfg: RanpacConfig) -> list[float]:
+def lambda_grid(cfg: RidgeConfig) -> list[float]:
     return [10.0**e for e in range(cfg.lambda_min_exp, cfg.lambda_max_exp + 1)]
 
 

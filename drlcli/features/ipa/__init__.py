@@ -1,11 +1,20 @@
-"""The ``ipa`` section of a run config: the shape of each stage's Incremental Parallel Adapter
-stream (SPEC §2.1)."""
+"""The paper's Incremental Parallel Adapter streams (SPEC §2.1): the PTM's subspace and one per stage,
+one pass for all of them (``network.py``). With no stage it is the frozen PTM alone, which the
+recipes that train nothing read. This module holds the ``ipa`` section of a
+run config and the builder, and imports no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...options import MAX_DIM, Range, option
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ...config import RunConfig
+    from .. import StageNetwork
 
 
 @dataclass(frozen=True)
@@ -26,3 +35,10 @@ class IPAConfig:
 
     def resolved_adapter_dim(self, width: int) -> int:
         return self.adapter_dim if self.adapter_dim is not None else max(8, width // 16)
+
+
+def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
+    """The IPA network over the frozen PTM (no stage yet)."""
+    from .network import IPANetwork
+
+    return IPANetwork(ptm, config.ipa)

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from ...ptm import backbone
 from ...seeding import seeded
-from .options import IPAConfig
+from . import IPAConfig
 
 # Stage parameters stacked over blocks 1..L-1 (leading dim L-1), then the transfer FFN.
 BLOCK_PARAMS = ("down", "down_bias", "up", "up_bias", "gate_down", "gate_down_bias", "gate_up", "gate_up_bias")

@@ -10,9 +10,9 @@ adapters start from the PTM (Up = 0) and are trained alone, so subspaces are ind
 inference costs one full ViT pass per stage: the cost DRL removes. There is no PTM subspace
 (EASE's default ``use_init_ptm = false``), so prototypes and scores use ``offset`` 0.
 
-The network follows the ``methods.StageNetwork`` protocol, as ``IPANetwork`` does, so training,
-prototypes, evaluation, storage and export are shared with drl; ``methods/ease.py`` holds the
-method's other facts (its training recipe and rules).
+The network follows the ``features.StageNetwork`` protocol, as ``IPANetwork`` does, so training,
+prototypes, evaluation, storage and export are shared with drl; ``methods/`` holds the method's
+other facts (its training recipe and rules).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ...ptm import backbone
 from ...seeding import seeded
-from .options import EaseConfig
+from . import EaseConfig
 
 
 class EaseAdapters(nn.Module):

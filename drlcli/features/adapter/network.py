@@ -1,16 +1,16 @@
 """The PTM with one AdaptFormer adapter set: RanPAC's first-session adaptation (McDonnell et al.,
 NeurIPS 2023, phase 1), trained on stage 1's classes and frozen afterwards, or, carried
-(``first_session.stages all``, drl's default), trained again at every stage.
+(``schedule.stages all``, drl's default), trained again at every stage.
 
 In every block an adapter runs parallel to the MLP and reads the post-attention stream, as in
 the public RanPAC code (``ffn_option parallel``, no adapter layer norm, r 64, s 0.1); with
-``first_session.blocks`` below 1, only the leading blocks have one:
+``adapter.blocks`` below 1, only the leading blocks have one:
 
     x = x + Attn(LN1(x));   x = x + MLP(LN2(x)) + s·Up(ReLU(Down(x)))
 
 Stage 1's adapters replace the PTM: every later feature, the ridge head's input, the PTM's layout
 rows, the class covariances and the "unknown" answer's probe blocks, come from the adapted pass,
-one ViT pass per image as before. Later stages add no network (``Method.trained_stages``). The
+one ViT pass per image as before. Later stages add no network (``Schedule.trained_stages``). The
 network keeps the ``StageNetwork`` shape of a method with a PTM subspace (offset 1): subspace 0
 is the adapted PTM's feature and stage 1's subspace is the same feature, computed once.
 """
@@ -29,29 +29,33 @@ from torch import Tensor, nn
 from ...ptm import backbone
 from ...seeding import seeded
 from ..ease.network import EaseAdapters
-from .options import FirstSessionConfig
+from . import AdapterConfig
 
 
 def hold_loss(tokens: Tensor, target: Tensor) -> Tensor:
     """Mean over images and tokens of ‖t − t₀‖² / ‖t₀‖², (B, S, d) each, in float32: how far training
     moved the read tokens of a stage's images from ``target``, where the set put them when the stage
-    began (``first_session.hold_weight``; issue 32's research: distillation on the new images only)."""
+    began (``schedule.hold_weight``; issue 32's research: distillation on the new images only)."""
     tokens, target = tokens.float(), target.float()
     return ((tokens - target).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-12)).mean()
 
 
-class FirstSessionNetwork(nn.Module):
-    """Frozen PTM + stage 1's ``EaseAdapters`` (AdaptFormer) inside it, once stage 1 is learned."""
+class AdapterNetwork(nn.Module):
+    """Frozen PTM + stage 1's ``EaseAdapters`` (AdaptFormer) inside it, once stage 1 is learned;
+    ``carried``: the set learns again at every stage, held near each stage's start by ``hold_weight``."""
 
-    def __init__(self, ptm: nn.Module, cfg: FirstSessionConfig, read_grid: int = 0):
+    def __init__(
+        self, ptm: nn.Module, cfg: AdapterConfig, *, carried: bool = False, hold_weight: float = 0.0, read_grid: int = 0
+    ):
         super().__init__()
         self.ptm = ptm
         self.cfg = cfg
+        self.carried, self.hold_weight = carried, hold_weight
         self.read_grid = read_grid  # the head's layout grid: the hold term's tokens are f_0 and its cells
         self.width = backbone.width(ptm)
         self.depth = len(ptm.blocks)
         self.stages = nn.ModuleList()
-        self.__dict__["start"] = None  # first_session.stages all: the set as the stage began (not a submodule)
+        self.__dict__["start"] = None  # carried: the set as the stage began (not a submodule)
 
     @property
     def num_stages(self) -> int:
@@ -64,11 +68,11 @@ class FirstSessionNetwork(nn.Module):
 
     @property
     def adapted_blocks(self) -> int:
-        """How many leading blocks get adapters (``first_session.blocks``; the rest run as the PTM's)."""
+        """How many leading blocks get adapters (``adapter.blocks``; the rest run as the PTM's)."""
         return max(1, round(self.cfg.blocks * self.depth))
 
     def new_stage(self, *, seed: int) -> EaseAdapters:
-        if self.stages and self.cfg.stages == "all":  # a carried run: the one set learns again
+        if self.stages and self.carried:  # a carried run: the one set learns again
             stage = self.stages[0].requires_grad_(True).train()
             self.__dict__["start"] = copy.deepcopy(stage).requires_grad_(False).eval()
             return stage
@@ -90,14 +94,14 @@ class FirstSessionNetwork(nn.Module):
             self.stages = kept
 
     def bare(self) -> contextlib.AbstractContextManager[None]:
-        """The frozen PTM without stage 1's adapters, for the block (``first_session.decide``)."""
+        """The frozen PTM without stage 1's adapters, for the block (``schedule.decide``)."""
         return self._swapped([])
 
     def drop_start(self) -> None:
         self.__dict__["start"] = None
 
     def drop_adapters(self) -> None:
-        """Forget stage 1's adapters: the run keeps the frozen PTM (``first_session.decide``)."""
+        """Forget stage 1's adapters: the run keeps the frozen PTM (``schedule.decide``)."""
         self.stages = nn.ModuleList()
 
     def forward(
@@ -125,11 +129,11 @@ class FirstSessionNetwork(nn.Module):
         read tokens (f_0 and the layout cells) against the set's as the stage began (no dropout)."""
         tokens, _ = self._pass(images, ())
         feature = self.ptm.fc_norm(tokens[:, 0])
-        if self.start is None or not self.cfg.hold_weight:
+        if self.start is None or not self.hold_weight:
             return None, feature
         with torch.no_grad():
             target = self._read(self._pass(images, (), stage=self.start)[0])
-        return None, feature, self.cfg.hold_weight * hold_loss(self._read(tokens, feature), target)
+        return None, feature, self.hold_weight * hold_loss(self._read(tokens, feature), target)
 
     def _read(self, tokens: Tensor, feature: Tensor | None = None) -> Tensor:
         """(B, 1 + g², d): f_0 and the layout cells the head reads."""

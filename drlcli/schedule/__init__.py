@@ -1,0 +1,126 @@
+"""When the feature network trains across stages, how the earlier classes are kept, and which head
+answers: one of the three parts of a recipe (``recipes.py``: features x schedule x head).
+
+A run's ``Schedule`` (``methods.schedule_of``) is what learn-stage, loading, check-data, the model card
+and the benchmark read, rather than each asking the method:
+
+- ``trained_stages``: how many leading stages get a network (None: every stage whose subspace the
+  run's answers read; 0: none, a frozen PTM; 1: the first session only, RanPAC's).
+- ``carries``: one adapter set trained again at every stage; the ridge head carries the earlier
+  classes as Gaussians moved with it (``heads/ridge/carry.py``). The default's.
+- ``switches``: the frozen PTM's head is kept in the same stages beside the adapted one, and the run
+  answers from the one its forward transfer picks (``stage/switch.py``).
+- ``pauses``: the set trains at a stage only while the forward transfer could still pay.
+- ``tries``: before the set ever trains, a short trial on half of the stage's classes says whether
+  adapting moves the other half's margins (``stage/trial.py``).
+- ``decides_first``: stage 1's adapters are kept only where the held-out part scores higher.
+
+The ``schedule`` section of a run config holds the options; runs of earlier releases named it and
+the adapter's together ``first_session`` (``config.py`` reads them). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import UsageError
+from ..options import Range, option
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+
+SECTION = "schedule"
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """How an adapter set (``adapter.peft``) learns across stages; the other networks train every stage."""
+
+    # first: trained in stage 1 and frozen afterwards (RanPAC's first session) | all: the one set
+    # trained again at every stage, the earlier classes carried by the head (drl's default)
+    stages: str = option("first", choices=("first", "all"))
+    # "all", from stage 2 on: the loss adds this times the mean relative squared move of the stage's
+    # own images' read tokens (f_0 and the layout cells) from where the set put them when the stage began
+    hold_weight: float = option(3.0, within=Range(0, 1e4))
+    # "first" only: train the adapters on the fit part of stage 1's images, fit the head on the fit
+    # part's frozen and adapted features, and keep the adapters only when the held-out part (the ridge
+    # head's statistics split) scores higher with them
+    decide: bool = False
+    # "all" only: "transfer" keeps the frozen PTM's head beside the adapted one and answers from the
+    # adapted one from the stage on which the run's forward transfer (``metrics.Transfer``) says
+    # adapting tells new classes apart better than the frozen PTM; "none" always answers from it
+    switch: str = option("none", choices=("none", "transfer"))
+    # with switch "transfer" only: "transfer" trains the set at a stage only while the run's forward
+    # transfer so far could still reach the switch's floor (``metrics.Transfer.stalls``); a paused stage
+    # fits the head on the network as it stands
+    pause: str = option("none", choices=("none", "transfer"))
+    # with pause "transfer" only: "transfer" tries adapting before a stage trains, while no stage has
+    # trained the set, up to ``trial_stages`` stages (``stage/trial.py``): a copy of the set trained
+    # ``trial_epochs`` on half of the stage's classes (at most ``trial_images`` images each), the other
+    # half's margins compared through it and the frozen PTM; the stage trains only where they move
+    trial: str = option("none", choices=("none", "transfer"))
+    trial_epochs: int = option(10, within=Range(1, 1000))
+    trial_images: int = option(32, within=Range(1, 1_000_000))
+    trial_stages: int = option(3, within=Range(1, 1_000_000))  # stages tried while the set never trained
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A run's schedule, as its config sets it (the module's docstring says what each fact means)."""
+
+    trained_stages: int | None = None
+    carries: bool = False
+    switches: bool = False
+    pauses: bool = False
+    tries: bool = False
+    decides_first: bool = False
+    hold: bool = False  # a carried stage after the first adds the hold term (a second, no-grad forward)
+
+    def trains_at(self, index: int) -> bool:
+        """Whether stage ``index`` gets a network by this schedule alone (the run's reading of
+        stage subspaces and its pause decide the rest)."""
+        return self.carries or self.trained_stages is None or index <= self.trained_stages
+
+
+EVERY_STAGE = Schedule()  # ipa, ease: a new stage network at every stage whose subspace is read
+NO_STAGE = Schedule(trained_stages=0)  # a frozen PTM
+
+
+def adapter_schedule(config: RunConfig) -> Schedule:
+    """The schedule of a run that adapts the PTM with one set (``adapter.peft``)."""
+    options = config.schedule
+    carries = options.stages == "all"
+    switches = carries and options.switch == "transfer"
+    pauses = switches and options.pause == "transfer"
+    return Schedule(
+        trained_stages=None if carries else 1,
+        carries=carries,
+        switches=switches,
+        pauses=pauses,
+        tries=pauses and options.trial == "transfer",
+        decides_first=not carries and options.decide,
+        hold=carries and options.hold_weight > 0,
+    )
+
+
+def rules(config: RunConfig) -> None:
+    """The section's own rules: each option only where the schedule it refines is chosen."""
+    options = config.schedule
+    adapting = config.adapter.peft != "none"
+    if options.stages == "all":
+        if not adapting:
+            raise UsageError("schedule.stages all trains the adapter set: set adapter.peft adaptformer")
+        if options.decide:
+            raise UsageError("schedule.decide is for stages first: a carried run (stages all) keeps its adapters")
+    elif options.switch != "none":
+        raise UsageError("schedule.switch picks between the carried set and the frozen PTM: set schedule.stages all")
+    if options.trial != "none" and options.pause != "transfer":
+        raise UsageError("schedule.trial decides whether a stage trains: set schedule.pause transfer")
+    if options.pause != "none" and options.switch != "transfer":
+        raise UsageError(
+            "schedule.pause stops training a network the frozen PTM's head answers for: set schedule.switch transfer"
+        )
+
+
+__all__ = ["EVERY_STAGE", "NO_STAGE", "SECTION", "Schedule", "ScheduleConfig", "adapter_schedule", "rules"]
