@@ -19,7 +19,7 @@ from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 SMALL = {
-    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
     "train": {"epochs": 2, "batch_size": 8},
 }
 
@@ -380,7 +380,7 @@ def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gra
 
     monkeypatch.setattr(carried, "expected_sums", recorded)
     config = RunConfig.for_method(
-        "drl", {**SMALL, "ranpac": {**SMALL["ranpac"], "carry_gram_draws": 10}}, preset="carried"
+        "drl", {**SMALL, "ridge": {**SMALL["ridge"], "carry_gram_draws": 10}}, preset="carried"
     )
     assert (config.ridge.carry_mean, config.ridge.carry_gram_draws) == ("exact", 10)
     run = tmp_path / "run"

@@ -322,7 +322,7 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
 
     d, cells = 8, 4
     config = RunConfig.for_method(
-        "ranpac", {"ranpac": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
+        "ranpac", {"ridge": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
     )
     g = torch.Generator().manual_seed(11)
     sizes = [6, 5, 7]
@@ -381,7 +381,7 @@ def test_a_carried_first_stage_keeps_its_sums_in_the_totals_where_later_stages_m
     from drlcli.heads.ridge.head import RanpacHead
 
     config = RunConfig.for_method(
-        "ranpac", {"ranpac": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
+        "ranpac", {"ridge": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
     )
     g = torch.Generator().manual_seed(5)
     feats = torch.randn(30, 6, 8, generator=g)
@@ -415,7 +415,7 @@ def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_ru
     from drlcli.heads.ridge.carried import Carried
 
     config = RunConfig.for_method(
-        "ranpac", {"ranpac": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
+        "ranpac", {"ridge": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
     )
     g = torch.Generator().manual_seed(7)
     feats1, labels1 = torch.randn(30, 6, 8, generator=g), torch.arange(3).repeat(10)

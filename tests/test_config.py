@@ -155,3 +155,83 @@ def test_rescore_refuses_the_head_option():
     assert parse_score("beta=3") == {"beta": 3}
     with pytest.raises(UsageError, match="head is chosen at init"):
         parse_score("head=ridge")
+
+
+def test_the_section_names_of_earlier_releases_read_as_today_s(tmp_path):
+    """Runs, .drl files, config files and benchmark variants of earlier releases name the ridge head's
+    section ``ranpac`` and the adapter's and schedule's together ``first_session`` (issue 60)."""
+    from drlcli.benchmark.variants import parse_variant
+
+    old = {"ranpac": {"proj_dim": 64}, "first_session": {"peft": "adaptformer", "stages": "all", "hold_weight": 2.0}}
+    new = {
+        "ridge": {"proj_dim": 64},
+        "adapter": {"peft": "adaptformer"},
+        "schedule": {"stages": "all", "hold_weight": 2.0},
+    }
+    assert RunConfig.for_method("ranpac", old) == RunConfig.for_method("ranpac", new)
+    assert RunConfig.from_dict({**RunConfig.for_method("ranpac").to_dict(), "ridge": {}}) == RunConfig.for_method(
+        "ranpac"
+    )
+    written = RunConfig.for_method("ranpac", old).to_dict()
+    assert "ranpac" not in written and "first_session" not in written and written["schedule"]["hold_weight"] == 2.0
+    path = tmp_path / "old.yaml"
+    path.write_text("method: ranpac\nfirst_session: {peft: adaptformer}\nranpac: {proj_dim: 64}\n")
+    assert RunConfig.from_yaml(path).adapter.peft == "adaptformer" and RunConfig.from_yaml(path).ridge.proj_dim == 64
+    assert parse_variant("ranpac/ranpac.proj_dim=64/first_session.blocks=0.5").overrides == {
+        "ridge": {"proj_dim": 64},
+        "adapter": {"blocks": 0.5},
+    }
+    with pytest.raises(UsageError, match="config section ranpac is ridge today: give one of them, not both"):
+        RunConfig.for_method("drl", {"ranpac": {"proj_dim": 64}, "ridge": {"proj_dim": 32}})
+    with pytest.raises(UsageError, match="unknown key 'gate' in config section first_session"):
+        RunConfig.for_method("drl", {"first_session": {"gate": "sum"}})
+
+
+def test_a_recipe_is_named_once_and_reached_by_either_spelling(tmp_path):
+    from drlcli.recipes import LISTED, RECIPES, recipe_for
+
+    assert LISTED == ("default", "frozen", "paper", "ranpac", "ranpac-published", "ease", "simplecil")
+    for recipe in RECIPES:  # every recipe builds, and its older spelling builds the same config
+        config = RunConfig.for_recipe(recipe.name)
+        assert config.method == recipe.method and recipe_for(
+            recipe.method, recipe.presets[0] if recipe.presets else None
+        )
+        if recipe.presets:
+            assert RunConfig.for_method(recipe.method, preset=recipe.presets[0]) == config
+    assert (
+        RunConfig.for_method("drl") == RunConfig.for_recipe("default") == RunConfig.for_method("drl", preset="default")
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text("recipe: ranpac-published\ntrain: {epochs: 3}\n")
+    assert RunConfig.from_yaml(path) == RunConfig.for_recipe("ranpac-published", {"train": {"epochs": 3}})
+    with pytest.raises(UsageError, match="unknown recipe 'fast'; choose one of"):
+        RunConfig.for_recipe("fast")
+
+
+def test_cli_init_takes_a_recipe_and_run_yaml_records_it(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from drlcli.cli import app
+    from drlcli.synthetic import init_args
+
+    runner = CliRunner()
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["init", "--run", str(run), *init_args(), "--recipe", "ranpac-published", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["recipe"] == "ranpac-published"
+    text = (run / "run.yaml").read_text()
+    assert "recipe: ranpac-published" in text and "peft: adaptformer" in text and "first_session" not in text
+    shown = runner.invoke(app, ["info", "--run", str(run)])
+    assert "recipe ranpac-published (method ranpac)" in shown.stdout
+    both = runner.invoke(
+        app, ["init", "--run", str(tmp_path / "b"), *init_args(), "--recipe", "frozen", "--method", "drl"]
+    )
+    assert both.exit_code == 2 and "drop --method and --preset" in both.output
+    bad = runner.invoke(app, ["init", "--run", str(tmp_path / "c"), *init_args(), "--recipe", "fast"])
+    assert bad.exit_code == 2 and not (tmp_path / "c").exists()
+    old = runner.invoke(
+        app, ["init", "--run", str(tmp_path / "d"), *init_args(), "--method", "drl", "--preset", "frozen"]
+    )
+    assert old.exit_code == 0 and "recipe: frozen" in (tmp_path / "d" / "run.yaml").read_text()

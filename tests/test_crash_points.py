@@ -81,7 +81,7 @@ def template(tmp_path_factory):
     run = root / "run"
     # the default drl recipe (its ridge head writes statistics.safetensors in every commit), with a
     # narrow projection: the storage calls are the same, the solve is instant
-    config = RunConfig.for_method("drl", {"ranpac": {"proj_dim": 32}, **TRAINS}, preset=FROZEN)
+    config = RunConfig.for_method("drl", {"ridge": {"proj_dim": 32}, **TRAINS}, preset=FROZEN)
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     learn_stage(run, data_dir=data[0], train_overrides=OPTS, device="cpu")
 

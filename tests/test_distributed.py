@@ -103,7 +103,7 @@ def test_two_processes_move_the_earlier_classes_weights_as_one_does(tmp_path):
     from drlcli.synthetic import make_class_folders
 
     config = RunConfig.for_method(
-        "drl", {"ranpac": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}}, preset="frozen"
+        "drl", {"ridge": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}}, preset="frozen"
     )
     first = make_class_folders(tmp_path / "first", list(range(8)), images_per_class=3)
     small = make_class_folders(tmp_path / "small", [8, 9], images_per_class=2)
@@ -128,7 +128,7 @@ def test_a_carried_run_under_torchrun_carries_as_one_process(tmp_path, stage_fol
     from safetensors.torch import load
 
     sections = {
-        "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+        "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
         "first_session": {"dropout": 0.0},  # no random masks: the two runs then differ only in summation order
         "train": {"epochs": 2, "batch_size": 12, "crop_scale_min": 1.0, "hflip": False},
     }
@@ -163,7 +163,7 @@ def test_a_switched_run_under_torchrun_learns_both_tracks(tmp_path, stage_folder
     every rank learns the stage in it and then in the carried network, and the run answers."""
     from drlcli.run.load import load_run
 
-    sections = {"ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3}, "train": {"epochs": 1, "batch_size": 12}}
+    sections = {"ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3}, "train": {"epochs": 1, "batch_size": 12}}
     run = tmp_path / "run"
     config = RunConfig.for_method("ranpac", sections, preset="switched")
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)

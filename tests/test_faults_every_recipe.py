@@ -25,7 +25,7 @@ from drlcli.run.directory import RunDir
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
-SMALL = {"ranpac": {"proj_dim": 32, "carry_draws": 2, "carry_rank": 2}, "train": {"epochs": 1, "batch_size": 8}}
+SMALL = {"ridge": {"proj_dim": 32, "carry_draws": 2, "carry_rank": 2}, "train": {"epochs": 1, "batch_size": 8}}
 # (method, preset): every recipe a user can name, the default (drl's switched preset) first
 RECIPES = [
     ("drl", None),
@@ -49,7 +49,7 @@ MODES = [
 
 
 def _config(method: str, preset: str | None) -> RunConfig:
-    sections = {k: v for k, v in SMALL.items() if k != "ranpac" or method in ("drl", "ranpac")}
+    sections = {k: v for k, v in SMALL.items() if k != "ridge" or method in ("drl", "ranpac")}
     return RunConfig.for_method(method, sections, preset=preset)
 
 

@@ -19,7 +19,7 @@ from drlcli.methods import get_method
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-SMALL = {"ranpac": {"proj_dim": 96}, "train": {"epochs": 2, "batch_size": 8}}
+SMALL = {"ridge": {"proj_dim": 96}, "train": {"epochs": 2, "batch_size": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_plain_ranpac_trains_and_stores_no_network(tmp_path, stage_folders):
         ptm=TINY_PTM,
         random_init=True,
         ptm_kwargs=TINY_PTM_KWARGS,
-        config=RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 96}}),
+        config=RunConfig.for_method("ranpac", {"ridge": {"proj_dim": 96}}),
     )
     result = learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
     assert result.training_skipped and "trains none" in result.skipped_because
@@ -206,7 +206,7 @@ def test_decide_keeps_the_adapters_only_when_they_win(tmp_path, stage_folders, m
         ptm=TINY_PTM,
         random_init=True,
         ptm_kwargs=TINY_PTM_KWARGS,
-        config=RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 96}}),
+        config=RunConfig.for_method("ranpac", {"ridge": {"proj_dim": 96}}),
     )
     learn_stage(plain, data_dir=stage_folders[0][0], device="cpu")
     pictures = sorted(str(p) for p in stage_folders[0][1].rglob("*.png"))

@@ -56,7 +56,7 @@ def _make_run(root: Path, stage_folders, config: str | None, preset: str | None 
 def ridge_run(tmp_path_factory, stage_folders) -> Path:
     """The default drl (ridge head: Q in each stage's statistics, W in the newest's totals), a narrow
     projection; 2 stages."""
-    return _make_run(tmp_path_factory.mktemp("forget-ridge"), stage_folders, "ranpac: {proj_dim: 64}\n")
+    return _make_run(tmp_path_factory.mktemp("forget-ridge"), stage_folders, "ridge: {proj_dim: 64}\n")
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,7 @@ def test_a_projection_whose_gram_cannot_be_allocated_is_refused_at_init(tmp_path
     result = drl("init", "--run", tmp_path / "run", *TINY_ARGS, "--config", config)
     one_line_error(result, errors.UsageError.exit_code, "ridge.proj_dim", str(MAX_PROJ_DIM))
     assert not (tmp_path / "run").exists()
-    assert RunConfig.for_method("drl", {"ranpac": {"proj_dim": MAX_PROJ_DIM}}).ridge.proj_dim == MAX_PROJ_DIM
+    assert RunConfig.for_method("drl", {"ridge": {"proj_dim": MAX_PROJ_DIM}}).ridge.proj_dim == MAX_PROJ_DIM
     assert MAX_PROJ_DIM**2 * 8 <= 2**31  # one (M, M) float64 Gram: 2 GiB at most
 
 
@@ -208,7 +208,7 @@ def test_benchmark_option_values_are_usage_errors_before_any_work(tmp_path, opti
 # ----------------------------------------------------------------- 3. re-signed stage records
 
 SMALL = {
-    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
     "train": {"epochs": 1, "batch_size": 8, "seed": 3},
 }
 

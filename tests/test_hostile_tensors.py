@@ -31,7 +31,7 @@ from drlcli.serving.modelfile import with_checksum
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 SMALL = {  # test_switch.py's
-    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
     "train": {"epochs": 2, "batch_size": 8, "seed": 3},
 }
 COUNT, PARTS, MEAN = f"{CARRY}count", f"{CARRY}parts", f"{CARRY}mean"

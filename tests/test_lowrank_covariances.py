@@ -30,8 +30,8 @@ from drlcli.run.load import load_run
 from drlcli.serving.drlfile import load_export
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-DENSE = {"ranpac": {"proj_dim": 64, "covariance_weight": 2.0}}
-LOWRANK = {"ranpac": {**DENSE["ranpac"], "covariance_rank": 16}}  # 12 images a class: rank 11 at most
+DENSE = {"ridge": {"proj_dim": 64, "covariance_weight": 2.0}}
+LOWRANK = {"ridge": {**DENSE["ridge"], "covariance_rank": 16}}  # 12 images a class: rank 11 at most
 
 
 def _classes(sizes, width, seed=0):

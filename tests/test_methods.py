@@ -36,7 +36,7 @@ def test_the_facts_of_each_method():
     }
     differing = {n: m.train_defaults for n, m in METHODS.items() if m.train_defaults != TrainConfig()}
     # what `learn-stage --help` names beside drl's
-    assert differing == {"ease": METHODS["ease"].train_defaults, "ranpac": METHODS["ranpac"].train_defaults}
+    assert differing == {"ease": METHODS["ease"].train_defaults, "ranpac": METHODS["ridge"].train_defaults}
     ease = RunConfig.for_method("ease").train
     assert (ease.loss, ease.kd_weight, ease.scale_init, ease.lr) == ("ce", 0.0, 1.0, 0.025)
     # drl's frozen recipe is TrainConfig's, except that its head reads no stage: none is trained
@@ -102,16 +102,16 @@ def test_method_rules_are_checked_with_every_config():
     with pytest.raises(UsageError, match="score.head must be ridge for method drl adapting the PTM"):
         RunConfig.for_method("drl", {"score": {"head": "prototypes"}})
     with pytest.raises(UsageError, match="ridge.subspaces must be 1 for method drl adapting the PTM"):
-        RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}})
+        RunConfig.for_method("drl", {"ridge": {"subspaces": 2}})
     # a method's section rules hold in every config: each run.yaml holds every section
     for name in ("drl", "ranpac"):
         with pytest.raises(UsageError, match="ridge.lambda_min_exp must be <= ridge.lambda_max_exp"):
-            RunConfig.for_method(name, {"ranpac": {"lambda_min_exp": 2, "lambda_max_exp": 1}})
+            RunConfig.for_method(name, {"ridge": {"lambda_min_exp": 2, "lambda_max_exp": 1}})
         with pytest.raises(UsageError, match="ridge.carry_gram_draws needs the closed-form"):
-            RunConfig.for_method(name, {"ranpac": {"carry_mean": "drawn", "carry_gram_draws": 1000}})
+            RunConfig.for_method(name, {"ridge": {"carry_mean": "drawn", "carry_gram_draws": 1000}})
         with pytest.raises(UsageError, match="ridge.carry_grams split needs the closed-form"):
             RunConfig.for_method(
-                name, {"ranpac": {"carry_mean": "drawn", "carry_gram_draws": None, "carry_grams": "split"}}
+                name, {"ridge": {"carry_mean": "drawn", "carry_gram_draws": None, "carry_grams": "split"}}
             )
 
 
@@ -140,7 +140,7 @@ def test_a_stage_is_read_by_the_prototype_bank_always_by_the_ridge_head_as_confi
     drl = RunConfig.for_method("drl", preset="frozen")
     assert [stage_is_read(drl, k) for k in (1, 2)] == [False, False]  # the frozen head reads the PTM
     assert stage_is_read(RunConfig.for_method("drl", preset="paper"), 5)
-    with_stage_1 = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}}, preset="frozen")
+    with_stage_1 = RunConfig.for_method("drl", {"ridge": {"subspaces": 2}}, preset="frozen")
     assert [stage_is_read(with_stage_1, k) for k in (1, 2)] == [True, False]
     assert stage_is_read(RunConfig.for_method("ease"), 3)
 
@@ -209,7 +209,7 @@ def test_a_stage_the_head_reads_is_trained(tmp_path, stage_folders):
     """ridge.subspaces 2 reads stage 1's subspace: stage 1 is trained, stage 2 is not."""
     from drlcli.run.load import load_run
 
-    config = RunConfig.for_method("drl", {"ranpac": {"subspaces": 2}}, preset="frozen")
+    config = RunConfig.for_method("drl", {"ridge": {"subspaces": 2}}, preset="frozen")
     first, second = _learned(tmp_path / "run", stage_folders[:2], config)
     assert not first.training_skipped and len(first.epoch_losses) == 2
     assert second.training_skipped and second.epoch_losses == []

@@ -27,7 +27,7 @@ HAS_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxru
 HOSTILE = ["a*b_c", "<b>bold<i>", "x|y #z", "--- foo: bar"]
 ESCAPED = ["a\\*b\\_c", "&lt;b&gt;bold&lt;i&gt;", "x\\|y \\#z", "\\-\\-\\- foo\\: bar"]
 SMALL = {  # the default recipe's runs, small (as tests/test_switch.py)
-    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
     "train": {"epochs": 2, "batch_size": 8, "seed": 3},
 }
 

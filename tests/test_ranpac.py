@@ -40,7 +40,7 @@ from drlcli.run.load import load_run
 from drlcli.serving.drlfile import load_export
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-PROJ = {"ranpac": {"proj_dim": 96}}
+PROJ = {"ridge": {"proj_dim": 96}}
 LAMBDAS = [10.0**e for e in range(-8, 9)]
 
 
@@ -252,7 +252,7 @@ def test_cli_init_method_ranpac(tmp_path, stage_folders):
     run = tmp_path / "run"
     args = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
     config = tmp_path / "ranpac.yaml"
-    config.write_text("ranpac:\n  proj_dim: 64\n")
+    config.write_text("ridge:\n  proj_dim: 64\n")
     init = ["init", "--run", str(run), *args, "--random-init", "--method", "ranpac", "--config", str(config)]
     assert runner.invoke(app, init).exit_code == 0
     result = runner.invoke(
@@ -266,9 +266,9 @@ def test_cli_init_method_ranpac(tmp_path, stage_folders):
 
 def test_ranpac_config_is_validated():
     with pytest.raises(UsageError, match="ridge"):
-        RunConfig.for_method("ranpac", {"ranpac": {"val_fraction": 1.0}})
+        RunConfig.for_method("ranpac", {"ridge": {"val_fraction": 1.0}})
     with pytest.raises(UsageError, match="ridge"):
-        RunConfig.for_method("ranpac", {"ranpac": {"proj_dim": 0}})
+        RunConfig.for_method("ranpac", {"ridge": {"proj_dim": 0}})
 
 
 @pytest.mark.parametrize("subspaces", [1, 2])
@@ -280,7 +280,7 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
         "drl",
         {
             "score": {"head": "ridge"},
-            "ranpac": {"proj_dim": 64, "subspaces": subspaces},
+            "ridge": {"proj_dim": 64, "subspaces": subspaces},
             "train": {"epochs": 2, "batch_size": 12},
         },
         preset="frozen",
@@ -313,9 +313,9 @@ def test_ridge_head_options_are_checked():
     with pytest.raises(UsageError, match="score.head ridge"):
         RunConfig.for_method("ease", {"score": {"head": "ridge"}})
     with pytest.raises(UsageError, match="ridge.subspaces must be 1 for method ranpac"):
-        RunConfig.for_method("ranpac", {"ranpac": {"subspaces": 2}})
+        RunConfig.for_method("ranpac", {"ridge": {"subspaces": 2}})
     with pytest.raises(UsageError, match="ridge.subspaces"):
-        RunConfig.for_method("drl", {"score": {"head": "ridge"}, "ranpac": {"subspaces": 3}})
+        RunConfig.for_method("drl", {"score": {"head": "ridge"}, "ridge": {"subspaces": 3}})
 
 
 def test_cli_init_preset_paper_scores_with_prototypes(tmp_path, stage_folders):
@@ -336,7 +336,7 @@ def test_cli_init_preset_paper_scores_with_prototypes(tmp_path, stage_folders):
     assert bad.exit_code == 2 and "no preset 'fast'" in bad.stderr
 
 
-COV = {"ranpac": {"proj_dim": 64, "covariance_weight": 2.0}}
+COV = {"ridge": {"proj_dim": 64, "covariance_weight": 2.0}}
 
 
 @pytest.fixture(scope="module")
@@ -442,9 +442,9 @@ def test_drl_defaults_to_class_covariances_and_ranpac_stays_ranpac():
     assert RunConfig.for_method("ranpac").ridge.covariance_weight == 0.0  # the baseline as published
     assert RunConfig.for_method("drl", preset="paper").score.head == "prototypes"
     with pytest.raises(UsageError, match="covariance_weight"):
-        RunConfig.for_method("drl", {"ranpac": {"covariance_weight": -1}})
+        RunConfig.for_method("drl", {"ridge": {"covariance_weight": -1}})
     with pytest.raises(UsageError, match="covariance_shrink"):
-        RunConfig.for_method("drl", {"ranpac": {"covariance_shrink": 1.5}})
+        RunConfig.for_method("drl", {"ridge": {"covariance_shrink": 1.5}})
 
 
 @pytest.mark.parametrize(
@@ -467,7 +467,7 @@ def test_crafted_class_covariances_are_refused(covariance_run, stage_folders, tm
     assert "stage 2 of run" in result.stderr and "restore it from a backup" in result.stderr
 
 
-LAYOUT_CFG = {"ranpac": {"proj_dim": 64, "covariance_weight": 2.0, "layout_grid": 2, "layout_scale": 0.5}}
+LAYOUT_CFG = {"ridge": {"proj_dim": 64, "covariance_weight": 2.0, "layout_grid": 2, "layout_scale": 0.5}}
 
 
 @pytest.fixture(scope="module")
@@ -526,9 +526,9 @@ def test_layout_head_equals_the_batch_ridge_on_f0_and_the_layout(layout_run, sta
 def test_layout_grid_is_checked():
     assert RunConfig.for_method("ranpac").ridge.layout_grid == 0  # the baseline as published
     with pytest.raises(UsageError, match="layout_grid"):
-        RunConfig.for_method("drl", {"ranpac": {"layout_grid": 9}})
+        RunConfig.for_method("drl", {"ridge": {"layout_grid": 9}})
     with pytest.raises(UsageError, match="layout_scale"):
-        RunConfig.for_method("drl", {"ranpac": {"layout_scale": 0}})
+        RunConfig.for_method("drl", {"ridge": {"layout_scale": 0}})
 
 
 @pytest.mark.parametrize(

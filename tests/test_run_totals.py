@@ -22,7 +22,7 @@ from drlcli.run.layout import sha256_bytes
 from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
-CONFIG = {"ranpac": {"proj_dim": 64}}  # the frozen drl head (ridge, layout, class covariances), narrow
+CONFIG = {"ridge": {"proj_dim": 64}}  # the frozen drl head (ridge, layout, class covariances), narrow
 
 
 def _init(path):
@@ -147,7 +147,7 @@ def test_a_small_stage_moves_the_earlier_classes_weights(tmp_path):
     from drlcli.synthetic import make_class_folders
 
     run = tmp_path / "run"
-    config = {"ranpac": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}}
+    config = {"ridge": {"proj_dim": 64, "lambda_min_exp": 1, "lambda_max_exp": 1}}
     init_run(
         run,
         ptm=TINY_PTM,
@@ -171,7 +171,7 @@ def test_stage_json_says_how_many_classes_lambda_was_chosen_over(tmp_path, stage
     """Stage 1 with more fitted images than M leaves the kernel form: its λ, like a later stage's, is
     chosen over ``lambda_classes`` of its classes, and stage.json says so."""
     run = tmp_path / "run"
-    config = {"ranpac": {"proj_dim": 16, "lambda_classes": 2}}  # 3 classes of 12 images: 27 fitted > M 16
+    config = {"ridge": {"proj_dim": 16, "lambda_classes": 2}}  # 3 classes of 12 images: 27 fitted > M 16
     init_run(
         run,
         ptm=TINY_PTM,

@@ -24,7 +24,7 @@ from drlcli.run.load import load_run
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders
 
 SMALL = {
-    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
     "train": {"epochs": 2, "batch_size": 8, "seed": 3},
 }
 
@@ -225,9 +225,7 @@ def test_a_class_forgotten_before_paused_stages_comes_back(tmp_path, stage_folde
     make_class_folders(first / "train", [0, 1, 2], images_per_class=6, seed=5)
     make_class_folders(first / "test", [0, 1, 2], images_per_class=4, seed=6, offset=100)
     never = tmp_path / "never"
-    config = RunConfig.for_method(
-        "ranpac", {**SMALL, "ranpac": {**SMALL["ranpac"], "carry_rank": 8}}, preset="switched"
-    )
+    config = RunConfig.for_method("ranpac", {**SMALL, "ridge": {**SMALL["ridge"], "carry_rank": 8}}, preset="switched")
     init_run(never, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     _transfers(monkeypatch, False, stalls=True)  # stages 2 and 3 pause
     _learn(never, [(first / "train", first / "test")])

@@ -21,7 +21,7 @@ from drlcli.stage import trial as trial_module
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
 SMALL = {
-    "ranpac": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
     "train": {"epochs": 2, "batch_size": 8, "seed": 3},
     "first_session": {"trial_images": 4},
 }

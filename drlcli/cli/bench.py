@@ -39,7 +39,8 @@ def benchmark(
     methods: str = typer.Option(
         "drl,ease,simplecil",
         "--methods",
-        help="Comma-separated variants method[/key=value...], e.g. drl,drl/loss=ce,ease/epochs=3,simplecil.",
+        help="Comma-separated variants recipe[/key=value...] or method[/key=value...], e.g. "
+        "default,frozen/lr=0.01,ranpac-published,ease/epochs=3 (drl init --recipe lists the recipes).",
     ),
     split: str = typer.Option("B0Inc10", "--split", help="B<m>Inc<n>: m classes first (0: n), then n per stage."),
     seed: int | None = typer.Option(
