@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps
-from drlcli.heads.ridge.sums import expected_sums
+from drlcli.heads.ridge.carry.gaussians import ClassGaussians, TokenMaps
+from drlcli.heads.ridge.carry.sums import expected_sums
 
 S, D, RANK, M = 5, 192, 16, 3000
 MODE = re.compile(r"(drawn|centred|split)-(\d+)(?:-g(\d+))?$")

@@ -370,7 +370,7 @@ def test_drl_s_carried_preset_rebuilds_the_sums_from_closed_form_means_and_a_gra
     the earlier classes' sums with the closed-form means, the Gram budget and the rows split between
     the fit and held-out Grams, records how, and the
     run answers as learn-stage evaluated."""
-    import drlcli.heads.ridge.carried as carried
+    import drlcli.heads.ridge.carry.stage as carried
 
     calls, real = [], carried.expected_sums
 

@@ -4,7 +4,7 @@ ridge sums drawn from them."""
 import pytest
 import torch
 
-from drlcli.heads.ridge.carry import ClassGaussians, TokenMaps
+from drlcli.heads.ridge.carry.gaussians import ClassGaussians, TokenMaps
 
 S, D = 3, 6
 # what a carried stage keeps in the run's totals beside the classes' covariance rows
@@ -192,9 +192,9 @@ def _head_parts(classes=2, m=40, seed=5):
 
 def test_expected_sums_of_point_classes_are_the_images_own_statistics():
     """A class whose images are all one point draws that point: its sums are exact."""
+    from drlcli.heads.ridge.carry.sums import expected_sums
     from drlcli.heads.ridge.head import expand, head_input
     from drlcli.heads.ridge.statistics import Statistics
-    from drlcli.heads.ridge.sums import expected_sums
 
     g = torch.Generator().manual_seed(6)
     points = torch.randn(3, S, D, generator=g, dtype=torch.float64)
@@ -226,7 +226,7 @@ def test_expected_sums_of_point_classes_are_the_images_own_statistics():
 
 
 def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypatch):
-    import drlcli.heads.ridge.sums as sums
+    import drlcli.heads.ridge.carry.sums as sums
     from drlcli.heads.ridge.covariance import covariance_input
 
     gaussians = ClassGaussians.of(_classes(sizes=(12, 9)), rank=3)
@@ -260,7 +260,7 @@ def test_expected_sums_draw_the_class_gaussians_in_order_and_in_chunks(monkeypat
 def test_expected_sums_on_cuda_are_the_cpu_sums(exact):
     """The sums are taken on the run's device from the same CPU draws: equal to float64 rounding,
     returned on the CPU, the Gaussians handed in left where they were (the closed-form means too)."""
-    from drlcli.heads.ridge.sums import expected_sums
+    from drlcli.heads.ridge.carry.sums import expected_sums
 
     gaussians = ClassGaussians.of(_classes(sizes=(12, 9)), rank=3)
     gaussians = gaussians.moved(TokenMaps.fit(*_planted(n=60)[:2], lam=1.0))  # a group's linear map too
@@ -277,7 +277,7 @@ def test_expected_sums_on_cuda_are_the_cpu_sums(exact):
 
 
 def test_expected_sums_leave_the_counts_of_the_gaussians_handed_in_alone():
-    from drlcli.heads.ridge.sums import expected_sums
+    from drlcli.heads.ridge.carry.sums import expected_sums
 
     gaussians = ClassGaussians.of(_classes(sizes=(5, 4)), rank=2)
     sums = expected_sums(
@@ -316,9 +316,9 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
     from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, PROJECTION, WEIGHT
-    from drlcli.heads.ridge.carried import Carried
+    from drlcli.heads.ridge.carry.stage import Carried
+    from drlcli.heads.ridge.carry.sums import expected_sums
     from drlcli.heads.ridge.statistics import validation_mask
-    from drlcli.heads.ridge.sums import expected_sums
 
     d, cells = 8, 4
     config = RunConfig.for_method(
@@ -412,7 +412,7 @@ def test_a_stage_that_moved_nothing_reads_the_kept_sums_and_fits_as_the_plain_ru
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
     from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_MEAN, LAMBDA, PROJECTION, WEIGHT
-    from drlcli.heads.ridge.carried import Carried
+    from drlcli.heads.ridge.carry.stage import Carried
 
     config = RunConfig.for_method(
         "ranpac", {"ridge": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
@@ -484,8 +484,8 @@ def _moved_gaussians():
 def test_relu_means_are_the_draws_expectation(width, cells):
     """E[ReLU(h R)] in closed form is what many draws average to, for moved and unmoved classes and
     for a head that reads only some of the tokens (f_0 and the last cell)."""
+    from drlcli.heads.ridge.carry.sums import relu_means
     from drlcli.heads.ridge.head import expand, head_input
-    from drlcli.heads.ridge.sums import relu_means
 
     gaussians = _moved_gaussians()
     projection = torch.randn(width, 30, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -506,9 +506,9 @@ def test_exact_means_centre_the_grams_and_a_gram_budget_reads_each_class_share()
     + m mᵀ) in the Grams; gram_draws reads each class's share of that many of the same draws (its
     first ones, drawn whole; the rest are drawn for x alone, their first token); the class moments of
     x come from every draw either way."""
+    from drlcli.heads.ridge.carry.sums import expected_sums, relu_means
     from drlcli.heads.ridge.covariance import covariance_input
     from drlcli.heads.ridge.head import expand, head_input
-    from drlcli.heads.ridge.sums import expected_sums, relu_means
 
     gaussians = _moved_gaussians()
     parts = torch.tensor([[10, 2], [7, 2], [8, 2]])
@@ -551,8 +551,8 @@ def test_split_rows_give_each_gram_its_own_share_of_a_class_draws(monkeypatch):
     reading its own rows at n_part / its rows (a part without images reads none; a single row serves
     both); Q and the class moments of x are as without the split, and the two Grams' sum reads every
     row at about n / read."""
+    from drlcli.heads.ridge.carry.sums import _Split, expected_sums, relu_means
     from drlcli.heads.ridge.head import expand, head_input
-    from drlcli.heads.ridge.sums import _Split, expected_sums, relu_means
 
     gaussians = _moved_gaussians()
     parts = torch.tensor([[10, 2], [7, 0], [8, 2]])
@@ -604,7 +604,7 @@ def test_split_rows_give_each_gram_its_own_share_of_a_class_draws(monkeypatch):
 
 def test_centred_grams_are_closer_to_the_expectation_at_the_same_draws():
     """The point of centring: at the same draws the Grams' error about their expectation is smaller."""
-    from drlcli.heads.ridge.sums import expected_sums
+    from drlcli.heads.ridge.carry.sums import expected_sums
 
     gaussians = ClassGaussians.of([torch.randn(40, S, D, dtype=torch.float64) * 0.5 + 2.0], rank=3)
     parts, kwargs = torch.tensor([[32, 8]]), dict(projection=_head_parts(), layout_cells=S - 1)
@@ -622,7 +622,7 @@ def test_centred_grams_are_closer_to_the_expectation_at_the_same_draws():
 
 
 def test_a_closed_form_mean_refuses_a_head_that_reads_a_token_twice():
-    from drlcli.heads.ridge.sums import relu_means
+    from drlcli.heads.ridge.carry.sums import relu_means
 
     one_token = ClassGaussians.of([torch.randn(6, 1, D, dtype=torch.float64)], rank=2)
     projection = torch.randn(2 * D, 8, dtype=torch.float64)  # f_0, then the "last cell": the same token

@@ -56,7 +56,7 @@ class EarlierStages:
     statistics: Callable[
         [], Iterable[dict[str, Tensor]]
     ]  # each earlier stage's statistics, read one at a time when asked
-    # a carried run's earlier classes (``ridge.carried.Carried``): read instead of their stored statistics
+    # a carried run's earlier classes (``ridge.carry.stage.Carried``): read instead of their stored statistics
     carried: Any | None = None
 
 

@@ -7,7 +7,7 @@ and the benchmark read, rather than each asking the method:
 - ``trained_stages``: how many leading stages get a network (None: every stage whose subspace the
   run's answers read; 0: none, a frozen PTM; 1: the first session only, RanPAC's).
 - ``carries``: one adapter set trained again at every stage; the ridge head carries the earlier
-  classes as Gaussians moved with it (``heads/ridge/carry.py``). The default's.
+  classes as Gaussians moved with it (``heads/ridge/carry/``). The default's.
 - ``switches``: the frozen PTM's head is kept in the same stages beside the adapted one, and the run
   answers from the one its forward transfer picks (``stage/switch.py``).
 - ``pauses``: the set trains at a stage only while the forward transfer could still pay.

@@ -56,7 +56,7 @@ faces, framed wide or tight). ``ridge.layout_scale`` s weighs the cells against 
 into R (the cells' rows times s), so scoring costs nothing for it. g is stored in stage 1's weights
 beside R. The class covariances stay on f_0.
 
-A carried run (``carry.py``; the default's schedule) retrains the network the head reads at
+A carried run (``carry/``; the default's schedule) retrains the network the head reads at
 every stage, so the earlier classes' stored sums no longer describe their features: its fit reads
 them from class Gaussians moved with the network (``EarlierStages.carried``), solves every column
 of W again, and keeps every class's covariance rows, as drawn, in the newest stage's totals, with
@@ -65,7 +65,7 @@ network (a paused switched run) reads those instead of drawing them again.
 
 The folder: ``options.py`` its run-config section (``ridge``; ``ranpac`` in runs of earlier releases), ``statistics.py`` the
 sums and the ridge solve, ``covariance.py`` the class covariances, ``head.py`` the scoring module,
-``fit.py`` one stage's fit and the re-solve of a restored class, ``carry.py``, ``sums.py`` and ``carried.py`` the carried classes. This module holds the head's
+``fit.py`` one stage's fit and the re-solve of a restored class, ``carry/`` the carried classes. This module holds the head's
 facts for the registry (no torch): its tensor names, its per-class tensors, what it reads.
 """
 
@@ -93,7 +93,7 @@ COV_SHARED = f"{PREFIX}cov_shared"  # (d, d) pooled within-class covariance, new
 COV_PARAMS = f"{PREFIX}cov_params"  # (3,) w, a, b, newest stage
 COV_SCATTER, COV_COUNTS = "cov_scatter", "cov_counts"  # statistics: (d, d) summed scatter, (2,) images, classes
 LAMBDA = "lambda"  # statistics: (1,) the λ the newest stage chose, where the next stage's search starts
-# a carried run (``carry.py``), in the newest stage's totals: every class's covariance tensors as it
+# a carried run (``carry/``), in the newest stage's totals: every class's covariance tensors as it
 # drew them, every class's Gaussian (``ClassGaussians.to_tensors`` under CARRY; the linear parts'
 # products are per group, the rest per class) and its fit and held-out image counts (C, 2)
 CARRY_COV = {name: f"{name}_carried" for name in (COV_MEAN, COV_COVARIANCE, COV_FACTOR, COV_TRACE)}

@@ -31,8 +31,8 @@ from . import (
     PROJECTION,
     WEIGHT,
 )
-from .carried import carry_stage as _carry_stage
-from .carried import check_carried as _check_carried
+from .carry.stage import carry_stage as _carry_stage
+from .carry.stage import check_carried as _check_carried
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RanpacHead, expand, head_input, joined_rows, random_projection
 from .head import check_stages as _check_stages
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 from_state = RanpacHead.from_state
 from_stages = RanpacHead.from_stages
-carry_stage = _carry_stage  # a carried run's stage (``carried.py``)
+carry_stage = _carry_stage  # a carried run's stage (``carry/stage.py``)
 check_carried = _check_carried  # forget --restore and load: the carried classes, as a learn-stage reads them
 check_stages = _check_stages  # load and verify: R and W together
 
@@ -136,13 +136,13 @@ def fit_stage(
 def _totals(earlier: EarlierStages, stage: Statistics) -> tuple[Statistics, list[dict[str, Tensor]]]:
     """The run's statistics through this ``stage``, and the earlier stages' within-class scatters
     the pooled covariance adds to (each kept while folding: ``_each_stage``). A carried run's earlier
-    classes' sums are drawn from their moved Gaussians, or kept (``carry.py``): one term, not a
+    classes' sums are drawn from their moved Gaussians, or kept (``carry/``): one term, not a
     stage's files each."""
     scatters: list[dict[str, Tensor]] = []  # each earlier stage's within-class scatter (d, d), kept while folding
     carried = earlier.carried
     if carried is None:
         total = Statistics.accumulate(itertools.chain(_each_stage(earlier.statistics(), scatters), [stage]))
-    else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians, or kept (carry.py)
+    else:  # a carried run: the earlier classes' sums drawn from their moved Gaussians, or kept (carry/)
         total = Statistics.accumulate([carried.statistics, stage])
         if carried.scatter:
             scatters.append(carried.scatter)

@@ -1,5 +1,5 @@
 """One stage of a carried run (``recipe carried``, ``Schedule.carries``; issue 32),
-from ``carry.py``'s maths: learn-stage hands ``carry_stage`` the stage's features and a pass
+from ``gaussians.py``'s maths: learn-stage hands ``carry_stage`` the stage's features and a pass
 through the network as the stage began; it reads no file and runs no network itself. ``Carried``
 is what the stage's fit reads of the earlier classes: their sums drawn from the moved Gaussians,
 or, at a stage that moved nothing, the sums the stage before kept."""
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ...errors import IntegrityError
-from . import (
+from ....errors import IntegrityError
+from .. import (
     CARRY,
     CARRY_COV,
     CARRY_PER_CLASS,
@@ -28,13 +28,13 @@ from . import (
     LAMBDA,
     PROJECTION,
 )
-from .carry import ClassGaussians, TokenMaps
-from .head import head_input
-from .statistics import STAT_DTYPE, Statistics, validation_mask
+from ..head import head_input
+from ..statistics import STAT_DTYPE, Statistics, validation_mask
+from .gaussians import ClassGaussians, TokenMaps
 from .sums import DrawnSums, expected_sums
 
 if TYPE_CHECKING:
-    from ...config import RunConfig
+    from ....config import RunConfig
 
 PARTS = CARRY_PER_CLASS[-1]  # (C, 2): each class's fit and held-out image counts
 

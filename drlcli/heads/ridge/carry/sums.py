@@ -1,4 +1,4 @@
-"""The ridge head's sums that carried classes' images would give (issue 32; ``carry.py`` keeps the
+"""The ridge head's sums that carried classes' images would give (issue 32; ``gaussians.py`` keeps the
 classes as Gaussians and moves them): ``expected_sums``, the ridge's statistics (Q and G, fit and
 held-out parts) and the class covariances' moments of x = f_0/‖f_0‖, estimated from ``draws`` times
 as many draws as each class had images; or (drl's presets) with E[φ] in closed form
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_TRACE
-from .carry import ClassGaussians
-from .covariance import class_factors, covariance_input
-from .head import expand, head_input
-from .statistics import STAT_DTYPE, Statistics
+from .. import COV_COVARIANCE, COV_FACTOR, COV_MEAN, COV_TRACE
+from ..covariance import class_factors, covariance_input
+from ..head import expand, head_input
+from ..statistics import STAT_DTYPE, Statistics
+from .gaussians import ClassGaussians
 
 CHUNK = 8192  # draws a class at a time; above it the draws come in chunks (another random stream)
 

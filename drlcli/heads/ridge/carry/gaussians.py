@@ -16,7 +16,7 @@ tokens of width d), taken once at the class's own stage, and move it with the ne
 - ``sums.expected_sums``: the ridge's statistics and the class covariances' moments that the
   classes' images would give, from draws of these Gaussians.
 
-Pure tensor maths: ``carried.py`` puts it together for one stage of a carried run (the default's
+Pure tensor maths: ``stage.py`` puts it together for one stage of a carried run (the default's
 schedule, ``Schedule.carries``); the research harness (``benchmarks/research/adapt`` at b4fbb16) replays its runs through it.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..linalg import ridge_map
+from ...linalg import ridge_map
 
 
 @dataclass(frozen=True)
