@@ -174,7 +174,7 @@ def _tiny_ptm():
 
 @pytest.mark.parametrize("keeps", [True, False])
 def test_decide_keeps_the_adapters_only_when_they_win(tmp_path, stage_folders, monkeypatch, keeps):
-    from drlcli.stage import first_session
+    from drlcli.stage import decide as first_session
 
     seen = {}
     decide = first_session.decide

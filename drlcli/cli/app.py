@@ -22,7 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts are plain: brackets such as [/key=value] are not markup
-    help="Add classes to a pre-trained ViT classifier stage by stage, without old data and without forgetting: an analytic head on the PTM and an adapter set it trains where adapting pays (the default recipe); --recipe paper is the DRL paper's IPA network + DAS.",
+    help="Add classes to a pre-trained ViT classifier stage by stage, without old data and without forgetting: an analytic head on the PTM and an adapter set it trains where adapting pays (the default recipe); drl init --recipe paper is the DRL paper's IPA network + DAS.",
     epilog=EPILOG,
 )
 

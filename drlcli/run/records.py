@@ -244,7 +244,7 @@ def history_of(metas: list[dict[str, Any]]) -> HistorySummary:
 
 
 def first_session_record(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """Stage 1's first-session decision as stage.json holds it (``stage/first_session.py``); None
+    """Stage 1's first-session decision as stage.json holds it (``stage/decide.py``); None
     when it has none or a malformed one (a crafted stage.json is reported as having none)."""
     record = meta.get("first_session")
     if not isinstance(record, dict) or record.get("kept") not in ("adapted", "frozen"):

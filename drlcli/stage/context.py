@@ -28,7 +28,7 @@ from ..tracking import TensorBoardLog
 from .train import TrainResult
 
 if TYPE_CHECKING:
-    from .first_session import Decision
+    from .decide import Decision
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class Fitted:
     bias: torch.Tensor  # (n,) the open-set biases of the stage's classes
     rmd: tuple[Moments, torch.Tensor] | None  # the rmd rule's moments and (n,) biases of them
     seconds: float  # the feature pass for the prototypes, and the head's fit
-    decision: Decision | None = None  # stage 1's adapted against frozen features (first_session.py)
+    decision: Decision | None = None  # stage 1's adapted against frozen features (decide.py)
     carry: dict[str, Any] | None = None  # a carried run's stage > 1: how far it moved the earlier classes
     # (n, d) f_0 of this process's share of the stage's images, as the pass gave it: a switched run's
     # frozen track hands the run its frozen PTM's (``begin.carried_start``), saving the run that pass

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .context import Began, Fitted, StageContext, Trained
-from .first_session import training_images
+from .decide import training_images
 
 STEP = 3  # a training step of one image, in forward passes
 

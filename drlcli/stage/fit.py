@@ -18,7 +18,7 @@ from ..methods import head_of, stages_read
 from ..model import class_means
 from .begin import embed_stage, in_image_order, layout_of, probes_of
 from .context import Began, Fitted, StageContext
-from .first_session import Decision, decide, deciding
+from .decide import Decision, decide, deciding
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _stage_rows(
 ) -> _Rows:
     """One pass over this process's ``shard`` of the stage's images (a paused stage's rows are
     ``began``'s, the network did not move), and at stage 1 of a run with a head the pass without the
-    adapters that decides whether they stay (``first_session.py``)."""
+    adapters that decides whether they stay (``decide.py``)."""
     probes = probes_of(stage)
     if began is not None and began.paused:  # the network did not move: its rows as the stage began
         feats, rmd_feats, labels = _own_share(began, stage, shard)
@@ -175,7 +175,7 @@ def _first_session(
     shard: list[int] | None,
     probes: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, Decision]:
-    """Stage 1's adapted features against the frozen PTM's (``first_session.py``): a second pass
+    """Stage 1's adapted features against the frozen PTM's (``decide.py``): a second pass
     without the adapters, and the adapters dropped unless the held-out part scores higher with them."""
     network = stage.model.network
     stage.say("decide", 0, 0, "the frozen PTM's features, to compare on the held-out images")

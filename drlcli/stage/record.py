@@ -47,7 +47,7 @@ class StageResult:
     tensorboard_dir: str | None = None  # where this call wrote TensorBoard event files, if it did
     training_skipped: bool = False  # no stage network was made (``StageContext.untrained``)
     skipped_because: str = ""  # why, for people (``StageContext.skip_reason``)
-    first_session: dict[str, Any] | None = None  # stage 1's decision (``first_session.Decision.to_dict``)
+    first_session: dict[str, Any] | None = None  # stage 1's decision (``decide.Decision.to_dict``)
     carry: dict[str, Any] | None = None  # a carried run's stage > 1: stage.json's ``carry``
     switch: dict[str, Any] | None = None  # a switched run: stage.json's ``switch`` (the track that answers)
     passes: dict[str, Any] | None = None  # stage.json's ``metrics.passes``: the stage's cost (``cost.py``)

@@ -20,7 +20,7 @@ from ..ptm import backbone
 from ..run.directory import RunDir
 from ..run.writer import DEFERRED
 from .context import StageContext, Trained
-from .first_session import training_images
+from .decide import training_images
 from .train import TrainProgress, train_stage
 from .train_state import TrainState
 
@@ -61,7 +61,7 @@ def train_or_resume(stage: StageContext, *, restart: bool, paused: bool = False)
     try:
         result = train_stage(
             network,
-            training_images(stage),  # the fit part of stage 1's images when deciding (first_session.py)
+            training_images(stage),  # the fit part of stage 1's images when deciding (decide.py)
             train,
             stage.model.data_config,
             precision=stage.precision,
