@@ -44,7 +44,7 @@ import timm
 import torch
 
 from drlcli.config import RunConfig
-from drlcli.heads.ridge.head import RanpacHead
+from drlcli.heads.ridge.head import RidgeHead
 from drlcli.methods import METHODS
 from drlcli.model.incremental import IncrementalModel
 from drlcli.options import ScoreConfig
@@ -96,7 +96,7 @@ def with_default_head(model: IncrementalModel, method: str = "drl", preset: str 
     proj_dim = cfg.resolved_proj_dim(d)
     a = torch.randn(num_classes, d, d, generator=g) / d**0.5
     covariances = cfg.covariance_weight > 0
-    model.head = RanpacHead(
+    model.head = RidgeHead(
         torch.randn(d * (1 + cfg.layout_grid**2), proj_dim, generator=g),
         torch.randn(proj_dim, num_classes, generator=g),
         torch.randn(num_classes, d, generator=g) if covariances else None,

@@ -28,7 +28,7 @@ from drlcli.data.images import ImageSet
 from drlcli.data.loading import ImageDataset, eval_transform
 from drlcli.features.ipa import IPAConfig
 from drlcli.features.ipa.network import IPANetwork
-from drlcli.heads.ridge.head import RanpacHead, expand, random_projection
+from drlcli.heads.ridge.head import RidgeHead, expand, random_projection
 from drlcli.heads.ridge.statistics import Statistics, choose_lambda, lambda_grid, solve, validation_mask
 from drlcli.metrics import accuracy_report, summarize_history
 from drlcli.ptm import backbone
@@ -78,7 +78,7 @@ def replay(data, lookup: dict[str, torch.Tensor], *, seed: int, caps: list[int |
         total = Statistics.accumulate([*stored, stage])
         lam, _ = choose_lambda(total, lambda_grid(cfg.ridge))
         lambdas.append(lam)
-        head = RanpacHead(projection, solve(total, lam))
+        head = RidgeHead(projection, solve(total, lam))
         stored.append(Statistics.from_tensors(stage.to_tensors()))  # what a later stage reads back
         base = len(class_names)
         class_names += names

@@ -364,9 +364,9 @@ def test_a_carried_fit_of_point_classes_equals_the_exact_fit():
     assert set(fit2.statistics) == KEPT | {CARRY_COV[n] for n in (COV_MEAN, COV_FACTOR, COV_TRACE)}
     assert fit2.statistics[CARRY_Q["q_fit"]].shape == (64, 7)
 
-    from drlcli.heads.ridge.head import RanpacHead
+    from drlcli.heads.ridge.head import RidgeHead
 
-    loaded = RanpacHead.from_stages([weights1, {**fit2.tensors, **fit2.statistics}])
+    loaded = RidgeHead.from_stages([weights1, {**fit2.tensors, **fit2.statistics}])
     with torch.no_grad():
         assert torch.allclose(loaded(both), fit2.head(both), atol=1e-5)  # the head rebuilt from the totals alone
 
@@ -378,7 +378,7 @@ def test_a_carried_first_stage_keeps_its_sums_in_the_totals_where_later_stages_m
     from drlcli.config import RunConfig
     from drlcli.heads.base import EarlierStages
     from drlcli.heads.ridge import CARRY_COV, CARRY_Q, COV_FACTOR, COV_MEAN, COV_TRACE, LAMBDA, WEIGHT
-    from drlcli.heads.ridge.head import RanpacHead
+    from drlcli.heads.ridge.head import RidgeHead
 
     config = RunConfig.for_method(
         "ranpac", {"ridge": {"proj_dim": 64, "covariance_weight": 4.0, "covariance_rank": 3, "layout_grid": 2}}
@@ -399,7 +399,7 @@ def test_a_carried_first_stage_keeps_its_sums_in_the_totals_where_later_stages_m
     assert torch.equal(carried.statistics[CARRY_Q["q_fit"]], plain.statistics["q_fit"])
     assert COV_MEAN not in carried.tensors and torch.equal(carried.tensors[WEIGHT], plain.tensors[WEIGHT])
     assert torch.equal(carried.statistics[CARRY_COV[COV_FACTOR]], plain.tensors[COV_FACTOR])
-    loaded = RanpacHead.from_stages([{**carried.tensors, **carried.statistics}])
+    loaded = RidgeHead.from_stages([{**carried.tensors, **carried.statistics}])
     with torch.no_grad():
         assert torch.allclose(loaded(feats), plain.head(feats), atol=1e-6)
         assert torch.allclose(carried.head(feats), plain.head(feats), atol=1e-6)

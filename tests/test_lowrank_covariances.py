@@ -137,7 +137,7 @@ def test_a_lowrank_run_stores_factors_and_scores_like_a_dense_one(runs, stage_fo
 def test_the_factor_is_kept_in_float16_and_an_export_scores_exactly_like_its_run(runs, stage_folders, tmp_path):
     from safetensors import safe_open
 
-    from drlcli.heads.ridge.head import RanpacHead
+    from drlcli.heads.ridge.head import RidgeHead
 
     export_run(runs["lowrank"], tmp_path / "m.drl", fmt="drl")
     with safe_open(str(tmp_path / "m.drl"), framework="pt") as handle:
@@ -153,11 +153,11 @@ def test_the_factor_is_kept_in_float16_and_an_export_scores_exactly_like_its_run
         state = model.head.state_dict()
         state["cov_factor"] = model.head.cov_factor_full.clone()
         del state["cov_factor_scale"]
-        old = RanpacHead.from_state(state)
+        old = RidgeHead.from_state(state)
         assert torch.equal(old(features), model.head(features))
         for scale in (float("nan"), 0.0, -1.0):
             with pytest.raises(ValueError, match="factor"):
-                RanpacHead.from_state({**model.head.state_dict(), "cov_factor_scale": torch.tensor(scale)})
+                RidgeHead.from_state({**model.head.state_dict(), "cov_factor_scale": torch.tensor(scale)})
 
 
 @pytest.mark.parametrize("fmt", ["drl", "torchscript", "onnx"])

@@ -21,7 +21,7 @@ from drlcli.data.images import scan_class_folders
 from drlcli.data.loading import eval_transform
 from drlcli.errors import UsageError
 from drlcli.heads.ridge import LAYOUT
-from drlcli.heads.ridge.head import RanpacHead, expand, random_projection
+from drlcli.heads.ridge.head import RidgeHead, expand, random_projection
 from drlcli.heads.ridge.statistics import (
     Statistics,
     choose_lambda,
@@ -231,7 +231,7 @@ def test_run_round_trip_equals_the_batch_ridge_and_keeps_old_stages(tmp_path, st
     assert evaluate(run, all_seen=True, device="cpu").report.top1 == third.eval.top1
     export_run(run, tmp_path / "m.drl")
     exported = load_export(tmp_path / "m.drl")
-    assert isinstance(exported.head, RanpacHead)
+    assert isinstance(exported.head, RidgeHead)
     images = scan_class_folders(stage_folders[2][1])
     x = torch.stack([eval_transform(model.data_config)(Image.open(p).convert("RGB")) for p in images.paths[:5]])
     with torch.no_grad():
@@ -292,7 +292,7 @@ def test_drl_scored_by_the_ridge_head(tmp_path, stage_folders, subspaces):
     assert (run / "stages" / "001" / "weights.safetensors").read_bytes() == first
     loaded = load_run(run, device="cpu")
     model = loaded.model
-    assert isinstance(model.head, RanpacHead)
+    assert isinstance(model.head, RidgeHead)
     assert model.head.projection.shape == ((subspaces + 4) * model.network.width, 64)  # + drl's 2 x 2 layout
     assert model.head.weight.shape == (64, 6)
     assert "lambda" in loaded.stage_metas[-1]["ridge"] and result.eval.top1 > 50

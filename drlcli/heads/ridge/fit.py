@@ -34,7 +34,7 @@ from . import (
 from .carry.stage import carry_stage as _carry_stage
 from .carry.stage import check_carried as _check_carried
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
-from .head import RanpacHead, expand, head_input, joined_rows, random_projection
+from .head import RidgeHead, expand, head_input, joined_rows, random_projection
 from .head import check_stages as _check_stages
 from .statistics import (
     STAT_DTYPE,
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from ...config import RunConfig
     from .options import RidgeConfig
 
-from_state = RanpacHead.from_state
-from_stages = RanpacHead.from_stages
+from_state = RidgeHead.from_state
+from_stages = RidgeHead.from_stages
 carry_stage = _carry_stage  # a carried run's stage (``carry/stage.py``)
 check_carried = _check_carried  # forget --restore and load: the carried classes, as a learn-stage reads them
 check_stages = _check_stages  # load and verify: R and W together
@@ -60,7 +60,7 @@ check_stages = _check_stages  # load and verify: R and W together
 
 @dataclass(frozen=True)
 class StageFit:
-    head: RanpacHead
+    head: RidgeHead
     tensors: dict[str, Tensor]  # into the stage's weights file
     statistics: dict[str, Tensor]  # the stage's statistics file
     meta: dict[str, Any]  # λ, validation errors, image counts, seconds
@@ -207,11 +207,11 @@ def _covariance_rows(
     return _HeadRows(stages, newest)
 
 
-def _assemble(projection: Tensor, rows: _HeadRows, layout: int) -> RanpacHead:
+def _assemble(projection: Tensor, rows: _HeadRows, layout: int) -> RidgeHead:
     """The head, the earlier stages' class covariances checked here (learn-stage loads the run without
     them): IntegrityError when they do not fit."""
     try:
-        return RanpacHead.assemble(projection, rows.newest, rows.stages, layout=layout)
+        return RidgeHead.assemble(projection, rows.newest, rows.stages, layout=layout)
     except (RuntimeError, KeyError, ValueError) as exc:
         raise IntegrityError(
             f"the run's class covariances do not fit ({str(exc).splitlines()[0]}); restore it from a backup"

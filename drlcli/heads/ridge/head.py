@@ -1,5 +1,5 @@
 """The ridge head as a module (see the folder's docstring): the random projection R, the head's
-input (f_0, stage 1's subspace if read, the PTM's layout rows), and ``RanpacHead``, which scores
+input (f_0, stage 1's subspace if read, the PTM's layout rows), and ``RidgeHead``, which scores
 ReLU(h R) W, plus the class covariances' term."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def expand(features: Tensor, projection: Tensor) -> Tensor:
     return F.relu(features.to(projection) @ projection)
 
 
-class RanpacHead(nn.Module):
+class RidgeHead(nn.Module):
     """Scores from the PTM subspace, (B, S, d) -> (B, C): ReLU(f_0 R) W, or with class covariances
     z(ReLU(f_0 R) W) + w z(m(x)) (module docstring)."""
 
@@ -154,7 +154,7 @@ class RanpacHead(nn.Module):
         return self.projection.shape[0] // width - self.layout_grid**2 - 1
 
     @classmethod
-    def from_state(cls, state: dict[str, Tensor]) -> RanpacHead:
+    def from_state(cls, state: dict[str, Tensor]) -> RidgeHead:
         lowrank = None
         if any(name in state for name in LOWRANK):
             required = LOWRANK[:-1]  # exports of releases before hold a float32 F_c and no scale
@@ -172,7 +172,7 @@ class RanpacHead(nn.Module):
         )
 
     @classmethod
-    def from_stages(cls, stage_tensors: list[dict[str, Tensor]], *, scoring: bool = True) -> RanpacHead:
+    def from_stages(cls, stage_tensors: list[dict[str, Tensor]], *, scoring: bool = True) -> RidgeHead:
         """R from stage 1's weights, W (and, with class covariances, S and w, a, b) from the newest
         stage's, μ_c and S_c from each class's own stage. ``scoring`` False: without the class
         covariances (the ridge alone), for a learn-stage that fits and scores with a new head."""
@@ -185,7 +185,7 @@ class RanpacHead(nn.Module):
     @classmethod
     def assemble(
         cls, projection: Tensor, newest: dict[str, Tensor], stages: list[dict[str, Tensor]], *, layout: int = 0
-    ) -> RanpacHead:
+    ) -> RidgeHead:
         """The head from R, the newest stage's tensors and every stage's (for μ_c and S_c); ``layout``
         g as stage 1 stored it."""
         weight = newest[WEIGHT]
