@@ -36,7 +36,7 @@ def test_the_facts_of_each_method():
     }
     differing = {n: m.train_defaults for n, m in METHODS.items() if m.train_defaults != TrainConfig()}
     # what `learn-stage --help` names beside drl's
-    assert differing == {"ease": METHODS["ease"].train_defaults, "ranpac": METHODS["ridge"].train_defaults}
+    assert differing == {"ease": METHODS["ease"].train_defaults, "ranpac": METHODS["ranpac"].train_defaults}
     ease = RunConfig.for_method("ease").train
     assert (ease.loss, ease.kd_weight, ease.scale_init, ease.lr) == ("ce", 0.0, 1.0, 0.025)
     # drl's frozen recipe is TrainConfig's, except that its head reads no stage: none is trained

@@ -14,7 +14,7 @@ from typing import Any
 from ..config import RunConfig
 from ..data import ImageSet
 from ..data.survey import Finding, ImageFacts, inspect_images, near_duplicate_names, survey_folder
-from ..methods import Method, method_of, stage_is_read
+from ..methods import Method, method_of, trains_stage
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
@@ -273,22 +273,9 @@ def _against_run(state: _RunState, images: ImageSet | None, eval_images: ImageSe
     return found
 
 
-def trains_at(method: Method, config: RunConfig, index: int) -> bool:
-    """Whether the run's recipe trains a stage network at stage ``index`` (``StageContext.untrained``)."""
-    if not method.trains:
-        return False
-    schedule = method.schedule(config)
-    if schedule.carries:
-        return True
-    limit = schedule.trained_stages
-    if limit is not None:
-        return index <= limit
-    return not (config.train.skip_unread and not stage_is_read(config, index))
-
-
 def _cost(state: _RunState, images: ImageSet, eval_images: ImageSet | None) -> StageCost:
     config, method, index, n = state.config, state.method, state.index, len(images)
-    trained = trains_at(method, config, index) and not (method.schedule(config).pauses and trial_declined(state.metas))
+    trained = trains_stage(config, index) and not (method.schedule(config).pauses and trial_declined(state.metas))
     epochs = config.train.epochs if trained else 0
     passes, notes = _feature_passes(state, trained)
     if any(m.get("eval_data") for m in state.metas):

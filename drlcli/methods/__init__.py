@@ -167,6 +167,21 @@ def stage_is_read(config: RunConfig, index: int) -> bool:
     return read is None or index <= read
 
 
+def trains_stage(config: RunConfig, index: int) -> bool:
+    """Whether stage ``index`` gets a stage network: the method trains, and its schedule trains that
+    stage (every stage of a carried network; the leading ``trained_stages``) or, with no limit, the
+    run's answers read its subspace (``train.skip_unread``). A pause or a declined trial is decided
+    when the stage begins (``stage/begin.py``)."""
+    if not method_of(config).trains:
+        return False
+    schedule = schedule_of(config)
+    if schedule.carries:
+        return True
+    if schedule.trained_stages is not None:
+        return index <= schedule.trained_stages
+    return not config.train.skip_unread or stage_is_read(config, index)
+
+
 __all__ = [
     "METHODS",
     "Method",
@@ -178,4 +193,5 @@ __all__ = [
     "sections",
     "stage_is_read",
     "stages_read",
+    "trains_stage",
 ]

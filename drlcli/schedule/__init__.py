@@ -77,11 +77,6 @@ class Schedule:
     decides_first: bool = False
     hold: bool = False  # a carried stage after the first adds the hold term (a second, no-grad forward)
 
-    def trains_at(self, index: int) -> bool:
-        """Whether stage ``index`` gets a network by this schedule alone (the run's reading of
-        stage subspaces and its pause decide the rest)."""
-        return self.carries or self.trained_stages is None or index <= self.trained_stages
-
 
 EVERY_STAGE = Schedule()  # ipa, ease: a new stage network at every stage whose subspace is read
 NO_STAGE = Schedule(trained_stages=0)  # a frozen PTM

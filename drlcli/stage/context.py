@@ -16,7 +16,7 @@ from ..errors import IntegrityError
 from ..heads import HeadFit
 from ..heads.openset.calibrate import Calibration
 from ..heads.openset.rmd import Moments
-from ..methods import Method, stage_is_read
+from ..methods import Method, trains_stage
 from ..metrics import AccuracyReport, Transfer
 from ..model import IncrementalModel
 from ..progress import Progress, ProgressFn
@@ -68,14 +68,7 @@ class StageContext:
         """The method trains stages, but this one gets no stage network: the schedule trains only
         the stages before it (``Schedule.trained_stages``), or nothing the run answers reads its
         subspace (``train.skip_unread``, ``methods.stage_is_read``)."""
-        if not self.method.trains:
-            return False
-        if self.schedule.carries:
-            return False
-        limit = self.schedule.trained_stages
-        if limit is not None:
-            return self.index > limit
-        return self.config.train.skip_unread and not stage_is_read(self.config, self.index)
+        return self.method.trains and not trains_stage(self.config, self.index)
 
     def earlier_transfer(self) -> Transfer:
         """A carried run's forward-transfer counts so far, from its newest stage's record (zero for a
