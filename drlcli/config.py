@@ -36,7 +36,7 @@ MAX_CONFIG_FILE_BYTES = 1 << 20  # a --config file: a few sections of options, n
 RENAMED: dict[str, tuple[str, ...]] = {"ranpac": ("ridge",), "first_session": ("adapter", "schedule")}
 
 
-def _renamed_key(old: str, key: Any) -> str:
+def renamed_section(old: str, key: Any) -> str:
     """The section of today that holds key ``key`` of the earlier section ``old``."""
     owners = [name for name in RENAMED[old] if key in {f.name for f in dataclasses.fields(config_sections()[name])}]
     if not owners:
@@ -58,7 +58,7 @@ def current_sections(data: Mapping[str, Any]) -> dict[str, Any]:
             out[new[0]] = values  # build_section names the problem
             continue
         for key, value in values.items():
-            out.setdefault(_renamed_key(old, key), {})[key] = value
+            out.setdefault(renamed_section(old, key), {})[key] = value
     return out
 
 

@@ -108,14 +108,14 @@ def _sweep(
     """Fail every storage call (with ``every`` k: every k-th and the last) of ``command(run)`` in turn (on a copy of ``source``): each time the run
     verifies and answers as one of ``states`` (its index is returned; a run whose manifest is the
     source's, byte for byte, reads the source's listed files: the first state, once it verifies). Where the outcome changes, and
-    at every eighth call, ``eval`` and ``predict`` answer too and, where the run is at an earlier
+    at every eighth call tried, ``eval`` and ``predict`` answer too and, where the run is at an earlier
     state, ``command`` run again reaches the last one."""
     faults.arm(None)
     command(Path(shutil.copytree(source, tmp_path / "count")))
     num_calls = len(faults.calls)
     untouched = (source / "manifest.json").read_bytes()
     outcomes: list[int] = []
-    for k in sorted({*range(1, num_calls + 1, every), num_calls}):
+    for tried, k in enumerate(sorted({*range(1, num_calls + 1, every), num_calls}), start=1):
         run = Path(shutil.copytree(source, tmp_path / f"k{mode}{k:03d}"))
         faults.arm(k, mode)
         try:
@@ -132,7 +132,7 @@ def _sweep(
             found = _answers(run, test, commands=False)
             matches = [i for i, answers in enumerate(states) if _same(found, answers)]
         assert matches, (k, mode, faults.calls[k - 1] if k <= len(faults.calls) else None)
-        if not outcomes or matches[0] != outcomes[-1] or k % (8 * every) == 1 % every or k == num_calls:
+        if not outcomes or matches[0] != outcomes[-1] or tried % 8 == 0 or k == num_calls:
             _answers(run, test)
             if matches[0] != len(states) - 1:  # a command that completed is not run again (forget refuses it)
                 command(run)

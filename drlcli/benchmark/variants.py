@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..config import RENAMED, RunConfig, config_sections
+from ..config import RENAMED, RunConfig, config_sections, renamed_section
 from ..errors import UsageError, shown
 from ..methods import METHODS
 from ..options import parse_value
@@ -49,7 +49,7 @@ def _holds(section: str, name: str) -> bool:
 def _resolve_key(key: str) -> tuple[str, str]:
     if "." in key:
         section, name = key.split(".", 1)
-        section = next((new for new in RENAMED.get(section, ()) if _holds(new, name)), section)  # an earlier name
+        section = renamed_section(section, name) if section in RENAMED else section  # an earlier release's name
         if _holds(section, name):
             return section, name
         raise UsageError(f"unknown variant option {shown(key)}; use a config key such as train.lr or ipa.gate")

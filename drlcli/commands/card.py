@@ -26,7 +26,7 @@ from ..methods import schedule_of
 from ..recipes import BY_NAME, DEFAULT
 from ..run.directory import RunDir
 from ..run.forgotten import ForgetLog, read_log
-from ..run.records import checked_metas, history_of, read_record, switch_record
+from ..run.records import checked_metas, history_of, read_record, recorded_recipe, switch_record
 from ..storage import write_atomic
 from ..version import __version__
 
@@ -234,10 +234,11 @@ def _ptm_section(ptm: dict[str, Any]) -> list[str]:
 
 def _recipe_section(facts: CardFacts) -> list[str]:
     config = facts.config
-    recorded = facts.record.get("recipe")
-    recipe, differ = closest_recipe(config)
-    if isinstance(recorded, str) and recorded in BY_NAME and BY_NAME[recorded].method == config.method:
+    recorded = recorded_recipe(facts.record)
+    if recorded is not None and BY_NAME[recorded].method == config.method:
         recipe, differ = BY_NAME[recorded], differing(config, RunConfig.for_recipe(recorded))
+    else:  # a run of an earlier release, or a record no recipe of its method has
+        recipe, differ = closest_recipe(config)
     lines = [
         "## Recipe",
         "",
