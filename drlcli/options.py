@@ -155,6 +155,9 @@ class TrainConfig:
     # a new stage whose subspace nothing the run answers reads (``methods.stage_is_read``) is
     # created but not trained; false trains every stage (runs from before this key: false)
     skip_unread: bool = False
+    # the training steps' dtype (``precision.training_precision``): call (the call's --precision; runs
+    # before this key) | auto (bf16 where the device computes it natively, else the call's) | fp32 | bf16 | fp16
+    precision: str = option("call", choices=("call", "auto", "fp32", "bf16", "fp16"))
 
 
 @dataclass(frozen=True)

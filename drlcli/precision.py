@@ -40,6 +40,30 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager:
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 matmuls natively (faster than fp32): CUDA with bf16 support, a
+    CPU with AMX tiles (Intel Sapphire Rapids and later). Elsewhere bf16 is emulated, often slower."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return bool(amx()) if callable(amx) else False
+    return False
+
+
+def training_precision(setting: str, call: str, device: torch.device) -> str:
+    """The dtype a stage's training steps run in (``train.precision``): ``call``, the call's
+    ``--precision`` (runs before the key); ``auto``, the call's where it is not fp32, else bf16 where
+    the device computes it natively (``native_bf16``) and fp32 elsewhere; or the one named. The
+    statistics, the fit and the evaluation always run in the call's precision."""
+    if setting == "call" or (setting == "auto" and call != "fp32"):
+        return call
+    if setting == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    check_precision(setting, device)
+    return setting
+
+
 def _tf32_switches() -> list[tuple[object, str, object]]:
     """(object, attribute, IEEE value) of the switches that let CUDA's fp32 convolutions and matmuls
     run in TF32: torch's ``fp32_precision`` API where it has it (reading the legacy ``allow_tf32``

@@ -12,6 +12,7 @@ from conftest import FROZEN, TRAINS
 from typer.testing import CliRunner
 
 from drlcli import evaluate, learn_stage
+from drlcli import precision as precision_module
 from drlcli.cli import app
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
@@ -20,7 +21,7 @@ from drlcli.errors import RunStateError, UsageError
 from drlcli.features.ipa import IPAConfig
 from drlcli.features.ipa.network import IPANetwork
 from drlcli.options import TrainConfig
-from drlcli.precision import autocast, check_precision, grad_scaler
+from drlcli.precision import autocast, check_precision, grad_scaler, training_precision
 from drlcli.run.checkpoint import seal_checkpoint
 from drlcli.run.directory import RunDir
 from drlcli.run.layout import CHECKPOINT, CHECKPOINT_META
@@ -190,6 +191,53 @@ def test_resume_under_another_precision_is_refused(run_dir, stage_folders):
     assert resumed.resumed_from_epoch == 1 and resumed.epoch_losses == straight.epoch_losses
     a, b = RunDir(run_dir).stage(1).tensors, RunDir(straight_run).stage(1).tensors
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_precision_auto_is_bf16_only_where_the_device_computes_it_natively(monkeypatch):
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(precision_module, "native_bf16", lambda device, n=native: n)
+        assert training_precision("auto", "fp32", cpu) == ("bf16" if native else "fp32")
+        assert training_precision("auto", "bf16", cpu) == "bf16"  # --precision other than fp32: the call's
+        assert training_precision("call", "fp32", cpu) == "fp32" and training_precision("fp32", "bf16", cpu) == "fp32"
+    with pytest.raises(UsageError, match="fp16 needs CUDA"):
+        training_precision("fp16", "fp32", cpu)
+    assert RunConfig.for_recipe("default").train.precision == "auto"
+    assert {RunConfig.for_recipe(r).train.precision for r in ("frozen", "paper", "ranpac-published", "ease")} == {
+        "call"
+    }
+    with pytest.raises(UsageError, match="train.precision must be one of"):
+        RunConfig.for_recipe("default", {"train": {"precision": "fp64"}})
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_train_precision_auto_trains_in_bf16_and_keeps_the_stage_statistics_in_fp32(
+    stage_folders, tmp_path, monkeypatch, native
+):
+    """The training steps (and only they) run under autocast where bf16 is native; stage.json says which;
+    a resume is keyed by the dtype it trained in."""
+    monkeypatch.setattr(precision_module, "native_bf16", lambda device: native)
+    entered = []
+    real = torch.autocast
+
+    def autocast_seen(*args, **kwargs):
+        if kwargs.get("enabled") is not False:  # the scoring's fp32 block is not a forward in half precision
+            entered.append(kwargs.get("dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", autocast_seen)
+    run = tmp_path / "run"
+    config = RunConfig.for_method("drl", {**TRAINS, "train": {**TRAINS["train"], "precision": "auto"}}, preset=FROZEN)
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    train, test = stage_folders[0]
+    result = learn_stage(run, data_dir=train, eval_data_dir=test, train_overrides=OPTS, device="cpu")
+    assert result.train_precision == ("bf16" if native else "fp32")
+    meta = RunDir(run).stage(1).meta
+    assert meta["precision"] == "fp32" and meta["metrics"]["train"]["precision"] == ("bf16" if native else "fp32")
+    assert bool(entered) is native and set(entered) <= {torch.bfloat16}
+    entered.clear()
+    evaluate(run, all_seen=True, device="cpu")
+    assert not entered  # evaluation in the call's fp32
 
 
 def test_fp16_training_scales_the_loss_and_resumes_with_its_scale(tiny_ptm, make_folder, monkeypatch):

@@ -40,7 +40,7 @@ def _init(run, overrides=None):
 
 def _decides(monkeypatch, trains: bool) -> None:
     """What the trial's margins say, whatever the tiny random PTM's are."""
-    gain = MarginGain(5.0, 4.0, 30) if trains else MarginGain(0.1, 0.5, 30)
+    gain = MarginGain(5.0, 4.0, 30) if trains else MarginGain(0.3, 0.5, 30)  # declined, near the floor
     monkeypatch.setattr(trial_module, "margin_gain", lambda *args: gain)
 
 
@@ -105,6 +105,17 @@ def test_where_adapting_would_not_pay_stage_1_trains_nothing_and_the_run_answers
     forget_class(run, "class_00")
     restore_class(run, "class_00")
     assert verify(run).num_stages == 2
+
+
+def test_a_near_miss_is_tried_again_at_the_next_stage_and_a_far_one_is_not(tmp_path, four_class_stages, monkeypatch):
+    near, far = tmp_path / "near", tmp_path / "far"
+    for run, percent in ((near, 0.3), (far, -0.2)):
+        _init(run)
+        monkeypatch.setattr(trial_module, "margin_gain", lambda *args, p=percent: MarginGain(p, 9.0, 30))
+        results = _learn(run, four_class_stages[:2])
+        assert results[0].carry["trial"]["trains"] is False and results[1].carry["paused"] is True
+        assert ("trial" in results[1].carry) is (run == near)
+        assert (results[1].passes["trial"] > 0) is (run == near)
 
 
 def test_where_adapting_pays_stage_1_trains_exactly_as_without_the_trial(tmp_path, four_class_stages, monkeypatch):

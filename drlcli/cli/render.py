@@ -194,10 +194,16 @@ def _learned_line(r: dict[str, Any]) -> str:
         )
     resumed = " over every call that trained it" if r["resumed_from_epoch"] else ""  # more than this call's total
     return (
-        f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s{resumed}, {r['num_params']:,} "
+        f"stage {r['stage']}: learned {head} (training {r['train_seconds']:.1f}s{resumed}{_dtype(r)}, {r['num_params']:,} "
         + ("head parameters solved" if (r.get("first_session") or {}).get("kept") == "frozen" else "parameters")
         + ")"
     )
+
+
+def _dtype(r: dict[str, Any]) -> str:
+    """ " in bf16" where the training steps ran in a dtype other than the call's (``train.precision``)."""
+    own = r.get("train_precision")
+    return f" in {own}" if own and own != r.get("precision") else ""
 
 
 def _answering(r: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import torch
 
 from ..config import RunConfig
 from ..data import LabelledImages
+from ..device import resolve_device
 from ..errors import IntegrityError
 from ..heads import HeadFit
 from ..heads.openset.calibrate import Calibration
@@ -19,6 +20,7 @@ from ..heads.openset.rmd import Moments
 from ..methods import Method, trains_stage
 from ..metrics import AccuracyReport, Transfer
 from ..model import IncrementalModel
+from ..precision import training_precision
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
 from ..run.load import LoadedRun
@@ -62,6 +64,11 @@ class StageContext:
     def schedule(self) -> Schedule:
         """When the run's network trains and which head answers (``schedule/``)."""
         return self.method.schedule(self.config)
+
+    @property
+    def train_precision(self) -> str:
+        """The training steps' dtype (``train.precision``); the rest of the stage runs in ``precision``."""
+        return training_precision(self.config.train.precision, self.precision, resolve_device(self.device))
 
     @property
     def untrained(self) -> bool:

@@ -51,6 +51,7 @@ class StageResult:
     carry: dict[str, Any] | None = None  # a carried run's stage > 1: stage.json's ``carry``
     switch: dict[str, Any] | None = None  # a switched run: stage.json's ``switch`` (the track that answers)
     passes: dict[str, Any] | None = None  # stage.json's ``metrics.passes``: the stage's cost (``cost.py``)
+    train_precision: str | None = None  # the training steps' dtype, where the stage trained
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -179,6 +180,8 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
             "learn_seconds": round((trained.result.seconds if trained.result else 0.0) + fitted.seconds, 3),
         },
     }
+    if trained.result is not None:  # the training steps' dtype (``train.precision``)
+        meta["metrics"]["train"]["precision"] = stage.train_precision
     if evaluated.switch is not None:  # a switched run: its eval is the answering track's; both tracks learn
         meta["switch"] = evaluated.switch
         meta["metrics"]["learn_seconds"] = round(
@@ -274,4 +277,5 @@ def learned_result(
         warnings=evaluated.warnings,
         run_dir=str(stage.run.path),
         precision=stage.precision,
+        train_precision=stage.train_precision if train else None,
     )

@@ -47,7 +47,7 @@ def train_or_resume(stage: StageContext, *, restart: bool, paused: bool = False)
         stage.config,
         stage.fingerprint,
         device_type=resolve_device(stage.device).type,
-        precision=stage.precision,
+        precision=stage.train_precision,
     )
     resume = _resume_state(stage, key, restart=restart)
 
@@ -64,7 +64,7 @@ def train_or_resume(stage: StageContext, *, restart: bool, paused: bool = False)
             training_images(stage),  # the fit part of stage 1's images when deciding (decide.py)
             train,
             stage.model.data_config,
-            precision=stage.precision,
+            precision=stage.train_precision,
             progress=train_progress(stage.progress),
             resume=resume,
             on_epoch=epoch_done,
@@ -126,6 +126,7 @@ def _checkpoint_key(
     (kernels and RNG streams differ between CPU and CUDA: a resume across them is not the same run)
     and precision (likewise; fp16's checkpoint also holds its loss scale)."""
     train = asdict(config.train)  # num_workers included: worker seeding changes the augmentations
+    del train["precision"]  # the key's own precision is the one it resolved to
     train["world_size"] = distributed.world_size()
     return {
         "generation": manifest["generation"],
