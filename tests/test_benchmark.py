@@ -117,6 +117,11 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     assert json.loads((out / "results.json").read_text())["results"] == report["results"]
     table = (out / "results.md").read_text()
     assert "| `ease/batch_size=8` |" in table
+    # each variant's learn seconds and passes per image, stage by stage, side by side
+    costs = table.split("| learn s (passes/img) | stage 1 | stage 2 | stage 3 |")[1]
+    frozen_row = next(line for line in costs.splitlines() if line.startswith("| `drl/preset=frozen` |"))
+    cells = [c.strip() for c in frozen_row.strip("|").split("|")[1:]]
+    assert [c.split(" (")[1] for c in cells] == ["1.0)"] * 3  # one feature pass a stage
     # the same command again reuses every finished run: same numbers, no new stage
     again = json.loads(CliRunner().invoke(app, [str(a) for a in args]).stdout)
     assert [r["accuracy"] for r in again["results"]] == [r["accuracy"] for r in report["results"]]

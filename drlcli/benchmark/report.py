@@ -172,7 +172,22 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"{r['inference_ms_per_image']:.1f}",
         ]
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + cost_lines(results, num_stages)) + "\n"
+
+
+def cost_lines(results: list[dict[str, Any]], num_stages: int) -> list[str]:
+    """Each variant's learn seconds and forward passes per image at every stage, side by side."""
+    if not any(r.get("stage_learn_seconds") for r in results):
+        return []
+    head = ["learn s (passes/img)"] + [f"stage {t}" for t in range(1, num_stages + 1)]
+    lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        seconds, passes = r.get("stage_learn_seconds") or [], r.get("stage_passes") or []
+        cells = [
+            f"{_fmt(s, 0)} ({_fmt(p, 1)})" for s, p in zip(seconds, passes + [None] * (len(seconds) - len(passes)))
+        ]
+        lines.append("| " + " | ".join([f"`{r['label']}`", *cells]) + " |")
+    return lines
 
 
 def per_stage(values: list[int]) -> str:
