@@ -3,7 +3,7 @@ without training stage 1 itself: for each order, the trial's move of the other h
 of their frozen mean margin), its z and whether stage 1 would train.
 
     python benchmarks/trial_signal.py --data ../shared/data/caltech101 --weights $W --seeds 1993,1994,1995 \
-        [--val-fraction 0.2] [--epochs 10] [--images 32] [--start random] [--split-shift K]
+        [--val-fraction 0.2] [--epochs 10] [--images 32] [--start random] [--split-shift K] [--precision bf16]
 
 Stage 1 of B0 Inc10 (``--split``) over each seed's class order, as ``drl benchmark`` draws it; with
 ``--val-fraction`` the trial reads only the training part of the validation split (the setting the
@@ -46,7 +46,9 @@ def first_stage(data_dir: Path, seed: int, split: str, val_fraction: float | Non
     return ImageSet(root, tuple(plan.stages[0]), tuple(p for p, _ in pairs), tuple(k for _, k in pairs))
 
 
-def trial_of(images: ImageSet, weights: Path, epochs: int, per_class: int, start: str, shift: int) -> dict:
+def trial_of(
+    images: ImageSet, weights: Path, epochs: int, per_class: int, start: str, shift: int, precision: str = "fp32"
+) -> dict:
     config = RunConfig.for_method("drl")
     ptm = create_ptm("deit_tiny_patch16_224", source=PTMSource(weights_path=weights))
     network, config_data = method_of(config).build(ptm, config), data_config(ptm)
@@ -61,7 +63,8 @@ def trial_of(images: ImageSet, weights: Path, epochs: int, per_class: int, start
     tick = time.perf_counter()
     frozen = f0()
     network.new_stage(seed=seed)
-    train_stage(network, trained, replace(config.train, epochs=epochs, head_init=start), config_data)
+    train = replace(config.train, epochs=epochs, head_init=start)
+    train_stage(network, trained, train, config_data, precision=precision)
     gain = margin_gain(f0(), frozen, torch.tensor(measured.labels))
     return {
         "images_trained": len(trained),
@@ -84,13 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     # what the trial was chosen against: the classifier's random start, and other class splits (seed + K)
     parser.add_argument("--start", choices=("prototypes", "random"), default="prototypes")
     parser.add_argument("--split-shift", type=int, default=0)
+    # the trial's training dtype: the default's train.precision auto is bf16 on a CPU with AMX and on CUDA
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args(argv)
     for seed in parse_seeds(args.seeds):
         images = first_stage(args.data, seed, args.split, args.val_fraction)
         row = {
             "data": args.data.name,
             "seed": seed,
-            **trial_of(images, args.weights, args.epochs, args.images, args.start, args.split_shift),
+            **trial_of(images, args.weights, args.epochs, args.images, args.start, args.split_shift, args.precision),
         }
         print(json.dumps(row), flush=True)
     return 0
