@@ -46,7 +46,15 @@ def test_the_facts_of_each_method():
     default = RunConfig.for_method("drl")
     assert default == RunConfig.for_method("drl", preset="switched") == RunConfig.for_recipe("default")
     assert default.train == dataclasses.replace(
-        TrainConfig(), skip_unread=True, loss="ce", kd_weight=0.0, lr=0.05, epochs=20, batch_size=48, scale_init=16.0
+        TrainConfig(),
+        skip_unread=True,
+        loss="ce",
+        kd_weight=0.0,
+        lr=0.05,
+        epochs=20,
+        batch_size=48,
+        scale_init=16.0,
+        precision="auto",
     )
     assert (default.adapter.peft, default.schedule.switch, default.schedule.pause) == (
         "adaptformer",
@@ -74,7 +82,8 @@ def test_the_facts_of_each_method():
         "shared",
     )
     assert mine["score"]["head"] == "ridge" and {k: v for k, v in mine["train"].items() if same["train"][k] != v} == {
-        "skip_unread": True  # which a carried network ignores: it trains every stage it does not pause
+        "skip_unread": True,  # which a carried network ignores: it trains every stage it does not pause
+        "precision": "auto",  # bf16 training where the device computes it natively
     }
 
 
