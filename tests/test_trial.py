@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from drlcli import evaluate, export_run, forget_class, learn_stage, restore_class
 from drlcli.api import info, verify
-from drlcli.cli import app
+from drlcli.cli import app, render
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import UsageError
@@ -116,6 +116,8 @@ def test_a_near_miss_is_tried_again_at_the_next_stage_and_a_far_one_is_not(tmp_p
         assert results[0].carry["trial"]["trains"] is False and results[1].carry["paused"] is True
         assert ("trial" in results[1].carry) is (run == near)
         assert (results[1].passes["trial"] > 0) is (run == near)
+        why = "its trial (below)" if run == near else "the run's trials said adapting changes little"
+        assert f"the carried network was not trained: {why}" in render.learn_stage(results[1].to_dict())
 
 
 def test_where_adapting_pays_stage_1_trains_exactly_as_without_the_trial(tmp_path, four_class_stages, monkeypatch):

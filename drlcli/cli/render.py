@@ -106,12 +106,7 @@ def _growth_notes(stages: list[dict[str, Any]]) -> list[str]:
         if isinstance(e := s.get("eval_data"), dict) and "held_out" in e
     ]
     lines += [
-        f"stage {s['stage']}: the carried network was not trained ("
-        + (
-            "its trial said adapting changes little)"
-            if s.get("trial")
-            else "the run's forward transfer said adapting stalls)"
-        )
+        f"stage {s['stage']}: the carried network was not trained ({_paused_why(s.get('trial'), s.get('transfer'))})"
         for s in stages
         if s.get("paused")
     ]
@@ -185,9 +180,7 @@ def _learned_line(r: dict[str, Any]) -> str:
         )
     carry = r.get("carry") or {}
     if carry.get("paused"):  # a switched run's carried network, kept as it stood
-        why = (
-            "its trial (below)" if carry.get("trial") else "the run's forward transfer so far says adapting stalls here"
-        )
+        why = "its trial (below)" if carry.get("trial") else _paused_why(None, carry.get("transfer"))
         return (
             f"stage {r['stage']}: learned {head} (feature pass and head fit {r['train_seconds']:.1f}s); the carried "
             f"network was not trained: {why}"
@@ -198,6 +191,17 @@ def _learned_line(r: dict[str, Any]) -> str:
         + ("head parameters solved" if (r.get("first_session") or {}).get("kept") == "frozen" else "parameters")
         + ")"
     )
+
+
+def _paused_why(trial: dict[str, Any] | None, transfer: dict[str, Any] | None) -> str:
+    """Why a switched run's carried network was not trained at a stage, for people: its own trial, the
+    run's earlier trials (the set never trained: it counted no image), or its forward transfer."""
+    if trial:
+        return "its trial said adapting changes little"
+    run = transfer.get("run") if isinstance(transfer, dict) else None
+    if isinstance(run, dict) and run.get("images") == 0:
+        return "the run's trials said adapting changes little"
+    return "the run's forward transfer says adapting stalls"
 
 
 def _dtype(r: dict[str, Any]) -> str:
