@@ -3,6 +3,7 @@ plot, and ``results.json``/``results.md``/``accuracy.png`` in the output folder.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from pathlib import Path
 from typing import Any
@@ -183,9 +184,7 @@ def cost_lines(results: list[dict[str, Any]], num_stages: int) -> list[str]:
     lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         seconds, passes = r.get("stage_learn_seconds") or [], r.get("stage_passes") or []
-        cells = [
-            f"{_fmt(s, 0)} ({_fmt(p, 1)})" for s, p in zip(seconds, passes + [None] * (len(seconds) - len(passes)))
-        ]
+        cells = [f"{_fmt(s, 0)} ({_fmt(p, 1)})" for s, p in itertools.zip_longest(seconds, passes)]
         lines.append("| " + " | ".join([f"`{r['label']}`", *cells]) + " |")
     return lines
 
