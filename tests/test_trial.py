@@ -13,10 +13,9 @@ from drlcli.api import info, verify
 from drlcli.cli import app, render
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
-from drlcli.errors import IntegrityError, UsageError
+from drlcli.errors import UsageError
 from drlcli.metrics import MarginGain, margin_gain
 from drlcli.run.directory import RunDir
-from drlcli.run.layout import sha256_bytes
 from drlcli.run.load import load_run
 from drlcli.stage import trial as trial_module
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
@@ -136,48 +135,6 @@ def test_where_adapting_pays_stage_1_trains_exactly_as_without_the_trial(tmp_pat
     passes = stage_tried.passes
     assert passes["per_image"] == pytest.approx(passes["training"] + passes["features"] + passes["trial"], abs=0.02)
     assert passes["training"] == pytest.approx(2 * 3)  # two epochs, 3 passes a step, no hold at stage 1
-
-
-@pytest.mark.parametrize("percent, answers", [(5.0, "carried"), (-5.0, "frozen")])
-def test_a_trial_that_widened_the_margins_has_the_carried_network_answer_until_transfer_is_counted(
-    tmp_path, four_class_stages, monkeypatch, percent, answers
-):
-    run, plain = tmp_path / "run", tmp_path / "plain"
-    _init(run)
-    _init(plain, {"first_session": {"trial_images": 4, "trial_answers": False}})  # as an earlier release answered
-    monkeypatch.setattr(trial_module, "margin_gain", lambda *args: MarginGain(percent, percent, 30))
-    [first] = _learn(run, four_class_stages[:1])
-    [before] = _learn(plain, four_class_stages[:1])
-    assert first.carry["trial"]["trains"] is True and first.epoch_losses  # a narrowing trial trains too
-    assert first.switch["answers"] == answers and before.switch["answers"] == "frozen"
-    assert first.eval.top1 == first.switch["top1"][answers]
-    assert evaluate(run, all_seen=True, device="cpu").answers == answers and info(run)["frozen_track"]["answers"] == answers
-    assert verify(run).num_stages == 1 and verify(plain).num_stages == 1
-    said = render.learn_stage(first.to_dict())
-    assert ("trial widened the margins" in said) is (answers == "carried")
-    [second] = _learn(run, four_class_stages[1:2])  # counted transfer decides from here on
-    transfer = second.carry["transfer"]
-    assert transfer["run"]["images"] > 0 and second.switch["answers"] == (
-        "carried" if transfer["transfers"] else "frozen"
-    )
-
-
-def test_a_switch_record_that_disagrees_with_the_trial_is_refused(tmp_path, four_class_stages, monkeypatch):
-    run = tmp_path / "run"
-    _init(run)
-    _decides(monkeypatch, trains=True)
-    _learn(run, four_class_stages[:1])
-    assert info(run)["frozen_track"]["answers"] == "carried"
-    name = "stages/001/stage.json"
-    meta = json.loads((run / name).read_text())
-    meta["switch"]["answers"] = "frozen"  # what an earlier release's rule said; this run's says carried
-    data = json.dumps(meta).encode()
-    (run / name).write_bytes(data)
-    manifest = json.loads((run / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    (run / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(IntegrityError, match="switch record does not say the carried track answers"):
-        verify(run)
 
 
 def test_a_first_stage_of_fewer_than_four_classes_is_not_tried(tmp_path, stage_folders):

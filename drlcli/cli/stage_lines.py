@@ -41,14 +41,11 @@ def transfer_line(d: dict[str, Any]) -> str:
     )
 
 
-def switch_line(d: dict[str, Any], transfer: dict[str, Any] | None = None) -> str:
-    """Which track a switched run answers from after a stage (``run/track.py``), for people;
-    ``transfer``: the stage's forward transfer, if it has one (none counted: the trial decided)."""
+def switch_line(d: dict[str, Any]) -> str:
+    """Which track a switched run answers from after a stage (``run/track.py``), for people."""
     top1 = {k: "n/a" if v is None else f"{v:.2f}" for k, v in d["top1"].items()}
     if d["answers"] == "carried":
-        counted = isinstance(transfer, dict) and transfer["run"]["images"]
-        why = "" if counted else ", as the stage's trial widened the margins of classes it did not train on"
-        return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']}){why}"
+        return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']})"
     return (
         f"the run answers from its frozen track, the frozen PTM (`drl init --recipe frozen`; top-1 {top1['frozen']}; the "
         f"carried network {top1['carried']}), until adapting transfers to new classes"

@@ -43,7 +43,7 @@ from .layout import (
     sha256_bytes,
     stage_file,
 )
-from .records import check_stage_meta, checked_metas, read_record, run_record, transfer_record, trial_record
+from .records import check_stage_meta, checked_metas, read_record, run_record, transfer_record
 from .writer import RunWriter, next_manifest
 
 CARRIED, FROZEN = "carried", "frozen"
@@ -182,11 +182,10 @@ def _drop_legacy_files(run: RunDir) -> None:
             storage.discard(path)
 
 
-def answering(run: RunDir, metas: list[dict[str, Any]], *, by_trial: bool = False) -> str:
+def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
     """The track the run answers from after its newest stage (``FROZEN`` for a run with no stage).
-    Every stage's ``switch.answers`` must be what its records say (``answer_after``; ``by_trial``: the
-    run's ``schedule.trial_answers``), and each stage's run counts its own plus the stage's before;
-    else IntegrityError (a crafted stage.json)."""
+    Every stage's ``switch.answers`` must be what its forward-transfer counts say, and each stage's
+    run counts its own plus the stage's before; else IntegrityError (a crafted stage.json)."""
     answer, total = FROZEN, Transfer(0, 0, 0)
     for meta in metas:
         stage, record = meta.get("stage"), meta.get("switch")
@@ -197,31 +196,12 @@ def answering(run: RunDir, metas: list[dict[str, Any]], *, by_trial: bool = Fals
                 raise _crafted(run, stage, "its forward-transfer counts do not add up to the run's")
         elif stage != 1:
             raise _crafted(run, stage, "it has no forward-transfer counts")
-        answer = answer_after(meta, total, by_trial=by_trial)
+        answer = CARRIED if transfer is not None and transfer["transfers"] else FROZEN
         if not isinstance(record, dict) or record.get("answers") != answer:
-            raise _crafted(run, stage, f"its switch record does not say the {answer} track answers, as its records do")
+            raise _crafted(run, stage, f"its switch record does not say the {answer} track answers, as its counts do")
         if not isinstance(record.get("frozen_stage_sha256"), str):
             raise _crafted(run, stage, "its switch record names no frozen-track record")
     return answer
-
-
-def answer_after(meta: dict[str, Any], total: Transfer, *, by_trial: bool) -> str:
-    """The track a switched run answers from after a stage (its stage.json ``meta``; ``total``: the
-    run's forward transfer up to it): the carried network once ``total`` says adapting pays. Before
-    any image's transfer is counted, with ``by_trial`` (``schedule.trial_answers``), also where the
-    stage's trial widened the margins of the classes it did not train on (``stage/trial.py``: by at
-    least its floor, more than chance) and the stage trained the set: that trial is the only measure
-    of transfer the run has yet, and it says adapting pays."""
-    if total.transfers:
-        return CARRIED
-    return CARRIED if by_trial and not total.images and widened(meta) else FROZEN
-
-
-def widened(meta: dict[str, Any]) -> bool:
-    """Whether the stage's trial widened the margins it measured enough to train, and the stage trained."""
-    trial, carry = trial_record(meta), meta.get("carry")
-    trained = isinstance(carry, dict) and carry.get("paused") is not True
-    return trial is not None and trial["trains"] and trial["margins"]["percent"] > 0 and trained
 
 
 def frozen_config(config: RunConfig) -> RunConfig:
@@ -260,13 +240,13 @@ def tied_track(
     track kept before format 4 one stage ahead, or answering for other classes, is what a command of
     an earlier release interrupted between its two commits left: RunStateError or IntegrityError
     naming the command that completes it; any other mismatch: IntegrityError."""
-    record, config = read_record(run, manifest)
-    answer = answering(run, metas, by_trial=config.schedule.trial_answers)
+    answer = answering(run, metas)
     track = frozen_track(run, manifest)
     if not track.exists():
         raise IntegrityError(
             f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
         )
+    record, config = read_record(run, manifest)
 
     def read_track(held: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[str]]:
         own_record, own = read_record(track, held)

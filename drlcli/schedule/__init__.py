@@ -12,8 +12,7 @@ and the benchmark read, rather than each asking the method:
   answers from the one its forward transfer picks (``stage/switch.py``).
 - ``pauses``: the set trains at a stage only while the forward transfer could still pay.
 - ``tries``: before the set ever trains, a short trial on half of the stage's classes says whether
-  adapting moves the other half's margins (``stage/trial.py``); with ``trial_answers``, a trial that
-  widened them has the adapted head answer from its stage on, until the forward transfer is counted.
+  adapting moves the other half's margins (``stage/trial.py``).
 - ``decides_first``: stage 1's adapters are kept only where the held-out part scores higher.
 
 The ``schedule`` section of a run config holds the options; runs of earlier releases named it and
@@ -64,11 +63,6 @@ class ScheduleConfig:
     trial_epochs: int = option(10, within=Range(1, 1000))
     trial_images: int = option(32, within=Range(1, 1_000_000))
     trial_stages: int = option(3, within=Range(1, 1_000_000))  # stages tried while the set never trained
-    # read only with trial "transfer" (without a trial it changes nothing): a stage whose trial widened the margins of the classes it did not train
-    # on (by at least the trial's floor, more than chance), before the run has counted any forward
-    # transfer, answers from the adapted head (``run/track.py``); "false": the frozen head answers until
-    # the forward transfer says adapting pays
-    trial_answers: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@ from typing import Any
 
 from .. import distributed, jsonio
 from ..errors import IntegrityError, RunStateError
-from ..metrics import AccuracyReport, Transfer
+from ..metrics import AccuracyReport
 from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..run.layout import FROZEN_TRACK, STAGE_META, TRACK_PREFIX, sha256_bytes, stage_file
 from ..run.records import check_stage_meta
-from ..run.track import CARRIED, FROZEN, answer_after, frozen_track, tied_track
+from ..run.track import CARRIED, FROZEN, frozen_track, tied_track
 from ..run.writer import RunWriter, deferred_files
-from .context import Evaluated, Fitted, Record, Records, StageContext
+from .context import Evaluated, Fitted, Record, Records
 from .record import StageResult
 
 
@@ -123,17 +123,12 @@ def relay(progress: ProgressFn | None) -> ProgressFn | None:
     )
 
 
-def answered(stage: StageContext, fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evaluated:
-    """The stage's evaluation as the run answers (``track.answer_after``): the carried network's once
-    the run's forward transfer (stage.json ``carry.transfer``) says adapting pays, or where, before
-    any is counted, the stage's trial widened the margins (``schedule.trial_answers``); else the frozen
-    track's. With stage.json's ``switch``: which, both tracks' top-1, the frozen track's seconds and
-    record sha256."""
-    carry = fitted.carry or {}
-    transfer = carry.get("transfer")
-    total = Transfer.from_dict(transfer["run"]) if transfer is not None else Transfer(0, 0, 0)
-    meta = {"carry": carry}
-    answer = answer_after(meta, total, by_trial=stage.config.schedule.trial_answers)
+def answered(fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evaluated:
+    """The stage's evaluation as the run answers: the carried network's once the run's forward
+    transfer says adapting pays (stage.json ``carry.transfer``), else the frozen track's; with
+    stage.json's ``switch``: which, both tracks' top-1, the frozen track's seconds and record sha256."""
+    transfer = (fitted.carry or {}).get("transfer")
+    answer = CARRIED if transfer is not None and transfer["transfers"] else FROZEN
     switch = {
         "answers": answer,
         "top1": {
