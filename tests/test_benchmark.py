@@ -117,14 +117,19 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     assert json.loads((out / "results.json").read_text())["results"] == report["results"]
     table = (out / "results.md").read_text()
     assert "| `ease/batch_size=8` |" in table
-    # each variant's learn seconds and passes per image, stage by stage, side by side
-    costs = table.split("| learn s (passes/img) | stage 1 | stage 2 | stage 3 |")[1]
+    # each variant's learn seconds, passes per image, MiB read and stored, stage by stage, side by side
+    costs = table.split("| learn s (passes/img; MiB read; MiB stored) | stage 1 | stage 2 | stage 3 |")[1]
     frozen_row = next(line for line in costs.splitlines() if line.startswith("| `drl/preset=frozen` |"))
-    cells = [c.strip() for c in frozen_row.strip("|").split("|")[1:]]
-    assert [c.split(" (")[1] for c in cells] == ["1.0)"] * 3  # one feature pass a stage
-    # the same command again reuses every finished run: same numbers, no new stage
+    cells = [c.strip().split(" (")[1].rstrip(")").split("; ") for c in frozen_row.strip("|").split("|")[1:]]
+    assert [c[0] for c in cells] == ["1.0"] * 3  # one feature pass a stage
+    frozen = by_label["drl/preset=frozen"]
+    assert all(m > 0 for m in frozen["stage_read_mib"])  # its images at least (Linux /proc/self/io)
+    stored = [float(c[2]) for c in cells]
+    assert stored == sorted(stored) and stored[-1] == pytest.approx(sum(frozen["bytes_per_stage"]) / 2**20, abs=0.06)
+    # the same command again reuses every finished run: same numbers, no new stage (so nothing read)
     again = json.loads(CliRunner().invoke(app, [str(a) for a in args]).stdout)
     assert [r["accuracy"] for r in again["results"]] == [r["accuracy"] for r in report["results"]]
+    assert all(r["stage_read_mib"] == [None] * 3 for r in again["results"])
     # other settings for an existing run are refused, not mixed in
     changed = CliRunner().invoke(app, [str(a) for a in args[:-1]] + ["--epochs", "2"])
     assert changed.exit_code == 2 and "other settings" in changed.stderr

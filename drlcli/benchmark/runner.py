@@ -141,6 +141,8 @@ class _Session:
     main: bool  # under torchrun rank 0 alone writes files; all ranks train
     started: float = dataclasses.field(default_factory=time.perf_counter)
     stages_run: int = 0
+    # MiB each learn-stage this session ran read (its images, the PTM and the run), by variant and stage
+    read_mib: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
 
     def run_variant(self, v_index: int, variant: Variant, score_options: list[dict[str, Any]]) -> list[dict]:
         """Learn the variant's missing stages; rank 0 returns its results rows."""
@@ -195,6 +197,7 @@ class _Session:
 
         train_dir, test_dir = self.folders[k]
         settings = self.settings
+        read = bytes_read()
         result = learn_stage(
             run_dir,
             data_dir=train_dir,
@@ -206,6 +209,9 @@ class _Session:
             tensorboard_dir=Path(settings.tensorboard_dir) / variant.dirname if settings.tensorboard_dir else None,
             progress=relay,
         )
+        after = bytes_read()
+        if read is not None and after is not None:
+            self.read_mib.setdefault(variant.label, {})[k + 1] = round((after - read) / 2**20, 2)
         acc = result.eval.top1 if result.eval else float("nan")
         self.say(f"[{variant.label}] stage {k + 1}: A = {acc:.2f}% ({result.total_seconds:.0f}s)")
 
@@ -215,6 +221,8 @@ class _Session:
         loaded = load_run(run_dir, device=settings.device, ptm_weights=settings.ptm_weights)
         per_image = timing(loaded, self.folders[-1][1], settings.timing_batch, precision=settings.precision)
         row = summary_row(variant.label, variant, loaded, config, per_image)
+        read = self.read_mib.get(variant.label, {})
+        row["stage_read_mib"] = [read.get(t) for t in range(1, row["num_stages"] + 1)]  # None: learned earlier
         if not (score_options and method_of(config).trains):
             return [row]
         if schedule_of(config).carries:
@@ -234,6 +242,16 @@ class _Session:
             precision=settings.precision,
         )
         return [row] + [rescored_row(row, text, o, r) for text, (o, r) in zip(settings.rescore, rescored)]
+
+
+def bytes_read() -> int | None:
+    """The bytes this process has read so far (Linux ``/proc/self/io`` ``rchar``; None elsewhere)."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as io:
+            fields = dict(line.split(": ", 1) for line in io.read().splitlines() if ": " in line)
+        return int(fields["rchar"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def run_benchmark(
