@@ -9,7 +9,9 @@ learning::
 ``switched``: the default recipe (``drl init`` with no recipe) on the tiny random ViT, two stages of
 two generated classes (``tests/data/legacy-runs/data/stage1`` and ``stage2``; ``stage3`` is its next
 drop), one epoch; ``answers.json``: its class names, its scores of three fixed images, the track each
-stage answered from and its top-1 on ``stage1``, as that commit computed them."""
+stage answered from and its top-1 on ``stage1``, as that commit computed them, and the same (names,
+scores) of copies of it after ``drl forget class_02`` (``forget``) and after learning ``stage3``
+(``stage3``)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from drlcli import evaluate, learn_stage
+from drlcli import evaluate, forget_class, learn_stage
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.run.load import load_run
@@ -37,19 +39,27 @@ def main(out: Path) -> None:
     config = RunConfig.for_recipe("default", SMALL)
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     results = [learn_stage(run, data_dir=DATA / f"stage{i}", device="cpu") for i in (1, 2)]
-    model = load_run(run, device="cpu").model
-    images = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     answers = {
         "switched": {
-            "classes": list(model.class_names),
-            "scores": model.classify(images)[0].tolist(),
+            **_answers(run),
             "answers": [r.switch["answers"] for r in results],
             "top1_stage1": evaluate(run, data_dir=DATA / "stage1", device="cpu").report.top1,
         }
     }
     for lock in run.rglob(".lock"):
         lock.unlink()
+    scratch = out / "scratch"
+    forget_class(shutil.copytree(run, scratch / "forget"), "class_02")
+    learn_stage(shutil.copytree(run, scratch / "stage3"), data_dir=DATA / "stage3", device="cpu")
+    answers["switched"].update({name: _answers(scratch / name) for name in ("forget", "stage3")})
+    shutil.rmtree(scratch)
     (out / "answers.json").write_text(json.dumps(answers, indent=1))
+
+
+def _answers(run: Path) -> dict:
+    model = load_run(run, device="cpu").model
+    images = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return {"classes": list(model.class_names), "scores": model.classify(images)[0].tolist()}
 
 
 if __name__ == "__main__":
