@@ -2,7 +2,9 @@
 ``tests/data/make_legacy_runs.py``): each loads with the same answers to the digit, evaluates,
 exports and learns its next stage. A switched run of that release kept its frozen track as a run of
 its own; the first command that writes to it lists the track's files in the run's manifest (format
-4, one commit a stage), dropping a stage an interrupted call left in the track alone."""
+4, one commit a stage), dropping a stage an interrupted call left in the track alone. A format-4 run
+(``tests/data/format4-runs``, made at f55ace4 by ``tests/data/make_format4_runs.py``) stays format 4:
+it loads, evaluates, exports, forgets, restores and learns with the answers that release gave."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from drlcli import evaluate, export_run, forget_class, learn_stage, load_model
-from drlcli.api import verify
+from drlcli import evaluate, export_run, forget_class, learn_stage, load_model, restore_class
+from drlcli.api import info, verify
 from drlcli.errors import IntegrityError, RunStateError
 from drlcli.run.directory import RunDir
 from drlcli.run.load import load_run
@@ -84,3 +86,57 @@ def test_forget_in_a_switched_run_of_an_earlier_release(tmp_path):
     assert "class_02" not in load_run(run, device="cpu").model.class_names
     assert RunDir(run).manifest()["format_version"] == 4 and not (run / "frozen" / "manifest.json").exists()
     verify(run)
+
+
+FORMAT4 = Path(__file__).parent / "data" / "format4-runs"
+ANSWERS4 = json.loads((FORMAT4 / "answers.json").read_text())["switched"]
+
+
+def _same(found: dict, want: dict) -> None:
+    assert found["classes"] == want["classes"]
+    assert torch.allclose(found["scores"], torch.tensor(want["scores"]), atol=1e-6)
+
+
+def _kept_in_frozen(run: Path) -> None:
+    """Still format 4: the track's files under ``frozen/`` in the run's manifest, none beside the run's."""
+    manifest = RunDir(run).manifest()
+    assert manifest["format_version"] == 4 and "frozen/run.yaml" in manifest["files"]
+    assert not any("/frozen-" in name for name in manifest["files"])
+
+
+def test_a_format4_switched_run_answers_evaluates_and_exports_as_it_did(tmp_path):
+    """``tests/data/format4-runs`` (made at f55ace4 by ``tests/data/make_format4_runs.py``): the track
+    under ``frozen/``, listed in the run's manifest. It is read as it is, with the same answers."""
+    run = _copy_from(FORMAT4, "switched", tmp_path)
+    loaded = load_run(run, device="cpu")
+    _same(_answers(loaded.model), ANSWERS4)
+    assert [meta["switch"]["answers"] for meta in loaded.stage_metas] == ANSWERS4["answers"]
+    verify(run)
+    assert evaluate(run, data_dir=LEGACY / "data" / "stage1", device="cpu").report.top1 == ANSWERS4["top1_stage1"]
+    export_run(run, tmp_path / "model.drl")
+    assert torch.allclose(load_model(tmp_path / "model.drl").classify(IMAGES)[0], _answers(loaded.model)["scores"])
+    assert info(run)["frozen_track"]["run_dir"] == str(run / "frozen")
+
+
+def test_a_format4_switched_run_forgets_restores_and_learns_as_it_did(tmp_path):
+    """A forget, a restore and the next stage of a format-4 run keep it format 4 (no file moves) and
+    answer as the release that wrote it did (``answers.json``: ``forget``, ``stage3``)."""
+    run = _copy_from(FORMAT4, "switched", tmp_path)
+    forget_class(run, "class_02")
+    _same(_answers(load_run(run, device="cpu").model), ANSWERS4["forget"])
+    _kept_in_frozen(run)
+    assert "frozen/forgotten/" in " ".join(RunDir(run).manifest()["files"])
+    restore_class(run, "class_02")
+    _same(_answers(load_run(run, device="cpu").model), ANSWERS4)
+    verify(run)
+    run = _copy_from(FORMAT4, "switched", tmp_path / "next")
+    result = learn_stage(run, data_dir=LEGACY / "data" / "stage3", device="cpu")
+    assert result.stage == 3
+    _same(_answers(load_run(run, device="cpu").model), ANSWERS4["stage3"])
+    _kept_in_frozen(run)
+    assert "frozen/stages/003/stage.json" in RunDir(run).manifest()["files"]
+    verify(run)
+
+
+def _copy_from(root: Path, name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(root / name, tmp_path / name))
