@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from drlcli import evaluate, export_run, forget_class, learn_stage, load_model, restore_class
 from drlcli.api import info, verify
+from drlcli.cli import app
 from drlcli.errors import IntegrityError, RunStateError
 from drlcli.run.directory import RunDir
 from drlcli.run.load import load_run
+from drlcli.synthetic import TINY_PTM
 
 LEGACY = Path(__file__).parent / "data" / "legacy-runs"
 ANSWERS = json.loads((LEGACY / "answers.json").read_text())
@@ -140,3 +143,39 @@ def test_a_format4_switched_run_forgets_restores_and_learns_as_it_did(tmp_path):
 
 def _copy_from(root: Path, name: str, tmp_path: Path) -> Path:
     return Path(shutil.copytree(root / name, tmp_path / name))
+
+
+@pytest.mark.parametrize("command", ["learn-stage", "forget", "init", "info", "verify", "predict"])
+def test_the_frozen_folder_of_a_format4_run_is_no_run_of_its_own(tmp_path, command):
+    """A format-4 run's track is read and written only through its run: ``--run RUN/frozen`` is
+    refused (exit 7) by every command, and the run is left as it was."""
+    run = _copy_from(FORMAT4, "switched", tmp_path)
+    before = (run / "manifest.json").read_bytes()
+    data, track = str(LEGACY / "data" / "stage3"), str(run / "frozen")
+    args = {
+        "learn-stage": ["learn-stage", "--run", track, "--data", data, "--device", "cpu"],
+        "forget": ["forget", "--run", track, "--class", "class_02"],
+        "init": ["init", "--run", track, "--ptm", TINY_PTM, "--random-init"],
+        "info": ["info", "--run", track],
+        "verify": ["verify", "--run", track],
+        "predict": ["predict", "--run", track, data],
+    }[command]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 7, out.output
+    assert "is the frozen track of run" in out.output and f"--run {run}" in out.output.replace("\n", "")
+    assert (run / "manifest.json").read_bytes() == before and verify(run).frozen_track["num_stages"] == 2
+
+
+def test_a_format4_frozen_folder_that_is_a_link_or_missing_is_refused(tmp_path):
+    run = _copy_from(FORMAT4, "switched", tmp_path)
+    outside = Path(shutil.copytree(run / "frozen", tmp_path / "outside"))
+    shutil.rmtree(run / "frozen")
+    with pytest.raises(IntegrityError, match="is missing"):
+        learn_stage(run, data_dir=LEGACY / "data" / "stage3", device="cpu")
+    for command in (lambda: load_run(run, device="cpu"), lambda: verify(run), lambda: info(run)):
+        with pytest.raises(IntegrityError, match="is missing"):
+            command()
+    (run / "frozen").symlink_to(outside)
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        load_run(run, device="cpu")
+    assert len(json.loads((run / "manifest.json").read_text())["stages"]) == 2
