@@ -73,9 +73,6 @@ def read_pinned(fd: int, path: Path, entry: dict[str, Any]) -> bytes:
         raise IntegrityError(f"{exc}; remove it or restore the run from a backup") from None
 
 
-# --------------------------------------------------------------- no-follow access (the one place)
-
-
 @dataclass(frozen=True)
 class StageRecord:
     """One committed stage as read back: its metadata and its tensors."""
@@ -334,8 +331,7 @@ class RunDir:
     def stage_bytes(self, index: int, manifest: dict[str, Any] | None = None) -> int:
         """Bytes on disk of stage ``index``'s files (parameters, prototypes, metadata, statistics),
         not counting a switched run's frozen track's beside them (format 5, ``track.py``)."""
-        files = (manifest or self.manifest())["files"]
-        folder = f"{stage_dir(index)}/"
+        files, folder = (manifest or self.manifest())["files"], f"{stage_dir(index)}/"
         return sum(e["bytes"] for n, e in files.items() if n.startswith(folder) and track_name(n) is None)
 
     def _inside(self, name: str) -> Path:
