@@ -19,10 +19,12 @@ from typer.testing import CliRunner
 from drlcli import evaluate, export_run, forget_class, learn_stage, load_model, restore_class
 from drlcli.api import info, verify
 from drlcli.cli import app
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
 from drlcli.errors import IntegrityError, RunStateError
 from drlcli.run.directory import RunDir
 from drlcli.run.load import load_run
-from drlcli.synthetic import TINY_PTM
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 LEGACY = Path(__file__).parent / "data" / "legacy-runs"
 ANSWERS = json.loads((LEGACY / "answers.json").read_text())
@@ -179,3 +181,18 @@ def test_a_format4_frozen_folder_that_is_a_link_or_missing_is_refused(tmp_path):
     with pytest.raises(IntegrityError, match="symbolic link"):
         load_run(run, device="cpu")
     assert len(json.loads((run / "manifest.json").read_text())["stages"]) == 2
+
+
+def test_a_new_run_never_adopts_a_frozen_folder_put_beside_it(tmp_path):
+    """A run made for format 5 (its run.yaml records its frozen track's config) that has learned no
+    stage yet: a ``frozen/`` holding a run of an earlier release is not its track; its first stage
+    writes the track beside its own files and leaves that folder as it is."""
+    run = tmp_path / "run"
+    config = RunConfig.for_recipe("default", {"ridge": {"proj_dim": 32}, "train": {"epochs": 1, "batch_size": 8}})
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    shutil.copytree(LEGACY / "switched" / "frozen", run / "frozen")
+    learn_stage(run, data_dir=LEGACY / "data" / "stage1", device="cpu")
+    manifest = RunDir(run).manifest()
+    assert manifest["format_version"] == 5 and not any(n.startswith("frozen/") for n in manifest["files"])
+    assert (run / "frozen" / "manifest.json").exists()
+    verify(run)

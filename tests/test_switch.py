@@ -410,6 +410,19 @@ def test_a_default_run_holds_one_manifest_and_no_nested_run(switched, tmp_path):
         track._inside("manifest.json")  # nothing outside its stage and forget files (and the run's PTM)
 
 
+def test_a_run_listing_its_frozen_track_both_ways_is_refused(switched, tmp_path):
+    """Format 5's names and format 4's ``frozen/`` in one manifest: crafted (exit 5), never read as either."""
+    run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
+    (run / "frozen").mkdir()
+    shutil.copyfile(run / "run.yaml", run / "frozen" / "run.yaml")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"]["frozen/run.yaml"] = manifest["files"]["run.yaml"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for command in (lambda: load_run(run, device="cpu"), lambda: verify(run), lambda: info(run)):
+        with pytest.raises(IntegrityError, match="lists its frozen track's files twice"):
+            command()
+
+
 def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):
     run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
     name = load_run(run, device="cpu").model.class_names[4]

@@ -57,8 +57,9 @@ _STAGE_META = re.compile(rf"{STAGES}/([0-9]{{3,9}})/{re.escape(STAGE_META)}")
 
 def track_format(run: RunDir, manifest: dict[str, Any]) -> int:
     """How the run keeps its frozen track: ``FLAT`` (format 5; also a run with no track file yet),
-    ``NESTED`` (format 4) or ``OWN`` (before format 4: ``frozen/`` holds a manifest and the run's lists
-    none of its files). A manifest listing the track both ways is crafted: IntegrityError."""
+    ``NESTED`` (format 4) or ``OWN`` (before format 4: ``frozen/`` holds a manifest, the run's lists
+    none of its files and its run.yaml no ``TRACK_CONFIG``). A manifest listing the track both ways
+    is crafted: IntegrityError."""
     flat = any(track_name(name) is not None for name in manifest["files"])
     nested = any(name.startswith(TRACK_PREFIX) for name in manifest["files"])
     if flat and nested:
@@ -68,7 +69,11 @@ def track_format(run: RunDir, manifest: dict[str, Any]) -> int:
         )
     if nested:
         return NESTED
-    return OWN if not flat and os.path.lexists(run.path / FROZEN_TRACK / MANIFEST) else FLAT
+    if flat or not os.path.lexists(run.path / FROZEN_TRACK / MANIFEST):
+        return FLAT
+    # a run made for format 5 (its run.yaml records the track's config) has not yet learned a stage:
+    # a frozen/ beside it is not its track, whatever it holds
+    return FLAT if TRACK_CONFIG in run.run_config(manifest) else OWN
 
 
 def _nested_name(name: str) -> str | None:
