@@ -213,7 +213,7 @@ def test_simplecil_method(tmp_path, stage_folders):
 
 def test_the_default_learns_its_adapter_set_and_answers_from_its_frozen_track_first(tmp_path, stage_folders):
     """What a new user's `drl init` makes (issue 32): the switched schedule. Stage 1 trains the
-    carried adapter set and answers from the frozen track (a `drl --preset frozen` run in `frozen/`);
+    carried adapter set and answers from the frozen track (a `drl --preset frozen` run's files beside its own);
     eval, info, export and predict read the answering track."""
     run = tmp_path / "run"
     assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0

@@ -2,7 +2,8 @@
 storage call of a ``learn-stage`` and a ``forget`` leaves a run that ``verify``, ``eval`` and
 ``predict`` accept, answering as before the command or as after it, and the same command run again
 completes it. A switched run (the default) commits its frozen track's files with its own, in one
-commit (``run/track.py``): no fault leaves the two tracks apart.
+commit (``run/track.py``; format 5: beside its own in its stage folders): no fault leaves the two
+tracks apart.
 
 The faults come from ``test_crash_points.FailAt`` (from call k on for a crash and a full disk; call k
 alone for an I/O error)."""
@@ -169,7 +170,8 @@ def test_the_default_survives_a_fault_at_every_storage_call_of_forget(
         forget_class(run, "class_02", purge=mode == "full")
 
     assert _sweep(faults, mode, after, tmp_path, forget, states, test, every) == {0, 1}
-    assert RunDir(forgotten).manifest()["format_version"] == 4  # the frozen track listed in the run's manifest
+    manifest = RunDir(forgotten).manifest()  # the frozen track beside the run's files, in its manifest
+    assert manifest["format_version"] == 5 and "forgotten/frozen-log-g000004.json" in manifest["files"]
 
 
 @pytest.mark.slow

@@ -144,9 +144,9 @@ def _short_w(run: Path, name: str) -> None:
     (run / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("track", ["", "frozen/"])  # the carried network's head, and the frozen track's (it answers)
+@pytest.mark.parametrize("track", ["", "frozen-"])  # the carried network's head, and the frozen track's (it answers)
 def test_w_one_row_short_is_refused_by_verify_and_predict(copy, stage_folders, track):
-    _short_w(copy, f"{track}stages/002/totals.safetensors")
+    _short_w(copy, f"stages/002/{track}totals.safetensors")
     with pytest.raises(IntegrityError, match=r"ranpac.weight .* not \(\d+, classes\)"):
         verify(copy)
     with pytest.raises(IntegrityError, match=r"ranpac.weight .* not \(\d+, classes\)"):

@@ -331,7 +331,9 @@ def test_cli_init_preset_paper_scores_with_prototypes(tmp_path, stage_folders):
         model = load_run(run, device="cpu").model
         assert (model.head is None) == (name == "paper")
         assert (run / "stages" / "001" / "statistics.safetensors").exists() == (name == "frozen")
-        assert (run / "frozen").is_dir() == (name == "default")  # the switched default's frozen track
+        # the switched default's frozen track: beside the run's files (format 5), no frozen/ folder
+        assert (run / "stages" / "001" / "frozen-stage.json").exists() == (name == "default")
+        assert not (run / "frozen").exists()
     bad = runner.invoke(app, ["init", "--run", str(tmp_path / "x"), *args, "--preset", "fast"])
     assert bad.exit_code == 2 and "no preset 'fast'" in bad.stderr
 

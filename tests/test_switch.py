@@ -1,6 +1,6 @@
 """A switched run (``ranpac --preset switched``, ``run/track.py``): a carried run with the frozen
-default learning beside it (its frozen track, files listed in the run's own manifest), answering
-from the track the run's forward transfer picks."""
+default learning beside it (its frozen track, files beside the run's in its own stage folders and
+manifest, format 5), answering from the track the run's forward transfer picks."""
 
 import json
 import shutil
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save
 from typer.testing import CliRunner
 
@@ -301,37 +302,58 @@ def test_a_crafted_switch_record_is_refused(switched, tmp_path, change):
         load_run(run, device="cpu")
 
 
-def _resign(run: Path, prefix: str = "") -> None:
-    """Re-sign every file under ``prefix`` in the run's manifest as it is now (a crafted run)."""
+def _resign(run: Path, names) -> None:
+    """List ``names`` (run-relative) in the run's manifest as they are now, and no other file of the
+    frozen track (a crafted run)."""
     manifest = json.loads((run / "manifest.json").read_text())
-    files = {n for n in manifest["files"] if n.startswith(prefix)}
-    manifest["files"] = {n: e for n, e in manifest["files"].items() if n not in files}
-    for path in (run / prefix).rglob("*"):
-        name = path.relative_to(run).as_posix()
-        if path.is_file() and name.startswith(prefix) and "/." not in f"/{name}":
-            data = path.read_bytes()
-            manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    manifest["files"] = {n: e for n, e in manifest["files"].items() if "/frozen-" not in n}
+    for name in names:
+        data = (run / name).read_bytes()
+        manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
     (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _track_files(run: Path) -> list[str]:
+    """The frozen track's files (format 5: beside the run's, ``frozen-`` names)."""
+    return sorted(p.relative_to(run).as_posix() for p in run.rglob("frozen-*"))
+
+
+def _stand_in(run: Path, source: Path, prefix: str = "") -> list[str]:
+    """Replace the run's frozen track's stage files by ``source``'s (``prefix``: their names there)."""
+    for name in _track_files(run):
+        (run / name).unlink()
+    names = []
+    for path in sorted((source / "stages").rglob(f"{prefix}*")):
+        if path.is_file() and (prefix or not path.name.startswith("frozen-")):
+            name = f"stages/{path.parent.name}/frozen-{path.name[len(prefix) :]}"
+            shutil.copyfile(path, run / name)
+            names.append(name)
+    return names
 
 
 def test_another_run_cannot_stand_in_for_the_frozen_track(switched, tmp_path):
     """The track's files are checked by the run's manifest, and the run's switch records hold the
-    sha256 of the track's stage records: another run's files in its place are damage; re-signed in
-    the manifest, the frozen default learning the same stages is still refused, and so is a track
-    of another config."""
+    sha256 of the track's stage records: another run's files in their place are damage; re-signed
+    in the manifest, the frozen default learning the same stages is still refused, and so are the
+    run's own files, and a track config of another kind in the run's run.yaml."""
     run, default = (Path(shutil.copytree(p, tmp_path / p.name)) for p in switched[:2])
-    shutil.rmtree(run / "frozen")
-    shutil.copytree(default, run / "frozen", ignore=shutil.ignore_patterns("manifest.json", ".lock"))
+    names = _stand_in(run, default)
     with pytest.raises(IntegrityError, match="checksum mismatch|is missing|more than the"):
         load_run(run, device="cpu")
-    _resign(run, "frozen/")
+    _resign(run, names)
     with pytest.raises(IntegrityError, match="is not the one run"):
         load_run(run, device="cpu")
     with pytest.raises(IntegrityError, match="is not the one run"):
         verify(run)
-    shutil.rmtree(run / "frozen")
-    shutil.copytree(switched[0], run / "frozen", ignore=shutil.ignore_patterns("manifest.json", ".lock", "frozen"))
-    _resign(run, "frozen/")  # a switched run's own files as its frozen track
+    _resign(run, _stand_in(run, switched[0]))  # a switched run's own files as its frozen track
+    with pytest.raises(IntegrityError, match="is not the one run"):
+        load_run(run, device="cpu")
+    _resign(run, _stand_in(run, switched[0], "frozen-"))  # its track again, and in run.yaml another one
+    load_run(run, device="cpu")
+    record = yaml.safe_load((run / "run.yaml").read_text())
+    record["frozen_track"]["train"]["seed"] += 1
+    (run / "run.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    _resign(run, ["run.yaml", *_track_files(run)])
     with pytest.raises(IntegrityError, match="another config"):
         load_run(run, device="cpu")
 
@@ -348,42 +370,57 @@ def test_a_stage_refused_after_the_frozen_track_learned_it_commits_in_neither(sw
     assert load_run(run, device="cpu").model.num_stages == 3
 
 
-def test_a_frozen_track_that_is_a_link_or_missing_is_refused(switched, tmp_path, stage_folders):
+def test_a_frozen_track_file_that_is_a_link_or_missing_is_refused(switched, tmp_path, stage_folders):
     run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
-    outside = Path(shutil.copytree(run / "frozen", tmp_path / "outside"))
-    shutil.rmtree(run / "frozen")
+    name = "stages/002/frozen-weights.safetensors"
+    outside = Path(shutil.copyfile(run / name, tmp_path / "outside.safetensors"))
+    (run / name).unlink()
     more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
     with pytest.raises(IntegrityError, match="is missing"):
         learn_stage(run, data_dir=more, device="cpu")
     for command in (lambda: load_run(run, device="cpu"), lambda: verify(run), lambda: info(run)):
         with pytest.raises(IntegrityError, match="is missing"):
             command()
-    (run / "frozen").symlink_to(outside)
+    (run / name).symlink_to(outside)
     with pytest.raises(IntegrityError, match="symbolic link"):
         load_run(run, device="cpu")
     assert len(json.loads((run / "manifest.json").read_text())["stages"]) == 3
 
 
-@pytest.mark.parametrize("command", ["learn-stage", "forget", "init", "info", "verify", "predict"])
-def test_the_frozen_track_is_no_run_of_its_own(switched, tmp_path, command):
-    """The track is read and written only through its run: ``--run RUN/frozen`` is refused (exit 7)
-    by every command, and the run is left as it was."""
+def test_a_default_run_holds_one_manifest_and_no_nested_run(switched, tmp_path):
+    """Format 5: the frozen track's files lie beside the run's in its stage folders (``frozen-``
+    names), its run.yaml derived from the run's and its PTM weights the run's; no ``frozen/``
+    folder, one manifest, and ``drl verify`` passes (from the CLI too)."""
+    run = switched[0]
+    assert not (run / "frozen").exists() and [p.name for p in run.rglob("manifest.json")] == ["manifest.json"]
+    manifest = RunDir(run).manifest()
+    assert manifest["format_version"] == 5
+    for index in (1, 2, 3):
+        assert f"stages/{index:03d}/frozen-stage.json" in manifest["files"]
+    assert not any(name.endswith(".yaml") and name != "run.yaml" for name in manifest["files"])
+    assert "frozen_track" in yaml.safe_load((run / "run.yaml").read_text())
+    out = CliRunner().invoke(app, ["verify", "--run", str(run)])
+    assert out.exit_code == 0, out.output
+    track = _track(run)
+    assert (
+        track.read_bytes("run.yaml")
+        and track.manifest()["files"]["ptm.safetensors"] == manifest["files"]["ptm.safetensors"]
+    )
+    with pytest.raises(IntegrityError, match="no file"):
+        track._inside("manifest.json")  # nothing outside its stage and forget files (and the run's PTM)
+
+
+def test_a_run_listing_its_frozen_track_both_ways_is_refused(switched, tmp_path):
+    """Format 5's names and format 4's ``frozen/`` in one manifest: crafted (exit 5), never read as either."""
     run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
-    before = (run / "manifest.json").read_bytes()
-    more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)
-    track = str(run / "frozen")
-    args = {
-        "learn-stage": ["learn-stage", "--run", track, "--data", str(more), "--device", "cpu"],
-        "forget": ["forget", "--run", track, "--class", "class_000"],
-        "init": ["init", "--run", track, "--ptm", TINY_PTM, "--random-init"],
-        "info": ["info", "--run", track],
-        "verify": ["verify", "--run", track],
-        "predict": ["predict", "--run", track, str(more)],
-    }[command]
-    out = CliRunner().invoke(app, args)
-    assert out.exit_code == 7, out.output
-    assert "is the frozen track of run" in out.output and f"--run {run}" in out.output.replace("\n", "")
-    assert (run / "manifest.json").read_bytes() == before and verify(run).frozen_track["num_stages"] == 3
+    (run / "frozen").mkdir()
+    shutil.copyfile(run / "run.yaml", run / "frozen" / "run.yaml")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"]["frozen/run.yaml"] = manifest["files"]["run.yaml"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for command in (lambda: load_run(run, device="cpu"), lambda: verify(run), lambda: info(run)):
+        with pytest.raises(IntegrityError, match="lists its frozen track's files twice"):
+            command()
 
 
 def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):
@@ -398,7 +435,8 @@ def test_forget_and_restore_reach_the_frozen_track(switched, tmp_path):
     forget_class(run, name, purge=True)
     loaded = load_run(run, device="cpu")
     assert name not in loaded.model.class_names and len(loaded.model.class_names) == 8
-    assert not any(n.startswith("frozen/forgotten/rows") for n in RunDir(run).manifest()["files"])
+    assert not any(n.startswith("forgotten/frozen-rows") for n in RunDir(run).manifest()["files"])
+    assert any(n.startswith("forgotten/frozen-log") for n in RunDir(run).manifest()["files"])
 
 
 def test_the_cli_says_which_track_answers(tmp_path, stage_folders, monkeypatch):

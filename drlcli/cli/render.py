@@ -303,7 +303,9 @@ def info(r: dict[str, Any]) -> str:
     track = r.get("frozen_track")
     if track:  # a switched run
         lines.append(
-            f"frozen track {track['run_dir']}: the frozen PTM (`drl init --recipe frozen`), {track['num_stages']} stages, "
+            # format 5: its files beside the run's (stages/NNN/frozen-*); format 4: under frozen/
+            f"frozen track{'' if track['run_dir'] == r['run_dir'] else ' ' + track['run_dir']}: the frozen PTM "
+            f"(`drl init --recipe frozen`), {track['num_stages']} stages, "
             f"{track['total_bytes'] / 2**20:.2f} MiB more"
             + {"frozen": "; the run answers from it", "carried": "; the run answers from the carried network"}.get(
                 track.get("answers"), ""

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
-from ..run.layout import TOTALS, TRACK_PREFIX
+from ..run.layout import TOTALS
 from ..run.records import (
     checked_metas,
     first_session_record,
@@ -22,6 +22,7 @@ from ..run.records import (
     trial_record,
 )
 from ..run.track import frozen_track, switched, tied_track
+from ..run.trackdir import TrackDir, owned_bytes
 
 
 def _threshold(meta: dict[str, Any], key: str = "threshold") -> float | None:
@@ -40,7 +41,7 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
     record, _ = read_record(run, manifest)
     stages, metas = [], checked_metas(run, manifest)
     forgotten = read_log(run, manifest, {meta["stage"]: meta for meta in metas})
-    total_bytes = run.size_bytes(manifest) - run.size_bytes(manifest, prefix=TRACK_PREFIX)  # the track: its own line
+    total_bytes = run.size_bytes(manifest) - owned_bytes(manifest)  # the track's files: its own line
     cum_bytes = cum_classes = trained_params = solved_params = 0
     for index, meta in zip(run.stage_indices(manifest), metas):
         evaluation = meta["metrics"].get("eval")
@@ -118,8 +119,9 @@ def _info(run: RunDir, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _frozen_track(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """A switched run's frozen track (``run/track.py``): its folder, stages and bytes, and the track
-    the run answers from (None: not a switched run)."""
+    """A switched run's frozen track (``run/track.py``): where it lies (the run's own folder from
+    format 5), its stages and bytes (its own files), and the track the run answers from (None: not
+    a switched run)."""
     if not switched(run, manifest):
         return None
     if not metas:
@@ -128,6 +130,7 @@ def _frozen_track(run: RunDir, manifest: dict[str, Any], metas: list[dict[str, A
     return {
         "run_dir": str(track.path),
         "num_stages": len(held["stages"]),
-        "total_bytes": track.size_bytes(held),
+        # a track kept as a run of its own (before format 4): its manifest's files
+        "total_bytes": owned_bytes(manifest) if isinstance(track, TrackDir) else track.size_bytes(held),
         "answers": answers,
     }

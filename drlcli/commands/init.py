@@ -19,7 +19,7 @@ from ..ptm.backbone import PTMSource
 from ..run.directory import RunDir
 from ..run.files import init_files
 from ..run.records import run_record
-from ..run.track import track_init_files
+from ..run.trackdir import track_record
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,10 @@ def init_run(
             ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
         )
         record = run_record(ptm_record, config, recipe)
+        if schedule_of(config).switches:  # its frozen track's config: the track's run.yaml is derived from it
+            record = track_record(record, config)
         state = model.state_dict() if random_init else None
-        files = init_files(record, state)
-        if schedule_of(config).switches:  # its frozen track, committed with it from the start
-            files.update(track_init_files(record, config, state))
-        writer.commit(files, manifest=None)
+        writer.commit(init_files(record, state), manifest=None)
     info = record["ptm"]
     return InitResult(
         str(run.path),

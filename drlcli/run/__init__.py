@@ -1,9 +1,10 @@
 """The run directory: the product's memory. Only this folder knows the file names inside it.
 
-Layout (format version 3; 1 and 2: runs of earlier releases, read as they are)::
+Layout (format version 5; 1 to 4: runs of earlier releases, read as they are)::
 
     manifest.json              format, version, generation, every file with sha256 and size
-    run.yaml                   method, PTM (name, args, sha256, data config), hyper-parameters
+    run.yaml                   method, PTM (name, args, sha256, data config), hyper-parameters (and
+                               a switched run's ``frozen_track``: its frozen track's config)
     ptm.safetensors            PTM weights, only for --random-init runs
     stages/NNN/stage.json      classes, data fingerprint, options, metrics of stage NNN
     stages/NNN/weights.safetensors   stage parameters + real prototypes of its classes
@@ -19,9 +20,10 @@ Layout (format version 3; 1 and 2: runs of earlier releases, read as they are)::
     forgotten/log-gGGGGGG.json the forget log: forgotten classes and every forget/restore (forget.py)
     forgotten/rows-gGGGGGG.safetensors  what the forget of generation GGGGGG took out of the stage
                                files (one class's slices), kept so that ``--restore`` can put it back
-    frozen/                    a switched run only (``Schedule.switches``, ``track.py``): its
-                               frozen track's files (the frozen head learning the same stages),
-                               listed in this manifest and committed with the run's (format 4)
+    stages/NNN/frozen-*, forgotten/frozen-*   a switched run only (``Schedule.switches``,
+                               ``trackdir.py``): its frozen track's files (the frozen head learning
+                               the same stages), committed with the run's (format 5; format 4 kept
+                               them under ``frozen/``, listed in this manifest too)
     .lock                      writer lock (flock) with the holder's pid, host and start time
     .staging/                  files being written; never trusted, cleaned by the next writer
     .checkpoint/               the last finished epoch of an interrupted learn-stage (not part
@@ -38,8 +40,9 @@ lists, and verify their sha256 on every read. Nothing here is ever unpickled.
 A commit may also supersede listed files (``drl forget`` rewrites a stage's files under new names):
 the new manifest no longer lists them and names them under ``superseded``; the writer deletes them
 right after the commit point, and the next writer deletes any that a crash left. A run whose
-manifest lists a totals file is format version 3, one that lists a ``forgotten/`` file but no
-totals is 2, every other 1: older releases refuse a version they would misread, by its number.
+manifest lists a frozen track's ``frozen-`` file is format version 5, one listing ``frozen/`` files
+4, a totals file 3, a ``forgotten/`` file but no totals 2, every other 1: older releases refuse a
+version they would misread, by its number.
 
 Files are created, written, renamed and removed only through ``storage.py`` (fsynced, no links
 followed); this folder decides which names they get.
@@ -56,5 +59,6 @@ The folder, from the bottom: ``layout.py`` (the names), ``access.py`` (no-follow
 ``lock.py`` (the writer lock, init's folder rules), ``writer.py`` (commits), ``directory.py``
 (``RunDir``: reading, one generation at a time, and the writer), ``records.py`` (stage.json and
 run.yaml as drl reads them), ``forgotten.py`` (the forget log and the active classes; ``slices.py``
-checks a forgotten class's kept slices), ``load.py`` (``load_run``: the model of a run).
+checks a forgotten class's kept slices), ``trackdir.py`` and ``track.py`` (a switched run's frozen
+track: its files, and its tie to the run's records), ``load.py`` (``load_run``: the model of a run).
 """

@@ -43,6 +43,7 @@ from .layout import (
     stage_dir,
     stage_file,
     supersedable,
+    track_name,
 )
 from .lock import acquire, refuse_existing, require_locks
 from .writer import RunWriter
@@ -70,9 +71,6 @@ def read_pinned(fd: int, path: Path, entry: dict[str, Any]) -> bytes:
         return storage.read_open(fd, path, limit=entry["bytes"], what="run file")
     except ValueError as exc:
         raise IntegrityError(f"{exc}; remove it or restore the run from a backup") from None
-
-
-# --------------------------------------------------------------- no-follow access (the one place)
 
 
 @dataclass(frozen=True)
@@ -219,12 +217,16 @@ class RunDir:
             value = parse(data)
         except (ValueError, SafetensorError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError: a ValueError
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise IntegrityError(f"{self.path / name} cannot be parsed ({reason}); restore it from a backup") from exc
+            raise IntegrityError(f"{self.shown(name)} cannot be parsed ({reason}); restore it from a backup") from exc
         if not isinstance(value, dict):
             raise IntegrityError(
-                f"{self.path / name} holds a {type(value).__name__} where a mapping belongs; restore it from a backup"
+                f"{self.shown(name)} holds a {type(value).__name__} where a mapping belongs; restore it from a backup"
             )
         return value
+
+    def shown(self, name: str) -> Path:
+        """Where the listed file ``name`` lies, for a message (unchecked: never opened)."""
+        return self.path / name
 
     def run_config(self, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.parsed(RUN_CONFIG, manifest, jsonio.load_yaml)
@@ -327,8 +329,10 @@ class RunDir:
         return sum(e["bytes"] for n, e in files.items() if n.startswith(prefix))
 
     def stage_bytes(self, index: int, manifest: dict[str, Any] | None = None) -> int:
-        """Bytes on disk of stage ``index``'s files (parameters, prototypes, metadata, statistics)."""
-        return self.size_bytes(manifest, prefix=f"{stage_dir(index)}/")
+        """Bytes on disk of stage ``index``'s files (parameters, prototypes, metadata, statistics),
+        not counting a switched run's frozen track's beside them (format 5, ``track.py``)."""
+        files, folder = (manifest or self.manifest())["files"], f"{stage_dir(index)}/"
+        return sum(e["bytes"] for n, e in files.items() if n.startswith(folder) and track_name(n) is None)
 
     def _inside(self, name: str) -> Path:
         rel = PurePosixPath(name)

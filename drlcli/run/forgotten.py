@@ -153,10 +153,10 @@ def read_log(run: RunDir, manifest: dict[str, Any], metas: dict[int, dict[str, A
     try:
         log = _parse(data)
     except (ValueError, TypeError, KeyError) as exc:
-        raise IntegrityError(f"{run.path / name} is malformed ({exc}); restore it from a backup") from exc
+        raise IntegrityError(f"{run.shown(name)} is malformed ({exc}); restore it from a backup") from exc
     problem = _log_problem(log, manifest, metas)
     if problem:
-        raise IntegrityError(f"{run.path / name} does not fit the run ({problem}); restore it from a backup")
+        raise IntegrityError(f"{run.shown(name)} does not fit the run ({problem}); restore it from a backup")
     return log
 
 
@@ -348,7 +348,7 @@ def widened(piece: Tensor, like: Tensor, axis: int) -> Tensor:
 
 
 def rows_error(state: ForgetState, entry: Forgotten, problem: str) -> IntegrityError:
-    path = state.run.path / forgotten_rows_file(entry.generation)
+    path = state.run.shown(forgotten_rows_file(entry.generation))
     return IntegrityError(f"{path} does not fit the run ({problem}); restore it from a backup")
 
 

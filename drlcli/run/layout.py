@@ -26,7 +26,17 @@ TOTALS_FORMAT_VERSION = 3  # the newest stage carries the run's running totals (
 TRACK_FORMAT_VERSION = 4
 
 
-READABLE_VERSIONS = (FORMAT_VERSION, FORGET_FORMAT_VERSION, TOTALS_FORMAT_VERSION, TRACK_FORMAT_VERSION)
+# a switched run's frozen head in the run's own stage files (``TRACK_LEAF``): no nested run at all
+FLAT_TRACK_FORMAT_VERSION = 5
+
+
+READABLE_VERSIONS = (
+    FORMAT_VERSION,
+    FORGET_FORMAT_VERSION,
+    TOTALS_FORMAT_VERSION,
+    TRACK_FORMAT_VERSION,
+    FLAT_TRACK_FORMAT_VERSION,
+)
 
 
 MANIFEST = "manifest.json"
@@ -59,12 +69,17 @@ QUARANTINE = ".quarantine"
 FORGOTTEN = "forgotten"
 
 
-# a switched run's frozen track (``track.py``): the frozen default's files, listed in the run's own
-# manifest under this folder (a run written before format 4 kept a manifest of its own there)
+# a switched run's frozen track (``track.py``) in format 4: the frozen default's files, listed in the
+# run's own manifest under this folder (a run written before format 4 kept a manifest of its own there)
 FROZEN_TRACK = "frozen"
 
 
 TRACK_PREFIX = f"{FROZEN_TRACK}/"
+
+
+# format 5: the frozen track's stage and forget files in the run's own folders, their names prefixed
+# (``stages/001/frozen-stage.json``, ``forgotten/frozen-log-g000004.json``; ``track_file``)
+TRACK_LEAF = f"{FROZEN_TRACK}-"
 
 
 # every name a run keeps at its top level: never a link, and never a user's file that init would take over
@@ -81,6 +96,9 @@ MAX_RECORD_BYTES = 64 * 2**20  # the most drl reads of a file not listed with it
 
 
 STAGE_META = "stage.json"
+
+
+_STAGE_FOLDER = re.compile(r"[0-9]{3,}")
 
 
 STAGE_WEIGHTS = "weights.safetensors"
@@ -157,12 +175,44 @@ def current_file(manifest: dict[str, Any], name: str) -> str | None:
     return found[0] if found else None
 
 
+def _track_folder(parts: tuple[str, ...]) -> bool:
+    """Whether ``parts`` (a name's folders, its leaf excluded) is one where format 5 keeps the frozen
+    track's files: a stage's folder, or the forget folder."""
+    stage = len(parts) == 2 and parts[0] == STAGES and _STAGE_FOLDER.fullmatch(parts[1]) is not None
+    return stage or parts == (FORGOTTEN,)
+
+
+def track_file(name: str) -> str | None:
+    """Format 5: the run-relative name of the frozen track's file ``name`` (as the track names it): a
+    stage or forget file with its leaf prefixed (``stages/001/stage.json`` ->
+    ``stages/001/frozen-stage.json``), the PTM's stored weights the run's own; None for any other
+    name (the track's run.yaml is derived from the run's, ``track.py``: no file holds it)."""
+    parts = PurePosixPath(name).parts
+    if name == PTM_WEIGHTS:
+        return name
+    if not parts or not _track_folder(parts[:-1]):
+        return None
+    return "/".join((*parts[:-1], TRACK_LEAF + parts[-1]))
+
+
+def track_name(name: str) -> str | None:
+    """Format 5: the name the frozen track gives the run's file ``name`` (``track_file`` undone), or
+    None when ``name`` is not one of the track's (the run's own files never take the prefix)."""
+    parts = PurePosixPath(name).parts
+    if not parts or not parts[-1].startswith(TRACK_LEAF) or not _track_folder(parts[:-1]):
+        return None
+    leaf = parts[-1][len(TRACK_LEAF) :]
+    return "/".join((*parts[:-1], leaf)) if leaf else None
+
+
 def supersedable(name: str) -> bool:
     """Whether ``name`` is a file a commit may supersede: a stage's weights or statistics, or a forget
-    file, the run's own or its frozen track's."""
+    file, the run's own or its frozen track's (format 4 or 5)."""
     parts = PurePosixPath(name).parts
     if parts and parts[0] == FROZEN_TRACK:
         parts = parts[1:]
+    elif track_name(name) is not None:
+        parts = PurePosixPath(str(track_name(name))).parts
     match = _REVISION.fullmatch(parts[-1]) if parts else None
     if match is None or len(parts) not in (2, 3):
         return False
@@ -177,9 +227,12 @@ def supersedable(name: str) -> bool:
 
 
 def format_version(files: dict[str, Any]) -> int:
-    """4 once the run lists its frozen track's files, 3 once a stage carries the run's totals, 2 once
-    the run lists a forget file, else 1: older releases must refuse what they would misread (summing
-    totals as one stage's increments, looking for the frozen track's own manifest)."""
+    """5 once the run's stage folders hold its frozen track's files, 4 once the run lists them under
+    ``frozen/``, 3 once a stage carries the run's totals, 2 once the run lists a forget file, else 1:
+    older releases must refuse what they would misread (summing totals as one stage's increments,
+    looking for the frozen track's own manifest or folder)."""
+    if any(track_name(name) is not None for name in files):
+        return FLAT_TRACK_FORMAT_VERSION
     if any(name.startswith(TRACK_PREFIX) for name in files):
         return TRACK_FORMAT_VERSION
     totals = TOTALS.partition(".")[0]
@@ -189,3 +242,8 @@ def format_version(files: dict[str, Any]) -> int:
 
 
 RUN_CONFIG_KIND = "drl-run-config"
+
+
+# run.yaml's section holding a switched run's frozen track's config (format 5, ``track.py``): the
+# track's run.yaml is derived from the run's, so a release that changes recipe ``frozen`` leaves it
+TRACK_CONFIG = "frozen_track"

@@ -52,7 +52,7 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
         model = backbone.create_ptm(
             info["name"], source=PTMSource(random_init=True), kwargs=kwargs, unsupported=IntegrityError
         )
-        backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.path / PTM_WEIGHTS))
+        backbone.load_state(model, run.ptm_weights(manifest), origin=str(run.shown(PTM_WEIGHTS)))
     else:
         path = ptm_weights
         if path is None and info["source"] == "hf-hub":  # the recorded commit's, from the Hugging Face cache
@@ -72,7 +72,7 @@ def load_ptm(run: RunDir, record: dict[str, Any], manifest: dict[str, Any], *, p
         check_input_size(record["ptm"]["data_config"], model)
     except UsageError as exc:
         raise IntegrityError(
-            f"{run.path / RUN_CONFIG} is not a valid run config ({exc}); restore it from a backup"
+            f"{run.shown(RUN_CONFIG)} is not a valid run config ({exc}); restore it from a backup"
         ) from exc
     found = backbone.fingerprint(model)
     if found != info["sha256"]:

@@ -50,7 +50,7 @@ def read_record(run: RunDir, manifest: dict[str, Any]) -> tuple[dict[str, Any], 
         config = RunConfig.from_dict(record.get("config"))
     except UsageError as exc:
         raise IntegrityError(
-            f"{run.path / RUN_CONFIG} is not a valid run config ({exc}); restore it from a backup"
+            f"{run.shown(RUN_CONFIG)} is not a valid run config ({exc}); restore it from a backup"
         ) from exc
     return record, config
 

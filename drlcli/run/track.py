@@ -1,24 +1,21 @@
 """A switched run's two tracks (``Schedule.switches``): the carried run itself, and its frozen track,
-the frozen default learning the same stages (a ``drl init --recipe frozen`` run's files, under
-``frozen/``). After each stage the run answers from one of them: from the carried network once the
-run's forward transfer (stage.json ``carry.transfer``, ``metrics.Transfer``) says adapting tells
-new classes apart better than the frozen PTM, and from the frozen track until then (stage 1 has no
-transfer to measure).
+the frozen default learning the same stages (the files of a ``drl init --recipe frozen`` run, kept
+inside the run: ``trackdir.py``). After each stage the run answers from one of them: from the
+carried network once the run's forward transfer (stage.json ``carry.transfer``,
+``metrics.Transfer``) says adapting tells new classes apart better than the frozen PTM, and from the
+frozen track until then (stage 1 has no transfer to measure).
 
-The track's files are listed in the run's own manifest (``TrackDir``, format 4): a stage, a forget
-or a restore of both tracks is one commit of the run (``TrackWriter`` hands the track's files to the
-run's writer), so no fault leaves the two apart. Each stage's ``switch`` record also holds the
-sha256 of the track's record of the stage. A run written before format 4 kept the track as a run
-directory of its own (its own manifest, committed just before the run's); it is read as it is, and
-the first command that writes to the run lists the track's files in the run's manifest
-(``adopt_track``)."""
+A stage, a forget or a restore of both tracks is one commit of the run, so no fault leaves the two
+apart; each stage's ``switch`` record also holds the sha256 of the track's record of the stage, and
+``tied_track`` checks the track against the run's records before anything reads it. A run written
+before format 4 kept the track as a run directory of its own (its own manifest, committed just
+before the run's); it is read as it is, and the first command that writes to the run lists the
+track's files in the run's manifest (``adopt_track``, format 4)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from .. import storage
@@ -26,152 +23,38 @@ from ..config import RunConfig
 from ..errors import IntegrityError, RunStateError
 from ..methods import schedule_of
 from ..metrics import Transfer
-from .access import real_dir
 from .directory import RunDir
-from .files import init_files
 from .forgotten import ForgetState, read_log
-from .layout import (
-    FORMAT,
-    FROZEN_TRACK,
-    LOCK,
-    MANIFEST,
-    RUN_CONFIG,
-    STAGE_META,
-    STAGES,
-    TRACK_PREFIX,
-    format_version,
-    sha256_bytes,
-    stage_file,
-)
-from .records import check_stage_meta, checked_metas, read_record, run_record, transfer_record
-from .writer import RunWriter, next_manifest
+from .layout import FROZEN_TRACK, LOCK, MANIFEST, STAGE_META, TRACK_PREFIX, stage_file
+from .records import check_stage_meta, checked_metas, read_record, transfer_record
+from .trackdir import FLAT, NESTED, TrackDir, frozen_track, track_format
+from .writer import RunWriter
 
 CARRIED, FROZEN = "carried", "frozen"
-
-_STAGE_META = re.compile(rf"{STAGES}/([0-9]{{3,9}})/{re.escape(STAGE_META)}")
-
-
-def lists_track(manifest: dict[str, Any]) -> bool:
-    """Whether the run's manifest lists a frozen track's files (format 4)."""
-    return any(name.startswith(TRACK_PREFIX) for name in manifest["files"])
-
-
-def track_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The frozen track's files of the run's ``manifest``, as a manifest of the track's own (names
-    relative to ``frozen/``; its stages: those whose stage.json it lists)."""
-    files = {name[len(TRACK_PREFIX) :]: e for name, e in manifest["files"].items() if name.startswith(TRACK_PREFIX)}
-    stages = sorted(int(m[1]) for m in map(_STAGE_META.fullmatch, files) if m is not None)
-    superseded = [n[len(TRACK_PREFIX) :] for n in manifest.get("superseded", []) if n.startswith(TRACK_PREFIX)]
-    return {
-        "format": FORMAT,
-        "format_version": format_version(files),
-        "generation": manifest["generation"],
-        "committed": manifest.get("committed"),
-        "stages": stages,
-        "files": files,
-        "superseded": superseded,
-    }
-
-
-class TrackDir(RunDir):
-    """A switched run's frozen track, read from one generation of the run (``manifest``) and written
-    through the run's writer (``writer``): its every file is the run's, checked by the run's manifest."""
-
-    def __init__(self, run: RunDir, manifest: dict[str, Any], writer: RunWriter | None = None):
-        super().__init__(run.path / FROZEN_TRACK, nested=True)
-        self.parent, self._held, self._writer = run, manifest, writer
-
-    def exists(self) -> bool:
-        return f"{TRACK_PREFIX}{RUN_CONFIG}" in self._held["files"]
-
-    def manifest(self) -> dict[str, Any]:
-        if not self.exists():
-            raise IntegrityError(
-                f"switched run {self.parent.path} has lost its frozen track ({self.path}); restore the run from a backup"
-            )
-        return track_manifest(self._held)
-
-    @contextlib.contextmanager
-    def writer(self, *, create: bool = False, allow_nonempty: bool = False) -> Iterator[RunWriter]:
-        if self._writer is None:
-            raise RunStateError(f"{self.path} is written only with its run {self.parent.path}, under its lock")
-        writer = TrackWriter(self, self._writer)
-        writer.clean_staging()
-        yield writer
-
-
-class TrackWriter(RunWriter):
-    """The frozen track's writer: its commits are handed to the run's writer, whose next commit
-    publishes them with the run's own (``RunWriter.defer``)."""
-
-    def __init__(self, track: TrackDir, run_writer: RunWriter):
-        super().__init__(track)
-        self._run_writer = run_writer
-
-    def commit(
-        self,
-        files: dict[str, bytes],
-        *,
-        manifest: dict[str, Any] | None,
-        new_stage: int | None = None,
-        supersede: tuple[str, ...] = (),
-        adopt: dict[str, dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        self._run_writer.defer(
-            {TRACK_PREFIX + n: b for n, b in files.items()}, tuple(TRACK_PREFIX + n for n in supersede)
-        )
-        entries = {name: {"sha256": sha256_bytes(data), "bytes": len(data)} for name, data in files.items()}
-        return next_manifest(manifest, entries, new_stage, supersede)
-
-    def delete_superseded(self, manifest: dict[str, Any]) -> None:
-        """Nothing: the run's writer deletes what the run's commits superseded."""
-
-
-def frozen_track(run: RunDir, manifest: dict[str, Any], *, writer: RunWriter | None = None) -> RunDir:
-    """The run's frozen track: a ``TrackDir`` of ``manifest``, or for a run written before format 4
-    that has not been written since, the track's run directory of its own (a link or file in its
-    place is refused, IntegrityError, so that no command follows a crafted run outside its folder)."""
-    legacy = run.path / FROZEN_TRACK
-    if not lists_track(manifest) and os.path.lexists(legacy / MANIFEST):
-        real_dir(legacy)
-        return RunDir(legacy, nested=True)
-    return TrackDir(run, manifest, writer)
 
 
 def adopt_track(run: RunDir, writer: RunWriter) -> None:
     """Before a command writes to a switched run (under its lock): a track kept as a run directory of
     its own (a run written before format 4) is listed in the run's manifest, its files in place, once
     they are checked to be the run's (a stage ahead included: the next learn-stage of its data reuses
-    it); a run with no track yet gets one, the frozen default's
-    ``run.yaml`` (and the PTM's stored weights). One commit each; the run answers as before."""
+    it), in one commit; the run is then format 4 and answers as before. A track's own commands (a
+    forget inside its run's) and runs of format 4 or 5 change nothing here."""
+    if isinstance(run, TrackDir):
+        return
     manifest = run.manifest()
-    if lists_track(manifest) or not switched(run, manifest):
+    kept = track_format(run, manifest)
+    if kept == FLAT:
+        return
+    if kept == NESTED or not switched(run, manifest):
         _drop_legacy_files(run)
         return
-    legacy = run.path / FROZEN_TRACK / MANIFEST
-    if os.path.lexists(legacy):
-        metas = checked_metas(run, manifest)
-        # one stage ahead: an interrupted call, whose next call (same data) reuses the stage
-        track, held, _ = tied_track(run, manifest, metas, classes=False, ahead=True)
-        for name in held["files"]:
-            track.read_bytes(name, held)  # its checksum, before the run's manifest covers it
-        writer.commit({}, manifest=manifest, adopt={TRACK_PREFIX + n: e for n, e in held["files"].items()})
-        _drop_legacy_files(run)
-        return
-    record, config = read_record(run, manifest)
-    state = run.ptm_weights(manifest) if run.has_ptm_weights(manifest) else None
-    writer.commit(track_init_files(record, config, state), manifest=manifest)
-
-
-def track_init_files(record: dict[str, Any], config: RunConfig, state: Any) -> dict[str, bytes]:
-    """A switched run's frozen track as ``drl init`` writes it (run-relative names): the frozen
-    default's run.yaml with the run's PTM (its recorded place seen from ``frozen/``) and its stored
-    weights ``state`` (a --random-init run's)."""
-    ptm = dict(record["ptm"])
-    if isinstance(ptm.get("weights_hint"), str):
-        ptm["weights_hint"] = os.path.join(os.pardir, ptm["weights_hint"])
-    files = init_files(run_record(ptm, frozen_config(config)), state)
-    return {TRACK_PREFIX + n: b for n, b in files.items()}
+    metas = checked_metas(run, manifest)
+    # one stage ahead: an interrupted call, whose next call (same data) reuses the stage
+    track, held, _ = tied_track(run, manifest, metas, classes=False, ahead=True)
+    for name in held["files"]:
+        track.read_bytes(name, held)  # its checksum, before the run's manifest covers it
+    writer.commit({}, manifest=manifest, adopt={TRACK_PREFIX + n: e for n, e in held["files"].items()})
+    _drop_legacy_files(run)
 
 
 def _drop_legacy_files(run: RunDir) -> None:
@@ -202,12 +85,6 @@ def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
         if not isinstance(record.get("frozen_stage_sha256"), str):
             raise _crafted(run, stage, "its switch record names no frozen-track record")
     return answer
-
-
-def frozen_config(config: RunConfig) -> RunConfig:
-    """The frozen track's config: recipe ``frozen`` with the run's seed, workers and "unknown" answer."""
-    train = {"seed": config.train.seed, "num_workers": config.train.num_workers}
-    return RunConfig.for_recipe("frozen", {"train": train, "open_set": config.to_dict()["open_set"]})
 
 
 def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
@@ -252,7 +129,7 @@ def tied_track(
         own_record, own = read_record(track, held)
         if not _frozen_default(own, config) or own_record["ptm"]["sha256"] != record["ptm"]["sha256"]:
             raise IntegrityError(
-                f"{track.path} is not the frozen track of run {run.path} (another config or PTM); restore the run "
+                f"the frozen track of run {run.path} is not the run's (another config or PTM); restore the run "
                 "from a backup"
             )
         indices = track.stage_indices(held)
@@ -264,7 +141,8 @@ def tied_track(
             entry = held["files"].get(stage_file(meta["stage"], STAGE_META))
             if entry is None or entry.get("sha256") != meta["switch"]["frozen_stage_sha256"]:
                 raise IntegrityError(
-                    f"stage {meta['stage']} of {track.path} is not the one run {run.path} recorded; restore the run from a backup"
+                    f"stage {meta['stage']} of the frozen track of run {run.path} is not the one run {run.path} "
+                    "recorded; restore the run from a backup"
                 )
         track_metas = [track.stage_meta(i, held) for i in indices]
         for index, meta in zip(indices, track_metas):

@@ -138,7 +138,7 @@ def _learn_frozen(
     committed it alone: what the run's record takes of it, and its f_0 of the stage's images with
     their fingerprint, for the run's forward transfer (None: not computed)."""
     track = frozen_track_of(records, writer)
-    kept = None if options.restart else resumed_frozen(records, writer)
+    kept = None if options.restart else resumed_frozen(records, track, writer)
     if kept is not None:
         return kept, None
     frozen = _learn(track, sources, replace(options, restart=False), locks, None)

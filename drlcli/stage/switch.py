@@ -14,9 +14,10 @@ from ..errors import IntegrityError, RunStateError
 from ..metrics import AccuracyReport
 from ..progress import ProgressFn
 from ..run.directory import RunDir
-from ..run.layout import FROZEN_TRACK, STAGE_META, TRACK_PREFIX, sha256_bytes, stage_file
+from ..run.layout import FROZEN_TRACK, STAGE_META, sha256_bytes, stage_file
 from ..run.records import check_stage_meta
 from ..run.track import CARRIED, FROZEN, frozen_track, tied_track
+from ..run.trackdir import TrackDir
 from ..run.writer import RunWriter, deferred_files
 from .context import Evaluated, Fitted, Record, Records
 from .record import StageResult
@@ -46,16 +47,17 @@ def committed_frozen(track: RunDir, result: StageResult) -> FrozenStage:
     return FrozenStage(result.eval, float(seconds), manifest["files"][stage_file(result.stage, STAGE_META)]["sha256"])
 
 
-def resumed_frozen(records: Records, writer: RunWriter | None) -> FrozenStage | None:
+def resumed_frozen(records: Records, track: RunDir, writer: RunWriter | None) -> FrozenStage | None:
     """The frozen track's stage an interrupted call of this stage learned and kept in its epoch
-    checkpoint (``RunWriter.save_checkpoint``): handed to ``writer`` again, so that the resumed call
-    does not repeat the track's pass; None (every rank agrees) when there is none for this data."""
+    checkpoint (``RunWriter.save_checkpoint``, under the run's names of ``track``'s files): handed
+    to ``writer`` again, so that the resumed call does not repeat the track's pass; None (every rank
+    agrees) when there is none for this data."""
     found = records.run.checkpoint() if writer is not None else None
     kept = None
     if found is not None and found[0].get("generation") == records.manifest["generation"]:
         kept = deferred_files(*found)
-    name = TRACK_PREFIX + stage_file(len(records.metas) + 1, STAGE_META)
     outcome = None
+    name = track.run_name(stage_file(len(records.metas) + 1, STAGE_META)) if isinstance(track, TrackDir) else None
     if kept is not None and name in kept[0]:
         meta = _track_meta(kept[0][name])
         if meta is not None and _same(records, meta):
