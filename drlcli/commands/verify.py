@@ -73,4 +73,6 @@ def _frozen_track(run: RunDir, manifest: dict[str, Any], progress: ProgressFn | 
         track, _, answers = tied_track(run, manifest, metas)
     except RunStateError as exc:  # a run of an earlier release, left between its two commits: damage to name
         raise IntegrityError(str(exc)) from exc
-    return {**verify(track, progress=progress).to_dict(), "answers": answers}
+    # the track has no format of its own: its files are the run's, in the run's format
+    checked = verify(track, progress=progress).to_dict()
+    return {**checked, "format_version": manifest["format_version"], "answers": answers}
