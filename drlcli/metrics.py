@@ -209,6 +209,13 @@ class Transfer:
         return self.images > 0 and lead > Z * (self.better + self.worse) ** 0.5 and self.gain >= GAIN
 
     @property
+    def loses(self) -> bool:
+        """More images only the frozen PTM answers right than only the adapted network does, by more
+        than chance (at 5 %, one-sided): adapting tells new classes apart worse."""
+        lead = self.worse - self.better
+        return self.images > 0 and lead > Z * (self.better + self.worse) ** 0.5
+
+    @property
     def ceiling(self) -> float:
         """The gain's one-sided upper bound at 5 %, in % of the images compared (one more image that
         differs in the spread, so that a few images of which none differs do not bound it at 0)."""

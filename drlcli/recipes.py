@@ -56,8 +56,9 @@ _CARRIED_SET = {
 # ... answering from the frozen PTM's head until the forward transfer says adapting pays, trained only
 # while it could
 _SWITCHED = {"schedule": {"switch": "transfer", "pause": "transfer"}}
-# ... tried on half of stage 1's classes first, and trained in bf16 where the device computes it natively
-_TRIED = {"schedule": {"trial": "transfer"}, "train": {"precision": "auto"}}
+# ... tried on half of stage 1's classes first (after a trial that widened the other half's margins, the
+# adapted head answers unless the counts say it loses), and trained in bf16 where the device computes it natively
+_TRIED = {"schedule": {"trial": "transfer", "trial_answers": True}, "train": {"precision": "auto"}}
 _CE = {"train": {"loss": "ce", "kd_weight": 0.0}}  # no distillation: no frozen PTM in the adapted pass
 
 
@@ -80,7 +81,7 @@ RECIPES: tuple[Recipe, ...] = (
         "drl",
         "one AdaptFormer set in the PTM's first 6 blocks",
         "tried on half of a stage's classes first; trained at every stage while adapting can pay; "
-        "the frozen PTM's head answers until adapting pays",
+        "the frozen PTM's head answers until adapting pays (the trial's margins or the forward transfer)",
         "ridge (random features, PTM layout, class covariances)",
         merged(FROZEN, _CARRIED_SET, _SWITCHED, _TRIED, {"ridge": CARRY_SUMS}, _CE),
         presets=("default", "switched"),

@@ -142,7 +142,7 @@ def test_each_later_stage_measures_forward_transfer(tmp_path, stage_folders):
     import shutil
 
     from drlcli.data import scan_class_folders
-    from drlcli.metrics import Transfer, margin_gain, measure
+    from drlcli.metrics import Transfer, measure
     from drlcli.model import embed_images
 
     run = tmp_path / "run"
@@ -163,8 +163,6 @@ def test_each_later_stage_measures_forward_transfer(tmp_path, stage_folders):
     with model.network.bare():
         frozen, _ = embed_images(model.network, images, model.data_config, batch_size=16)
     assert measure(adapted[:, 0], frozen[:, 0], labels) == third
-    # the margins the trial reads, of the same images, recorded beside the counts
-    assert metas[2]["carry"]["transfer"]["margins"] == margin_gain(adapted[:, 0], frozen[:, 0], labels).to_dict()
     shown = info(run)["stages"]
     assert shown[0]["transfer"] is None and shown[2]["transfer"]["run"] == (second + third).to_dict()
 

@@ -113,6 +113,13 @@ def test_adapting_stalls_when_even_the_gains_upper_bound_is_under_the_floor(coun
     assert transfer.ceiling >= transfer.gain
 
 
+@pytest.mark.parametrize(
+    "counts, loses", [((0, 9, 40), True), ((3, 1, 40), False), ((4, 9, 40), False), ((0, 0, 0), False)]
+)
+def test_adapting_loses_when_more_images_only_the_frozen_ptm_gets_right_than_chance_allows(counts, loses):
+    assert Transfer(*counts).loses is loses
+
+
 def test_until_adapting_transfers_the_run_answers_as_the_frozen_default(switched, stage_folders):
     run, default, results, reference = switched
     assert [r.switch["answers"] for r in results] == ["frozen"] * 3

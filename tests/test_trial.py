@@ -13,10 +13,12 @@ from drlcli.api import info, verify
 from drlcli.cli import app, render
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
-from drlcli.errors import UsageError
-from drlcli.metrics import MarginGain, margin_gain
+from drlcli.errors import IntegrityError, UsageError
+from drlcli.metrics import MarginGain, Transfer, margin_gain
 from drlcli.run.directory import RunDir
+from drlcli.run.layout import sha256_bytes
 from drlcli.run.load import load_run
+from drlcli.stage import begin as begin_module
 from drlcli.stage import trial as trial_module
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
@@ -135,6 +137,54 @@ def test_where_adapting_pays_stage_1_trains_exactly_as_without_the_trial(tmp_pat
     passes = stage_tried.passes
     assert passes["per_image"] == pytest.approx(passes["training"] + passes["features"] + passes["trial"], abs=0.02)
     assert passes["training"] == pytest.approx(2 * 3)  # two epochs, 3 passes a step, no hold at stage 1
+
+
+@pytest.mark.parametrize(
+    "percent, counts, answers",
+    [
+        (5.0, (3, 1), "carried"),  # widened; the counts neither say adapting pays nor that it loses
+        (5.0, (0, 9), "frozen"),  # widened, but the counts say adapting loses
+        (-5.0, (3, 1), "frozen"),  # narrowed: the counts alone decide
+    ],
+)
+def test_after_a_trial_that_widened_the_margins_the_carried_network_answers_unless_the_counts_say_it_loses(
+    tmp_path, four_class_stages, monkeypatch, percent, counts, answers
+):
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    _init(run)
+    _init(plain, {"first_session": {"trial_images": 4, "trial_answers": False}})  # as earlier releases answer
+    monkeypatch.setattr(trial_module, "margin_gain", lambda *args: MarginGain(percent, percent, 30))
+    monkeypatch.setattr(begin_module, "measure", lambda *args: Transfer(*counts, 40))
+    first, second = _learn(run, four_class_stages[:2])
+    before = _learn(plain, four_class_stages[:2])
+    assert first.carry["trial"]["trains"] is True and first.epoch_losses  # a narrowing trial trains too
+    # stage 1's own classes trained the set: the trial's margins do not speak for them
+    assert first.switch["answers"] == before[0].switch["answers"] == "frozen"
+    assert second.carry["transfer"]["transfers"] is False and before[1].switch["answers"] == "frozen"
+    assert second.switch["answers"] == answers and second.eval.top1 == second.switch["top1"][answers]
+    assert evaluate(run, all_seen=True, device="cpu").answers == answers
+    assert info(run)["frozen_track"]["answers"] == answers and verify(run).num_stages == 2
+    said = render.learn_stage(second.to_dict())
+    assert ("a trial widened the margins" in said) is (answers == "carried")
+
+
+def test_a_switch_record_that_disagrees_with_the_trial_is_refused(tmp_path, four_class_stages, monkeypatch):
+    run = tmp_path / "run"
+    _init(run)
+    _decides(monkeypatch, trains=True)
+    monkeypatch.setattr(begin_module, "measure", lambda *args: Transfer(3, 1, 40))
+    _learn(run, four_class_stages[:2])
+    assert info(run)["frozen_track"]["answers"] == "carried"
+    name = "stages/002/stage.json"
+    meta = json.loads((run / name).read_text())
+    meta["switch"]["answers"] = "frozen"  # what an earlier release's rule said; this run's says carried
+    data = json.dumps(meta).encode()
+    (run / name).write_bytes(data)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match="switch record does not say the carried track answers"):
+        verify(run)
 
 
 def test_a_first_stage_of_fewer_than_four_classes_is_not_tried(tmp_path, stage_folders):

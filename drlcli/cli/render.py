@@ -69,8 +69,9 @@ def growth_lines(stages: list[dict[str, Any]]) -> list[str]:
         )
     lines += _cost_total(stages)
     lines_of = (("trial", trial_line), ("first_session", first_session_line), ("transfer", transfer_line))
-    for key, line in (*lines_of, ("switch", switch_line)):
+    for key, line in lines_of:
         lines += [f"stage {s['stage']}: " + line(s[key]) for s in stages if s.get(key) and _counted(key, s[key])]
+    lines += [f"stage {s['stage']}: " + switch_line(s["switch"], s.get("transfer")) for s in stages if s.get("switch")]
     return lines + _growth_notes(stages)
 
 
@@ -161,7 +162,7 @@ def learn_stage(r: dict[str, Any]) -> str:
     if r.get("carry"):  # a carried run's stage after the first
         lines += carry_lines(r["carry"])
     if r.get("switch"):
-        lines.append(switch_line(r["switch"]))
+        lines.append(switch_line(r["switch"], (r.get("carry") or {}).get("transfer")))
     if r["eval"]:
         lines += accuracy_lines(r["eval"]) + history_lines(r["history"])
     if r["tensorboard_dir"]:

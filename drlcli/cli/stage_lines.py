@@ -41,11 +41,17 @@ def transfer_line(d: dict[str, Any]) -> str:
     )
 
 
-def switch_line(d: dict[str, Any]) -> str:
-    """Which track a switched run answers from after a stage (``run/track.py``), for people."""
+def switch_line(d: dict[str, Any], transfer: dict[str, Any] | None = None) -> str:
+    """Which track a switched run answers from after a stage (``run/track.py``), for people;
+    ``transfer``: the stage's forward transfer (``carry.transfer``), if it has one."""
     top1 = {k: "n/a" if v is None else f"{v:.2f}" for k, v in d["top1"].items()}
     if d["answers"] == "carried":
-        return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']})"
+        why = ""
+        if isinstance(transfer, dict) and not transfer.get("transfers"):
+            why = (
+                ": a trial widened the margins of classes the set never trained on, and the counts do not say it loses"
+            )
+        return f"the run answers from the carried network (top-1 {top1['carried']}; its frozen track {top1['frozen']}){why}"
     return (
         f"the run answers from its frozen track, the frozen PTM (`drl init --recipe frozen`; top-1 {top1['frozen']}; the "
         f"carried network {top1['carried']}), until adapting transfers to new classes"

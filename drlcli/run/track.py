@@ -26,7 +26,7 @@ from ..metrics import Transfer
 from .directory import RunDir
 from .forgotten import ForgetState, read_log
 from .layout import FROZEN_TRACK, LOCK, MANIFEST, STAGE_META, TRACK_PREFIX, stage_file
-from .records import check_stage_meta, checked_metas, read_record, transfer_record
+from .records import check_stage_meta, checked_metas, read_record, transfer_record, trial_record
 from .trackdir import FLAT, NESTED, TrackDir, frozen_track, track_format
 from .writer import RunWriter
 
@@ -65,12 +65,13 @@ def _drop_legacy_files(run: RunDir) -> None:
             storage.discard(path)
 
 
-def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
+def answering(run: RunDir, metas: list[dict[str, Any]], *, by_trial: bool = False) -> str:
     """The track the run answers from after its newest stage (``FROZEN`` for a run with no stage).
-    Every stage's ``switch.answers`` must be what its forward-transfer counts say, and each stage's
-    run counts its own plus the stage's before; else IntegrityError (a crafted stage.json)."""
+    Every stage's ``switch.answers`` must be what its records say (``answer_after``; ``by_trial``: the
+    run's ``schedule.trial_answers``), and each stage's run counts its own plus the stage's before;
+    else IntegrityError (a crafted stage.json)."""
     answer, total = FROZEN, Transfer(0, 0, 0)
-    for meta in metas:
+    for k, meta in enumerate(metas):
         stage, record = meta.get("stage"), meta.get("switch")
         transfer = transfer_record(meta)
         if transfer is not None:
@@ -79,12 +80,35 @@ def answering(run: RunDir, metas: list[dict[str, Any]]) -> str:
                 raise _crafted(run, stage, "its forward-transfer counts do not add up to the run's")
         elif stage != 1:
             raise _crafted(run, stage, "it has no forward-transfer counts")
-        answer = CARRIED if transfer is not None and transfer["transfers"] else FROZEN
+        answer = answer_after(total, widened_before(metas[:k]) if by_trial else False)
         if not isinstance(record, dict) or record.get("answers") != answer:
-            raise _crafted(run, stage, f"its switch record does not say the {answer} track answers, as its counts do")
+            raise _crafted(run, stage, f"its switch record does not say the {answer} track answers, as its records do")
         if not isinstance(record.get("frozen_stage_sha256"), str):
             raise _crafted(run, stage, "its switch record names no frozen-track record")
     return answer
+
+
+def answer_after(total: Transfer, widened: bool) -> str:
+    """The track a switched run answers from after a stage: the carried network once the run's forward
+    transfer ``total`` says adapting pays; with ``widened`` (an earlier stage's trial widened the margins
+    of classes the set never trained on, ``widened_before``; ``schedule.trial_answers``), also while
+    ``total`` does not say adapting loses (``Transfer.loses``). The counts of a few hundred images miss
+    gaps of points that the trial's margins see: the trial's verdict stands until they say otherwise."""
+    if total.transfers or (widened and not total.loses):
+        return CARRIED
+    return FROZEN
+
+
+def widened_before(metas: list[dict[str, Any]]) -> bool:
+    """Whether a stage of ``metas`` trained the set after its trial widened the margins of the classes it
+    did not train on (``stage/trial.py``: by at least the floor, more than chance). That stage itself
+    answers by its counts: its own classes trained the set, which the trial's margins do not measure."""
+    for meta in metas:
+        trial, carry = trial_record(meta), meta.get("carry")
+        trained = isinstance(carry, dict) and carry.get("paused") is not True
+        if trial is not None and trial["trains"] and trial["margins"]["percent"] > 0 and trained:
+            return True
+    return False
 
 
 def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
@@ -117,13 +141,13 @@ def tied_track(
     track kept before format 4 one stage ahead, or answering for other classes, is what a command of
     an earlier release interrupted between its two commits left: RunStateError or IntegrityError
     naming the command that completes it; any other mismatch: IntegrityError."""
-    answer = answering(run, metas)
+    record, config = read_record(run, manifest)
+    answer = answering(run, metas, by_trial=config.schedule.trial_answers)
     track = frozen_track(run, manifest)
     if not track.exists():
         raise IntegrityError(
             f"switched run {run.path} has lost its frozen track ({track.path}); restore the run from a backup"
         )
-    record, config = read_record(run, manifest)
 
     def read_track(held: dict[str, Any]) -> tuple[dict[str, Any], list[int], list[str]]:
         own_record, own = read_record(track, held)

@@ -12,7 +12,8 @@ and the benchmark read, rather than each asking the method:
   answers from the one its forward transfer picks (``stage/switch.py``).
 - ``pauses``: the set trains at a stage only while the forward transfer could still pay.
 - ``tries``: before the set ever trains, a short trial on half of the stage's classes says whether
-  adapting moves the other half's margins (``stage/trial.py``).
+  adapting moves the other half's margins (``stage/trial.py``); with ``trial_answers``, a trial that
+  widened them has the adapted head answer from the next stage on, unless the counts say it loses.
 - ``decides_first``: stage 1's adapters are kept only where the held-out part scores higher.
 
 The ``schedule`` section of a run config holds the options; runs of earlier releases named it and
@@ -63,6 +64,10 @@ class ScheduleConfig:
     trial_epochs: int = option(10, within=Range(1, 1000))
     trial_images: int = option(32, within=Range(1, 1_000_000))
     trial_stages: int = option(3, within=Range(1, 1_000_000))  # stages tried while the set never trained
+    # read only with a trial: after the stage whose trial widened the margins of the classes it did not
+    # train on (and trained the set), the adapted head answers unless the forward-transfer counts say
+    # adapting loses (``run/track.py``); false: only once the counts say adapting pays
+    trial_answers: bool = False
 
 
 @dataclass(frozen=True)

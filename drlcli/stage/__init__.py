@@ -199,8 +199,8 @@ def _learn(
     trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
     fitted = fit_features(stage, began, keep_f0=options.keep_f0)
     evaluated = evaluate_stage(stage)
-    if outcome is not None:  # the run answers from the track the stage's forward transfer picks
-        evaluated = answered(fitted, evaluated, outcome)
+    if outcome is not None:  # the run answers from the track its records pick (``track.answer_after``)
+        evaluated = answered(stage, fitted, evaluated, outcome)
     passes = stage_passes(stage, began, trained, fitted, frozen=outcome is not None)
     record = record_stage(stage, trained, fitted, evaluated, passes=passes)
     return _Learned(stage, trained, fitted, evaluated, record)

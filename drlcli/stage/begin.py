@@ -15,7 +15,7 @@ from ..evaluation import EVAL_BATCH_SIZE
 from ..heads import Head
 from ..heads.openset.rmd import split_probe
 from ..methods import head_of
-from ..metrics import Transfer, margin_gain, measure
+from ..metrics import Transfer, measure
 from ..model import embed_images
 from .context import Began, StageContext
 from .trial import Tried, declined, trial, trying
@@ -128,9 +128,7 @@ def _began(stage: StageContext, head: Head, frozen_f0: torch.Tensor | None) -> B
     run = own + stage.earlier_transfer()
     paused = stage.schedule.pauses and run.stalls
     passes = 1.0 if frozen_f0 is not None else 2.0  # the rows; f_0 through the frozen PTM unless handed over
-    # the same images' margins as the trial measures them (every image counts): recorded, not yet decided on
-    transfer = {**own.record(run), "margins": margin_gain(rows[:, 0], bare, labels).to_dict()}
-    return Began(rows.cpu(), rmd_rows.cpu(), transfer, paused, time.perf_counter() - tick, passes=passes)
+    return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick, passes=passes)
 
 
 def in_image_order(shard: list[int] | None, *parts: torch.Tensor) -> list[torch.Tensor]:

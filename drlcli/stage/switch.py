@@ -11,15 +11,15 @@ from typing import Any
 
 from .. import distributed, jsonio
 from ..errors import IntegrityError, RunStateError
-from ..metrics import AccuracyReport
+from ..metrics import AccuracyReport, Transfer
 from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..run.layout import FROZEN_TRACK, STAGE_META, sha256_bytes, stage_file
 from ..run.records import check_stage_meta
-from ..run.track import CARRIED, FROZEN, frozen_track, tied_track
+from ..run.track import CARRIED, FROZEN, answer_after, frozen_track, tied_track, widened_before
 from ..run.trackdir import TrackDir
 from ..run.writer import RunWriter, deferred_files
-from .context import Evaluated, Fitted, Record, Records
+from .context import Evaluated, Fitted, Record, Records, StageContext
 from .record import StageResult
 
 
@@ -125,12 +125,16 @@ def relay(progress: ProgressFn | None) -> ProgressFn | None:
     )
 
 
-def answered(fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evaluated:
-    """The stage's evaluation as the run answers: the carried network's once the run's forward
-    transfer says adapting pays (stage.json ``carry.transfer``), else the frozen track's; with
-    stage.json's ``switch``: which, both tracks' top-1, the frozen track's seconds and record sha256."""
+def answered(stage: StageContext, fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evaluated:
+    """The stage's evaluation as the run answers (``track.answer_after``): the carried network's once
+    the run's forward transfer (stage.json ``carry.transfer``) says adapting pays, or, after a stage
+    whose trial widened the margins (``schedule.trial_answers``), while it does not say adapting
+    loses; else the frozen track's. With stage.json's ``switch``: which, both tracks' top-1, the
+    frozen track's seconds and record sha256."""
     transfer = (fitted.carry or {}).get("transfer")
-    answer = CARRIED if transfer is not None and transfer["transfers"] else FROZEN
+    total = Transfer.from_dict(transfer["run"]) if transfer is not None else Transfer(0, 0, 0)
+    widened = stage.config.schedule.trial_answers and widened_before(stage.loaded.stage_metas)
+    answer = answer_after(total, widened)
     switch = {
         "answers": answer,
         "top1": {
