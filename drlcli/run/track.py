@@ -70,8 +70,8 @@ def answering(run: RunDir, metas: list[dict[str, Any]], *, by_trial: bool = Fals
     Every stage's ``switch.answers`` must be what its records say (``answer_after``; ``by_trial``: the
     run's ``schedule.trial_answers``), and each stage's run counts its own plus the stage's before;
     else IntegrityError (a crafted stage.json)."""
-    answer, total = FROZEN, Transfer(0, 0, 0)
-    for k, meta in enumerate(metas):
+    answer, total, widened = FROZEN, Transfer(0, 0, 0), False
+    for meta in metas:
         stage, record = meta.get("stage"), meta.get("switch")
         transfer = transfer_record(meta)
         if transfer is not None:
@@ -80,7 +80,8 @@ def answering(run: RunDir, metas: list[dict[str, Any]], *, by_trial: bool = Fals
                 raise _crafted(run, stage, "its forward-transfer counts do not add up to the run's")
         elif stage != 1:
             raise _crafted(run, stage, "it has no forward-transfer counts")
-        answer = answer_after(total, widened_before(metas[:k]) if by_trial else False)
+        answer = answer_after(total, widened)
+        widened = widened or (by_trial and widened_at(meta))  # read from the next stage on
         if not isinstance(record, dict) or record.get("answers") != answer:
             raise _crafted(run, stage, f"its switch record does not say the {answer} track answers, as its records do")
         if not isinstance(record.get("frozen_stage_sha256"), str):
@@ -100,15 +101,17 @@ def answer_after(total: Transfer, widened: bool) -> str:
 
 
 def widened_before(metas: list[dict[str, Any]]) -> bool:
-    """Whether a stage of ``metas`` trained the set after its trial widened the margins of the classes it
-    did not train on (``stage/trial.py``: by at least the floor, more than chance). That stage itself
-    answers by its counts: its own classes trained the set, which the trial's margins do not measure."""
-    for meta in metas:
-        trial, carry = trial_record(meta), meta.get("carry")
-        trained = isinstance(carry, dict) and carry.get("paused") is not True
-        if trial is not None and trial["trains"] and trial["margins"]["percent"] > 0 and trained:
-            return True
-    return False
+    """Whether a stage of ``metas`` trained the set after its trial widened the margins (``widened_at``)."""
+    return any(map(widened_at, metas))
+
+
+def widened_at(meta: dict[str, Any]) -> bool:
+    """Whether the stage trained the set after its trial widened the margins of the classes it did not
+    train on (``stage/trial.py``: by at least the floor, more than chance). That stage itself answers by
+    its counts: its own classes trained the set, which the trial's margins do not measure."""
+    trial, carry = trial_record(meta), meta.get("carry")
+    trained = isinstance(carry, dict) and carry.get("paused") is not True
+    return trial is not None and trial["trains"] and trial["margins"]["percent"] > 0 and trained
 
 
 def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
