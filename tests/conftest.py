@@ -35,6 +35,22 @@ def trains_file(tmp_path_factory) -> Path:
     return path
 
 
+def rewrite_stage_meta(run: Path, index: int, change) -> None:
+    """Change a stage's stage.json with ``change(meta)`` and re-sign it in the manifest (a crafted run)."""
+    import json
+
+    from drlcli.run.layout import sha256_bytes
+
+    name = f"stages/{index:03d}/stage.json"
+    meta = json.loads((run / name).read_text())
+    change(meta)
+    data = json.dumps(meta).encode()
+    (run / name).write_bytes(data)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
 def rewrite_stage_weights(run: Path, index: int, change) -> None:
     """Change a stage's tensors with ``change(tensors)`` (its weights and, for the newest stage, its
     totals, together as the heads read them) and their manifest entries consistently (a crafted run)."""

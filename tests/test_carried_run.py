@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import rewrite_stage_meta
 from typer.testing import CliRunner
 
 from drlcli import evaluate, export_run, forget_class, learn_stage, load_model, restore_class
@@ -173,22 +174,13 @@ def test_crafted_forward_transfer_counts_are_refused_and_nothing_is_committed(
 ):
     """The next stage adds its counts to the newest record's: counts that cannot be are damage (exit 5),
     found before any training (every reader of stage.json refuses them, ``drl info`` included)."""
-    import json
     import shutil
 
     from drlcli.errors import IntegrityError
-    from drlcli.run.layout import sha256_bytes
 
     run, _ = carried_run
     copy = Path(shutil.copytree(run, tmp_path / "copy"))
-    name = "stages/003/stage.json"
-    meta = json.loads((copy / name).read_text())
-    meta["carry"]["transfer"]["run"] = run_counts
-    data = json.dumps(meta).encode()
-    (copy / name).write_bytes(data)
-    manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_stage_meta(copy, 3, lambda meta: meta["carry"]["transfer"].update(run=run_counts))
     with pytest.raises(IntegrityError, match="stage 3 of run .* is malformed"):
         info(copy)
     more = make_class_folders(tmp_path / "more", [20, 21], images_per_class=6)

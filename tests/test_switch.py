@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import rewrite_stage_meta
 from safetensors.torch import load_file, save
 from typer.testing import CliRunner
 
@@ -282,17 +283,6 @@ def _carried_set(run: Path) -> dict[str, torch.Tensor]:
     return network.stages[0].state_dict()
 
 
-def _rewrite_meta(run: Path, index: int, change) -> None:
-    name = f"stages/{index:03d}/stage.json"
-    meta = json.loads((run / name).read_text())
-    change(meta)
-    data = json.dumps(meta).encode()
-    (run / name).write_bytes(data)
-    manifest = json.loads((run / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    (run / "manifest.json").write_text(json.dumps(manifest))
-
-
 @pytest.mark.parametrize(
     "change",
     [
@@ -304,7 +294,7 @@ def _rewrite_meta(run: Path, index: int, change) -> None:
 )
 def test_a_crafted_switch_record_is_refused(switched, tmp_path, change):
     run = Path(shutil.copytree(switched[0], tmp_path / "copy"))
-    _rewrite_meta(run, 3, change)
+    rewrite_stage_meta(run, 3, change)
     with pytest.raises(IntegrityError, match="stage 3 of switched run"):
         load_run(run, device="cpu")
 

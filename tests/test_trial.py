@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import rewrite_stage_meta
 from typer.testing import CliRunner
 
 from drlcli import evaluate, export_run, forget_class, learn_stage, restore_class
@@ -16,7 +17,6 @@ from drlcli.config import RunConfig
 from drlcli.errors import IntegrityError, UsageError
 from drlcli.metrics import MarginGain, Transfer, margin_gain
 from drlcli.run.directory import RunDir
-from drlcli.run.layout import sha256_bytes
 from drlcli.run.load import load_run
 from drlcli.stage import begin as begin_module
 from drlcli.stage import trial as trial_module
@@ -175,14 +175,8 @@ def test_a_switch_record_that_disagrees_with_the_trial_is_refused(tmp_path, four
     monkeypatch.setattr(begin_module, "measure", lambda *args: Transfer(3, 1, 40))
     _learn(run, four_class_stages[:2])
     assert info(run)["frozen_track"]["answers"] == "carried"
-    name = "stages/002/stage.json"
-    meta = json.loads((run / name).read_text())
-    meta["switch"]["answers"] = "frozen"  # what an earlier release's rule said; this run's says carried
-    data = json.dumps(meta).encode()
-    (run / name).write_bytes(data)
-    manifest = json.loads((run / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    # what an earlier release's rule said; this run's says carried
+    rewrite_stage_meta(run, 2, lambda meta: meta["switch"].update(answers="frozen"))
     with pytest.raises(IntegrityError, match="switch record does not say the carried track answers"):
         verify(run)
 
@@ -213,21 +207,16 @@ def test_learn_stage_and_info_say_what_the_trial_decided_and_what_learning_cost(
 
 @pytest.mark.parametrize("value", ["x", 1e400, -1, None, [1]])
 def test_a_crafted_cost_or_trial_record_is_shown_as_none(tmp_path, four_class_stages, monkeypatch, value):
-    from drlcli.run.layout import sha256_bytes
-
     run = tmp_path / "run"
     _init(run)
     _decides(monkeypatch, trains=False)
     _learn(run, four_class_stages[:1])
-    path = run / "stages/001/stage.json"
-    meta = json.loads(path.read_text())
-    meta["metrics"]["passes"]["per_image"] = value
-    meta["carry"]["trial"]["images_trained"] = value
-    data = json.dumps(meta).encode()
-    path.write_bytes(data)
-    manifest = json.loads((run / "manifest.json").read_text())
-    manifest["files"]["stages/001/stage.json"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    (run / "manifest.json").write_text(json.dumps(manifest))
+
+    def craft(meta):
+        meta["metrics"]["passes"]["per_image"] = value
+        meta["carry"]["trial"]["images_trained"] = value
+
+    rewrite_stage_meta(run, 1, craft)
     out = CliRunner().invoke(app, ["info", "--run", str(run)])
     assert out.exit_code in (0, 5), out.output  # shown without them, or refused as damage: never a crash
     if out.exit_code == 0:
