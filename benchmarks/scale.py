@@ -44,6 +44,7 @@ import torch
 
 from drlcli import evaluate, export_run, init_run, learn_stage, load_model
 from drlcli.api import predict_sources
+from drlcli.benchmark.runner import io_bytes
 from drlcli.config import RunConfig
 from drlcli.run.directory import RunDir
 from drlcli.synthetic import make_class_folders
@@ -51,12 +52,6 @@ from drlcli.synthetic import make_class_folders
 PTM = "vit_base_patch16_224"
 PTM_KWARGS = {"img_size": 32, "patch_size": 16}
 YEAR_STAGES, YEAR_CLASSES = 365, 3650
-
-
-def io_bytes() -> tuple[int, int]:
-    """(read, written) bytes of this process's read and write calls so far (Linux ``/proc/self/io``)."""
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["rchar"]), int(fields["wchar"])
 
 
 def peak_rss_mib() -> float:

@@ -197,7 +197,7 @@ class _Session:
 
         train_dir, test_dir = self.folders[k]
         settings = self.settings
-        read = bytes_read()
+        read = io_bytes()
         result = learn_stage(
             run_dir,
             data_dir=train_dir,
@@ -209,9 +209,9 @@ class _Session:
             tensorboard_dir=Path(settings.tensorboard_dir) / variant.dirname if settings.tensorboard_dir else None,
             progress=relay,
         )
-        after = bytes_read()
+        after = io_bytes()
         if read is not None and after is not None:
-            self.read_mib.setdefault(variant.label, {})[k + 1] = round((after - read) / 2**20, 2)
+            self.read_mib.setdefault(variant.label, {})[k + 1] = round((after[0] - read[0]) / 2**20, 2)
         acc = result.eval.top1 if result.eval else float("nan")
         self.say(f"[{variant.label}] stage {k + 1}: A = {acc:.2f}% ({result.total_seconds:.0f}s)")
 
@@ -244,12 +244,13 @@ class _Session:
         return [row] + [rescored_row(row, text, o, r) for text, (o, r) in zip(settings.rescore, rescored)]
 
 
-def bytes_read() -> int | None:
-    """The bytes this process has read so far (Linux ``/proc/self/io`` ``rchar``; None elsewhere)."""
+def io_bytes() -> tuple[int, int] | None:
+    """(read, written): the bytes of this process's read and write calls so far (Linux
+    ``/proc/self/io`` ``rchar`` and ``wchar``; None elsewhere)."""
     try:
         with open("/proc/self/io", encoding="ascii") as io:
             fields = dict(line.split(": ", 1) for line in io.read().splitlines() if ": " in line)
-        return int(fields["rchar"])
+        return int(fields["rchar"]), int(fields["wchar"])
     except (OSError, KeyError, ValueError):
         return None
 
