@@ -137,12 +137,14 @@ class TrainConfig:
     lr: float = option(0.01, within=Range(0, 10, low_open=True))
     momentum: float = option(0.9, within=Range(0, 1, high_open=True))
     weight_decay: float = option(5e-4, within=Range(0, 1))
-    loss: str = option("das", choices=("das", "ce"))
+    loss: str = option("das", choices=("das", "ce", "cosface"))
     anchor_pos: float = option(1.0, within=Range(-100, 100))  # k for the positive term (k_+)
     anchor_neg: float = option(1.0, within=Range(-100, 100))  # k for the negative term (k_-)
     lambda_pos: float = option(3.0, within=Range(0, 100))
     lambda_neg: float = option(1.0, within=Range(0, 100))
     kd_weight: float = option(0.5, within=Range(0, 100))  # α
+    # loss cosface: m, taken off the target class's cosine (CosFace's 0.35)
+    margin: float = option(0.35, within=Range(0, 2))
     # σ of the cosine classifier; must exceed the anchor to reach it
     scale_init: float = option(16.0, within=Range(0, 1000, low_open=True))
     # random | prototypes: w_i starts at class i's mean feature

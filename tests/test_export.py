@@ -409,3 +409,26 @@ def _weights_byte(path: Path, fmt: str) -> int:
         handle.seek(info.header_offset + 26)
         name_length, extra_length = int.from_bytes(handle.read(2), "little"), int.from_bytes(handle.read(2), "little")
     return info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+
+
+def test_paper_ablations_learn_reload_and_export(stage_folders, tmp_path):
+    """The paper recipe with a learned attention and the CosFace margin (issue 62's ablations): two
+    stages learn, reload to the same scores, and the exported graph scores like the run."""
+    from drlcli.commands.init import init_run
+    from drlcli.config import RunConfig
+    from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+    config = RunConfig.for_recipe("paper", {"ipa": {"attention": "learned"}, "train": {"loss": "cosface"}})
+    run = tmp_path / "run"
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    for train, _ in stage_folders[:2]:
+        learn_stage(run, data_dir=train, train_overrides={"epochs": 1, "batch_size": 12}, device="cpu")
+    loaded = load_run(run, device="cpu")
+    model = loaded.model
+    assert (loaded.config.ipa.attention, loaded.config.train.loss) == ("learned", "cosface")
+    assert [meta["train"]["loss"] for meta in loaded.stage_metas] == ["cosface", "cosface"]
+    assert all(torch.count_nonzero(stage.attn_q) > 0 for stage in model.network.stages)
+    test = stage_folders[1][1]
+    out = export_run(run, tmp_path / "m.pt2", fmt="pt2")
+    assert out.check_max_abs_diff is not None and out.check_max_abs_diff <= 1e-4
+    assert torch.allclose(_predict(load_run(run, device="cpu").model, test), _predict(model, test), atol=1e-6)

@@ -95,6 +95,12 @@ def _reference_forward(net, images):
             b, n, d = v.shape
             if cfg.attention == "reuse":
                 v = (probs[l] @ v.view(b, n, heads, d // heads).transpose(1, 2)).transpose(1, 2).reshape(b, n, d)
+            elif cfg.attention == "learned":  # the stage's own q/k over the block's norm1 of its input
+                u = ptm.blocks[l].norm1(x)
+                q = (u @ st.attn_q[l] + st.attn_q_bias[l]).view(b, n, heads, -1).transpose(1, 2)
+                k = (u @ st.attn_k[l] + st.attn_k_bias[l]).view(b, n, heads, -1).transpose(1, 2)
+                own = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+                v = (own @ v.view(b, n, heads, d // heads).transpose(1, 2)).transpose(1, 2).reshape(b, n, d)
             g = (1 - cfg.gamma) * previous[l] + cfg.gamma * ptm_tokens[l]
             m = torch.sigmoid(act(g @ st.gate_down[l] + st.gate_down_bias[l]) @ st.gate_up[l] + st.gate_up_bias[l])
             x = {"adapt": (1 - m) * v + m * g, "sum": v + g, "part": v + m * g}[cfg.gate]
@@ -111,7 +117,15 @@ def _reference_forward(net, images):
 
 
 @pytest.mark.parametrize(
-    "cfg", [{}, {"gate": "sum"}, {"gate": "part"}, {"attention": "none"}, {"activation": "gelu", "gamma": 0.3}]
+    "cfg",
+    [
+        {},
+        {"gate": "sum"},
+        {"gate": "part"},
+        {"attention": "none"},
+        {"attention": "learned"},
+        {"activation": "gelu", "gamma": 0.3},
+    ],
 )
 def test_fast_path_equals_the_plain_reference(tiny_ptm, images, cfg):
     """Batched stages, r-wide attention mixing, fused gate, class-token transfer block: same numbers."""
@@ -342,3 +356,21 @@ def test_under_bf16_autocast_the_in_place_streams_stay_fp32(tiny_ptm, images, mo
                 functional = net(images)
     for low in (in_place, functional):
         assert torch.nn.functional.cosine_similarity(low.float(), exact, dim=-1).min() > 0.99
+
+
+def test_learned_attention_is_a_stage_parameter_that_trains(tiny_ptm, images):
+    """``attention: learned``: every stage holds its own q/k (heads·r columns per block), absent
+    otherwise; they get gradients through the stage's stream, and a second stage leaves the first's
+    subspace as it was."""
+    net = _network(tiny_ptm, stages=1, randomize=True, attention="learned")
+    first = net.stages[0]
+    assert first.attn_q.shape == (len(tiny_ptm.blocks) - 1, net.width, net.num_heads * net.adapter_dim)
+    assert not hasattr(_network(tiny_ptm, stages=1).stages[0], "attn_q")
+    _, fs = net.forward_train(images)
+    fs.square().sum().backward()
+    assert first.attn_q.grad is not None and first.attn_q.grad.abs().sum() > 0
+    with torch.no_grad():
+        before = net(images)
+        first.requires_grad_(False)
+        net.new_stage(seed=9)
+        assert torch.allclose(net(images)[:, :2], before, atol=1e-5)

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from drlcli.features.losses import ce_loss, das_loss, kd_loss
+from drlcli.features.losses import ce_loss, cosface_loss, das_loss, kd_loss
 
 
 def test_das_matches_hand_computed_example():
@@ -47,3 +47,19 @@ def test_kd_loss_is_cosine_distance():
     a = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     b = torch.tensor([[0.0, 1.0], [2.0, 2.0]])
     assert abs(kd_loss(a, b).item() - 0.5) < 1e-6  # (1 - 0 + 1 - 1) / 2
+
+
+def test_cosface_takes_the_margin_off_the_target_cosine():
+    """σ·(cos θ_y - m) against σ·cos θ_j: by hand; m 0 is cross-entropy; a stage of one class learns nothing."""
+    scale = torch.tensor(4.0)
+    cos = torch.tensor([[0.9, 0.2, -0.1], [0.1, 0.5, 0.3]])
+    target = torch.tensor([0, 2])
+    rows = []
+    for row, y in zip(cos.tolist(), target.tolist()):
+        z = [4.0 * (c - 0.35 * (j == y)) for j, c in enumerate(row)]
+        rows.append(-z[y] + math.log(sum(math.exp(v) for v in z)))
+    got = cosface_loss(scale * cos, target, scale=scale, margin=0.35)
+    assert abs(got.item() - sum(rows) / 2) < 1e-6
+    assert torch.allclose(cosface_loss(scale * cos, target, scale=scale, margin=0.0), ce_loss(scale * cos, target))
+    assert got > ce_loss(scale * cos, target)  # the margin makes every target harder to meet
+    assert cosface_loss(scale * cos[:, :1], torch.tensor([0, 0]), scale=scale, margin=0.35).item() == 0.0

@@ -75,6 +75,21 @@ def test_single_class_stage_with_ce_has_zero_loss_and_keeps_its_adapter(tiny_ptm
     assert torch.count_nonzero(net.stages[-1].up) == 0
 
 
+def test_cosface_trains_the_stage_and_its_margin_is_read(tiny_ptm, make_folder, monkeypatch):
+    """``loss: cosface`` trains the new stage through the classifier's own σ and the config's margin."""
+    from drlcli.features import losses
+
+    seen = []
+    real = losses.cosface_loss
+    monkeypatch.setattr(train_module, "cosface_loss", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    net = IPANetwork(tiny_ptm, IPAConfig())
+    net.new_stage(seed=0)
+    images = scan_class_folders(make_folder("d", [0, 1], n=6))
+    result = train_stage(net, images, TrainConfig(epochs=2, batch_size=6, loss="cosface", margin=0.2, lr=0.05), CFG)
+    assert seen and {kw["margin"] for kw in seen} == {0.2} and all(kw["scale"].requires_grad for kw in seen)
+    assert all(l > 0 for l in result.epoch_losses) and torch.count_nonzero(net.stages[-1].up) > 0
+
+
 def test_training_is_reproducible(tiny_ptm, make_folder):
     """Whatever the caller did with Python's ``random`` (timm's crop draws from it) and torch's
     generator, the same seed trains the same stage; the caller's states are given back."""

@@ -1,4 +1,5 @@
-"""Decoupled Anchor Supervision (DAS) and distillation, as pure functions.
+"""Decoupled Anchor Supervision (DAS), its ablations' losses (cross-entropy, CosFace) and
+distillation, as pure functions.
 
 DAS (paper §III-C, Eqs. 7-11): instead of a softmax over the stage's classes, the positive logit
 is compared with a fixed virtual anchor k (it must exceed k) and the negatives with the same (or
@@ -38,6 +39,16 @@ def das_loss(
 def ce_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Softmax cross-entropy over the stage's classes (the paper's ablation baseline)."""
     return F.cross_entropy(logits, targets)
+
+
+def cosface_loss(logits: Tensor, targets: Tensor, *, scale: Tensor, margin: float) -> Tensor:
+    """CosFace's large-margin cosine loss (Wang et al., CVPR 2018): softmax cross-entropy on
+    σ·(cos θ_j - m·[j = y]), the margin ``m`` taken off the target's cosine, so the target must beat
+    every other class by m. ``logits`` are σ·cos with the classifier's (learned) σ, ``scale``. The
+    softmax margin the paper's reviewers set DAS against: unlike DAS it compares the stage's
+    classes with each other, not with a fixed anchor."""
+    is_target = F.one_hot(targets, logits.shape[1]).to(logits.dtype)
+    return F.cross_entropy(logits - scale * margin * is_target, targets)
 
 
 def kd_loss(features: Tensor, ptm_features: Tensor) -> Tensor:

@@ -2,8 +2,8 @@
 
 Shared by the trained methods (drl; ease with loss ce and no KD). Trainable: the new stage's
 parameters (drl: adapters, gates and transfer FFN), and a cosine classifier over the
-stage's own classes, z_i = σ·cos(w_i, f_s(x)) with a learnable scale σ. Loss: DAS (or CE for
-the ablation) + α·(1 - cos(f_s, f_0)). SGD with momentum, cosine learning-rate schedule over
+stage's own classes, z_i = σ·cos(w_i, f_s(x)) with a learnable scale σ. Loss: DAS (or CE or CosFace
+for the ablations) + α·(1 - cos(f_s, f_0)). SGD with momentum, cosine learning-rate schedule over
 epochs. The PTM and every older stage stay frozen (they run under no_grad). The forward and the
 loss run in the call's precision (``precision.py``; fp16 with a loss scale).
 """
@@ -29,7 +29,7 @@ from .. import distributed
 from ..data import ImageDataset, LabelledImages, make_loader, start_workers, train_transform
 from ..errors import DivergedError, UsageError
 from ..features import StageNetwork
-from ..features.losses import ce_loss, das_loss, kd_loss
+from ..features.losses import ce_loss, cosface_loss, das_loss, kd_loss
 from ..model import class_means, embed_images
 from ..options import TrainConfig
 from ..precision import autocast, grad_scaler
@@ -72,8 +72,13 @@ class CosineClassifier(nn.Module):
         return self.scale * F.normalize(features, dim=-1) @ F.normalize(self.weight, dim=-1).T
 
 
-def stage_loss(logits: Tensor, targets: Tensor, feats: Tensor, ptm_feats: Tensor | None, cfg: TrainConfig) -> Tensor:
-    if cfg.loss == "das":
+def stage_loss(
+    logits: Tensor, targets: Tensor, feats: Tensor, ptm_feats: Tensor | None, cfg: TrainConfig, scale: Tensor
+) -> Tensor:
+    """The step's loss: ``cfg.loss`` on the logits σ·cos (σ: ``scale``), plus the distillation term."""
+    if cfg.loss == "cosface":
+        loss = cosface_loss(logits, targets, scale=scale, margin=cfg.margin)
+    elif cfg.loss == "das":
         loss = das_loss(
             logits,
             targets,
@@ -376,7 +381,8 @@ class _StageStep(nn.Module):
 
     def forward(self, images: Tensor, targets: Tensor) -> Tensor:
         ptm_feats, feats, *terms = self.network.forward_train(images)  # terms: the network's own loss terms
-        return stage_loss(self.classifier(feats), targets, feats, ptm_feats, self.cfg) + sum(terms)
+        logits = self.classifier(feats)
+        return stage_loss(logits, targets, feats, ptm_feats, self.cfg, self.classifier.scale) + sum(terms)
 
 
 def _seed_worker(worker_id: int) -> None:

@@ -27,7 +27,9 @@ class IPAConfig:
     # adapter and gate bottleneck activation
     activation: str = option("relu", choices=("relu", "gelu"))
     gate: str = option("adapt", choices=("adapt", "sum", "part"))  # adapt: (1-M)a + Mg | sum: a + g | part: a + Mg
-    attention: str = option("reuse", choices=("reuse", "none"))  # reuse: A^l mixes the adapter output | none
+    # reuse: the PTM's A^l mixes the adapter output | none | learned: each stage's own q/k per block (r wide a
+    # head) over the PTM block's normalised stream give the A that mixes it (the ablation of reusing A^l)
+    attention: str = option("reuse", choices=("reuse", "none", "learned"))
     # M starts at sigmoid(3) = 0.95: a new stream ≈ what it inherits
     gate_bias_init: float = option(3.0, within=Range(-100, 100))
     # transfer block FFN hidden width; None: d (the paper's d→d→d)

@@ -30,6 +30,11 @@ parameters). ``serving.exportable`` sets the flag while a graph is traced. Both 
 hidden and the gate's mixing step. ``tests/test_ipa.py`` checks all of this against a
 plain one-stage-at-a-time implementation of the equations; ``benchmarks/cost.py`` measures it.
 
+The ablation ``attention: learned`` gives each stage, in blocks 1..L-1, a query and a key projection of its own
+(r wide a head) over the frozen block's ``norm1`` of the stage's incoming stream: its own A_s^l = softmax(q kᵀ/√r)
+mixes the adapter output instead of the PTM's A^l, at the cost of one (B, H, N, N) attention per stage and block.
+It runs the functional body only.
+
 Initialisation (Interpretation I-3): W_up, G_up and the FFN's second layer start at zero and the
 gate bias at ``gate_bias_init`` (3.0: M = 0.95), so a new stream starts as 0.95·g at every block,
 i.e. as the representation it inherits, and its transfer block as the PTM's attention sublayer.
@@ -51,14 +56,22 @@ from . import IPAConfig
 # Stage parameters stacked over blocks 1..L-1 (leading dim L-1), then the transfer FFN.
 BLOCK_PARAMS = ("down", "down_bias", "up", "up_bias", "gate_down", "gate_down_bias", "gate_up", "gate_up_bias")
 FFN_PARAMS = ("ffn_in", "ffn_in_bias", "ffn_out", "ffn_out_bias")
+ATTENTION_PARAMS = ("attn_q", "attn_q_bias", "attn_k", "attn_k_bias")  # attention: learned only
 
 
 class StageAdapters(nn.Module):
     """One stage's trainable parameters: adapters and gates of blocks 1..L-1, transfer FFN."""
 
-    def __init__(self, *, width: int, depth: int, adapter_dim: int, ffn_dim: int, gate_bias_init: float):
+    def __init__(
+        self, *, width: int, depth: int, adapter_dim: int, ffn_dim: int, gate_bias_init: float, attention_dim: int = 0
+    ):
         super().__init__()
         n, d, r, f = depth - 1, width, adapter_dim, ffn_dim
+        if attention_dim:  # attention: learned: heads·r query and key columns per block
+            self.attn_q = nn.Parameter(_uniform((n, d, attention_dim), fan_in=d))
+            self.attn_q_bias = nn.Parameter(torch.zeros(n, attention_dim))
+            self.attn_k = nn.Parameter(_uniform((n, d, attention_dim), fan_in=d))
+            self.attn_k_bias = nn.Parameter(torch.zeros(n, attention_dim))
         self.down = nn.Parameter(_uniform((n, d, r), fan_in=d))
         self.down_bias = nn.Parameter(torch.zeros(n, r))
         self.up = nn.Parameter(torch.zeros(n, r, d))
@@ -126,6 +139,7 @@ class IPANetwork(nn.Module):
                 adapter_dim=self.adapter_dim,
                 ffn_dim=self.ffn_dim,
                 gate_bias_init=self.cfg.gate_bias_init,
+                attention_dim=self.num_heads * self.adapter_dim if self.cfg.attention == "learned" else 0,
             )
         stage.to(next(self.ptm.parameters()).device)
         if self.cfg.gate == "sum":
@@ -256,6 +270,8 @@ class IPANetwork(nn.Module):
         num_stages = params["down"].shape[0]
         b, n, d = f0.shape
         in_place = workspace is not None and not torch.is_grad_enabled() and not self.exportable
+        if self.cfg.attention == "learned":  # each stage's own A, from its incoming stream
+            in_place, probs = False, self._own_attention(params, l, _streams(streams, num_stages))
         space = workspace if in_place else {}
         flat = self._adapter_hidden(params, l, streams, f0, space)  # (B, N, S·(r+1))
         up = params["up_heads"][:, l]  # (S, H, r+1, dh): each head's slice of [W_up; c]
@@ -289,6 +305,17 @@ class IPANetwork(nn.Module):
             hidden[..., :r] = self._act(h).view(num_stages, b, n, r).permute(1, 2, 0, 3)
         return hidden.view(b, n, num_stages * (r + 1))
 
+    def _own_attention(self, params: dict[str, Tensor], l: int, streams: Tensor) -> Tensor:
+        """``attention: learned``: each stage's softmax(q kᵀ/√r) over block l's ``norm1`` of its own
+        incoming stream (S, B, N, d), its q and k r wide a head: (S, B, H, N, N)."""
+        num_stages, b, n, d = streams.shape
+        heads, r = self.num_heads, self.adapter_dim
+        x = self.ptm.blocks[l].norm1(streams).reshape(num_stages, b * n, d)
+        q = torch.baddbmm(params["attn_q_bias"][:, l, None], x, params["attn_q"][:, l])  # (S, B·N, H·r)
+        k = torch.baddbmm(params["attn_k_bias"][:, l, None], x, params["attn_k"][:, l])
+        q, k = (t.view(num_stages, b, n, heads, r).transpose(2, 3) for t in (q, k))  # (S, B, H, N, r)
+        return torch.softmax(q @ k.transpose(-2, -1) * r**-0.5, dim=-1)
+
     def _attend_in_place(self, flat: Tensor, up: Tensor, probs: Tensor, f0: Tensor, space: dict[str, Tensor]) -> Tensor:
         """a = A ⊗ (W_up·h + c) per head, computed as W_up·(A h) + c (mixing the r-wide hidden costs
         H·r < d per token), with matmuls straight into token-major slices of a reused buffer: no
@@ -316,6 +343,9 @@ class IPANetwork(nn.Module):
         if self.cfg.attention == "reuse":
             mixed = (probs.reshape(b, heads * n, n) @ flat).view(b, heads, n, num_stages, r1)
             lhs = mixed.permute(3, 1, 0, 2, 4)  # (S, H, B, N, r+1)
+        elif self.cfg.attention == "learned":  # probs: each stage's own, (S, B, H, N, N)
+            hidden = flat.view(b, n, num_stages, r1).permute(2, 0, 1, 3).unsqueeze(2)  # (S, B, 1, N, r+1)
+            lhs = (probs.to(flat.dtype) @ hidden).transpose(1, 2)  # (S, H, B, N, r+1)
         else:
             hidden = flat.view(b, n, num_stages, r1)
             lhs = hidden.permute(2, 0, 1, 3).unsqueeze(1).expand(num_stages, heads, b, n, r1)
@@ -385,7 +415,8 @@ def _stack(stages: list[StageAdapters], heads: int) -> dict[str, Tensor]:
     """Each parameter stacked over stages: leading dim S. Empty dict when there are no stages."""
     if not stages:
         return {}
-    stacked = {name: torch.stack([getattr(st, name) for st in stages]) for name in BLOCK_PARAMS + FFN_PARAMS}
+    names = BLOCK_PARAMS + FFN_PARAMS + (ATTENTION_PARAMS if hasattr(stages[0], "attn_q") else ())
+    stacked = {name: torch.stack([getattr(st, name) for st in stages]) for name in names}
     # the up-projections with their bias as one more input row; W_up split per head, (S, L-1, H, r+1, d/H);
     # the gate's negated, so that its sigmoid gives 1 - M directly
     up_aug = torch.cat([stacked["up"], stacked["up_bias"].unsqueeze(2)], dim=2)  # (S, L-1, r+1, d)
