@@ -1,6 +1,7 @@
 """``drl benchmark``: variant parsing, protocol (class order, stages, data layouts), end to end."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,19 +118,24 @@ def test_benchmark_end_to_end_writes_results_and_resumes(tmp_path):
     assert json.loads((out / "results.json").read_text())["results"] == report["results"]
     table = (out / "results.md").read_text()
     assert "| `ease/batch_size=8` |" in table
-    # each variant's learn seconds, passes per image, MiB read and stored, stage by stage, side by side
-    costs = table.split("| learn s (passes/img; MiB read; MiB stored) | stage 1 | stage 2 | stage 3 |")[1]
+    # each variant's learn seconds, passes per image, MiB read and the run's size, stage by stage, side by side
+    costs = table.split("| learn s (passes/img; MiB read; run MiB) | stage 1 | stage 2 | stage 3 |")[1]
     frozen_row = next(line for line in costs.splitlines() if line.startswith("| `drl/preset=frozen` |"))
     cells = [c.strip().split(" (")[1].rstrip(")").split("; ") for c in frozen_row.strip("|").split("|")[1:]]
     assert [c[0] for c in cells] == ["1.0"] * 3  # one feature pass a stage
     frozen = by_label["drl/preset=frozen"]
     assert all(m > 0 for m in frozen["stage_read_mib"])  # its images at least (Linux /proc/self/io)
     stored = [float(c[2]) for c in cells]
-    assert stored == sorted(stored) and stored[-1] == pytest.approx(sum(frozen["bytes_per_stage"]) / 2**20, abs=0.06)
+    assert stored == pytest.approx(frozen["stage_stored_mib"], abs=0.051) and stored == sorted(stored)
+    for r in report["results"]:  # the whole run directory after its last stage: a default run's frozen track too
+        if "[score" not in r["label"]:
+            size = RunDir(Path(r["run_dir"])).size_bytes() / 2**20
+            assert r["stage_stored_mib"][-1] == pytest.approx(size, abs=0.006)
+            assert size >= sum(r["bytes_per_stage"]) / 2**20 - 0.006
     # the same command again reuses every finished run: same numbers, no new stage (so nothing read)
     again = json.loads(CliRunner().invoke(app, [str(a) for a in args]).stdout)
     assert [r["accuracy"] for r in again["results"]] == [r["accuracy"] for r in report["results"]]
-    assert all(r["stage_read_mib"] == [None] * 3 for r in again["results"])
+    assert all(r["stage_read_mib"] == r["stage_stored_mib"] == [None] * 3 for r in again["results"])
     # other settings for an existing run are refused, not mixed in
     changed = CliRunner().invoke(app, [str(a) for a in args[:-1]] + ["--epochs", "2"])
     assert changed.exit_code == 2 and "other settings" in changed.stderr

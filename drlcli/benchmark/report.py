@@ -177,16 +177,17 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def cost_lines(results: list[dict[str, Any]], num_stages: int) -> list[str]:
-    """Each variant's learn seconds, forward passes per image and MiB read at every stage, and the
-    stages' MiB stored so far, side by side."""
+    """Each variant's learn seconds, forward passes per image and MiB read at every stage, and the run
+    directory's MiB after it (the stages' newest statistics are stored with the newest stage), side by side;
+    "-" where this command did not learn the stage."""
     if not any(r.get("stage_learn_seconds") for r in results):
         return []
-    head = ["learn s (passes/img; MiB read; MiB stored)"] + [f"stage {t}" for t in range(1, num_stages + 1)]
+    head = ["learn s (passes/img; MiB read; run MiB)"] + [f"stage {t}" for t in range(1, num_stages + 1)]
     lines = ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         seconds, passes = r.get("stage_learn_seconds") or [], r.get("stage_passes") or []
         read = r.get("stage_read_mib") or []
-        sizes = list(itertools.accumulate(b / 2**20 for b in r.get("bytes_per_stage") or []))
+        sizes = r.get("stage_stored_mib") or []
         cells = [
             f"{_fmt(s, 0)} ({_fmt(p, 1)}; {_fmt(m, 1)}; {_fmt(z, 1)})"
             for s, p, m, z in itertools.zip_longest(seconds, passes, read, sizes)

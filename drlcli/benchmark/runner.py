@@ -143,6 +143,7 @@ class _Session:
     stages_run: int = 0
     # MiB each learn-stage this session ran read (its images, the PTM and the run), by variant and stage
     read_mib: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    stored_mib: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)  # the run's size after a stage
 
     def run_variant(self, v_index: int, variant: Variant, score_options: list[dict[str, Any]]) -> list[dict]:
         """Learn the variant's missing stages; rank 0 returns its results rows."""
@@ -212,6 +213,7 @@ class _Session:
         after = io_bytes()
         if read is not None and after is not None:
             self.read_mib.setdefault(variant.label, {})[k + 1] = round((after[0] - read[0]) / 2**20, 2)
+        self.stored_mib.setdefault(variant.label, {})[k + 1] = round(RunDir(run_dir).size_bytes() / 2**20, 2)
         acc = result.eval.top1 if result.eval else float("nan")
         self.say(f"[{variant.label}] stage {k + 1}: A = {acc:.2f}% ({result.total_seconds:.0f}s)")
 
@@ -222,7 +224,9 @@ class _Session:
         per_image = timing(loaded, self.folders[-1][1], settings.timing_batch, precision=settings.precision)
         row = summary_row(variant.label, variant, loaded, config, per_image)
         read = self.read_mib.get(variant.label, {})
+        stored = self.stored_mib.get(variant.label, {})
         row["stage_read_mib"] = [read.get(t) for t in range(1, row["num_stages"] + 1)]  # None: learned earlier
+        row["stage_stored_mib"] = [stored.get(t) for t in range(1, row["num_stages"] + 1)]
         if not (score_options and method_of(config).trains):
             return [row]
         if schedule_of(config).carries:
