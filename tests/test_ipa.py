@@ -146,8 +146,8 @@ def test_stacked_weights_are_reused_and_follow_every_parameter_change(tiny_ptm, 
     from drlcli.features.ipa import network as ipa
 
     net = _network(tiny_ptm, stages=2)
-    stacks, stack = [], ipa._stack
-    monkeypatch.setattr(ipa, "_stack", lambda *args: stacks.append(1) or stack(*args))
+    stacks, stack = [], ipa.stack_stages
+    monkeypatch.setattr(ipa, "stack_stages", lambda *args: stacks.append(1) or stack(*args))
 
     def uncached():  # the same stages in a new network: nothing cached
         fresh = IPANetwork(tiny_ptm, net.cfg)
