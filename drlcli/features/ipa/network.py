@@ -140,7 +140,7 @@ class IPANetwork(nn.Module):
         trainable = self.stages[-1] if train_last else None
         with torch.no_grad():
             x0 = backbone.embed_tokens(self.ptm, images)  # (B, N, d): f^0 of every stream
-            old = self._frozenstack_stages(frozen) if frozen else {}
+            old = self._frozen_stack(frozen) if frozen else {}
         new_params = stack_stages([trainable], self.num_heads) if trainable is not None else None
         done = self._blocks(x0, old, new_params, probes=probes)
         with torch.no_grad():
@@ -196,7 +196,7 @@ class IPANetwork(nn.Module):
             x0 = x0_next
         return _Blocks(x0, streams, new, probed)
 
-    def _frozenstack_stages(self, stages: list[StageAdapters]) -> dict[str, Tensor]:
+    def _frozen_stack(self, stages: list[StageAdapters]) -> dict[str, Tensor]:
         """``stack_stages(stages)``, cached while those parameters are unchanged (no copy per forward)."""
         if self.exportable:  # a traced/exported graph must read the parameters, not a cached copy
             return stack_stages(stages, self.num_heads)
@@ -231,7 +231,7 @@ class IPANetwork(nn.Module):
         b, n, d = f0.shape
         in_place = workspace is not None and not torch.is_grad_enabled() and not self.exportable
         if self.cfg.attention == "learned":  # each stage's own A, from its incoming stream
-            in_place, probs = False, self._own_attention(params, l, _streams(streams, num_stages))
+            in_place, probs = False, self._own_attention(params, l, streams)
         space = workspace if in_place else {}
         flat = self._adapter_hidden(params, l, streams, f0, space)  # (B, N, S·(r+1))
         up = params["up_heads"][:, l]  # (S, H, r+1, dh): each head's slice of [W_up; c]
@@ -267,10 +267,12 @@ class IPANetwork(nn.Module):
 
     def _own_attention(self, params: dict[str, Tensor], l: int, streams: Tensor) -> Tensor:
         """``attention: learned``: each stage's softmax(q kᵀ/√r) over block l's ``norm1`` of its own
-        incoming stream (S, B, N, d), its q and k r wide a head: (S, B, H, N, N)."""
-        num_stages, b, n, d = streams.shape
-        heads, r = self.num_heads, self.adapter_dim
-        x = self.ptm.blocks[l].norm1(streams).reshape(num_stages, b * n, d)
+        incoming stream (S, B, N, d; one (B, N, d) for all at block 0), its q and k r wide a head:
+        (S, B, H, N, N)."""
+        num_stages, heads, r = params["attn_q"].shape[0], self.num_heads, self.adapter_dim
+        x = _streams(self.ptm.blocks[l].norm1(streams), num_stages)  # normalised once, then shared
+        b, n, d = x.shape[1:]
+        x = x.reshape(num_stages, b * n, d)
         q = torch.baddbmm(params["attn_q_bias"][:, l, None], x, params["attn_q"][:, l])  # (S, B·N, H·r)
         k = torch.baddbmm(params["attn_k_bias"][:, l, None], x, params["attn_k"][:, l])
         q, k = (t.view(num_stages, b, n, heads, r).transpose(2, 3) for t in (q, k))  # (S, B, H, N, r)
