@@ -181,11 +181,44 @@ def test_a_switch_record_that_disagrees_with_the_trial_is_refused(tmp_path, four
         verify(run)
 
 
-def test_a_first_stage_of_fewer_than_four_classes_is_not_tried(tmp_path, stage_folders):
+def test_a_stage_of_fewer_than_four_classes_defers_untrained_and_the_next_stage_is_tried(
+    tmp_path, stage_folders, monkeypatch
+):
     run = tmp_path / "run"
+    _init(run, {"first_session": {"trial_images": 4, "trial_stages": 1}})
+    _decides(monkeypatch, trains=True)  # what a trial would say, had it run
+    small = _learn(run, stage_folders[:2])  # 3 classes each: nothing to try on
+    for result in small:
+        tried = result.carry["trial"]
+        assert tried["deferred"] is True and tried["trains"] is False and tried["classes_measured"] == 3
+        assert tried["images_trained"] == 0 and result.carry["paused"] is True and not result.epoch_losses
+        assert result.passes["training"] == 0 and result.passes["trial"] == 0
+        assert "3 classes are too few to try on" in render.learn_stage(result.to_dict())
+    # the deferred stages do not count against trial_stages (1): the first stage of 4 classes is tried
+    later = make_stages(tmp_path / "later", num_stages=1, classes_per_stage=4, train=10, test=3, first=3)
+    [tried] = _learn(run, later)  # classes 8-11
+    assert tried.carry["trial"]["deferred"] is False and tried.carry["trial"]["classes_trained"] == 2
+    assert tried.carry["trial"]["trains"] is True and tried.epoch_losses
+    stages = info(run)["stages"]
+    assert [s["trial"]["deferred"] for s in stages] == [True, True, False]
+    assert "too few classes to try adapting on" in render.info(info(run))
+    assert verify(run).num_stages == 3
+
+
+def test_a_deferred_stage_answers_as_the_frozen_head(tmp_path, stage_folders):
+    run, frozen = tmp_path / "run", tmp_path / "frozen"
     _init(run)
-    [result] = _learn(run, stage_folders[:1])  # 3 classes
-    assert result.carry is None and result.passes["training"] > 0
+    init_run(
+        frozen,
+        ptm=TINY_PTM,
+        random_init=True,
+        ptm_kwargs=TINY_PTM_KWARGS,
+        config=RunConfig.for_method("drl", {"train": {"seed": 3}}, preset="frozen"),
+    )
+    _learn(run, stage_folders[:2])
+    _learn(frozen, stage_folders[:2])
+    ours, theirs = evaluate(run, all_seen=True, device="cpu"), evaluate(frozen, all_seen=True, device="cpu")
+    assert ours.report.to_dict() == theirs.report.to_dict()
 
 
 def test_learn_stage_and_info_say_what_the_trial_decided_and_what_learning_cost(

@@ -86,6 +86,12 @@ def carry_lines(c: dict[str, Any]) -> list[str]:
 
 def trial_line(t: dict[str, Any]) -> str:
     """A stage's trial (``schedule.trial``), for people."""
+    if t.get("deferred"):
+        return (
+            f"did not try adapting: {t['classes_measured']} classes are too few to try on (a trial trains on two "
+            "and measures two others); the adapters stay untrained (the frozen PTM), at the frozen head's cost, "
+            "and the next stage is tried"
+        )
     m = t["margins"]
     then = (
         "adapting changes little here: the stage kept the adapters untrained (the frozen PTM), at about the "

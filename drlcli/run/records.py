@@ -326,10 +326,12 @@ def trial_record(meta: dict[str, Any]) -> dict[str, Any] | None:
     checks = [_count(record.get(k)) for k in counts] + [_count(margins.get("images"))]
     checks += [_real(margins.get(k)) for k in ("percent", "z", "floor")]
     checks += [_amount(record.get("seconds")), type(record.get("trains")) is bool]
+    checks += [type(record.get("deferred", False)) is bool]  # absent before stages of too few classes deferred
     if not all(checks):
         return None
     return {
         **{k: record[k] for k in (*counts, "seconds", "trains")},
+        "deferred": record.get("deferred", False) and not record["trains"],
         "margins": {k: margins[k] for k in ("images", "percent", "z", "floor")},
     }
 

@@ -13,9 +13,12 @@ would without the trial, and later stages decide by their forward transfer. Othe
 untrained (the frozen PTM: AdaptFormer's Up starts at zero; ``declined``): its rows are the frozen
 track's (no pass of its own). Where the trial came near the floor (``RETRY``), the next stage is tried the
 same way, up to ``trial_stages`` tried stages; after that, or after a trial far from it, no stage trains
-it, and the run learns at about the frozen head's cost. A stage
-of fewer than ``MIN_CLASSES`` classes, or one under torchrun, is not tried: stage 1 then trains, as
-without the trial; a later one keeps the set as it stands."""
+it, and the run learns at about the frozen head's cost. A stage of fewer than ``MIN_CLASSES`` classes
+gives a trial nothing to measure, and its own forward transfer later would count only whether two
+classes are told apart, which both networks nearly always are (50 drops of two classes: 0 better, 1
+worse of 1,000 photos): it defers (``deferred``), keeping the set untrained at the frozen head's cost,
+and the next stage is tried (not counted in ``trial_stages``). One under torchrun is not tried:
+stage 1 then trains, as without the trial; a later one keeps the set as it stands."""
 
 from __future__ import annotations
 
@@ -60,9 +63,13 @@ def trying(stage: StageContext) -> bool:
     metas = stage.loaded.stage_metas
     if not metas:
         return True
-    last = trial_record(metas[-1])
-    near = last is not None and abs(last["margins"]["percent"]) >= RETRY
-    return near and trial_declined(metas) and len(metas) < stage.config.schedule.trial_stages
+    records = [trial_record(meta) for meta in metas]
+    last = records[-1]
+    if last is None or not trial_declined(metas):
+        return False
+    tried = sum(1 for r in records if r is not None and not r["deferred"])
+    near = last["deferred"] or abs(last["margins"]["percent"]) >= RETRY
+    return near and tried < stage.config.schedule.trial_stages
 
 
 def declined(stage: StageContext) -> bool:
@@ -124,8 +131,10 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
     """The trial of stage 1 (``trying``); None where it is not run. ``frozen_f0``: every image's f_0
     through the frozen PTM, in image order (a switched run's frozen track's), else passed here."""
     n = len(stage.images.class_names)
-    if n < MIN_CLASSES or distributed.world_size() > 1:
+    if distributed.world_size() > 1:
         return None
+    if n < MIN_CLASSES:
+        return _deferred(stage, n)
     tick = time.perf_counter()
     options, train = stage.config.schedule, stage.config.train
     seed = train.seed + stage.index
@@ -156,8 +165,8 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
         frozen = _f0(stage, measured)  # the set dropped: the frozen PTM
     gain = margin_gain(adapted, frozen, torch.tensor(measured.labels, dtype=torch.long))
     tried = Tried(gain, {}, 0.0)
-    if not tried.trains and not network.stages:  # stage 1's set, untrained: the frozen PTM (Up starts at zero)
-        network.new_stage(seed=seed).requires_grad_(False).eval()
+    if not tried.trains:
+        _keep_untrained(network, seed)
     meta = {
         "classes_trained": len(trained.class_names),
         "images_trained": len(trained),
@@ -166,11 +175,33 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
         "images_measured": len(measured),
         "margins": {**gain.to_dict(), "floor": FLOOR},
         "trains": tried.trains,
+        "deferred": False,
         "seconds": round(time.perf_counter() - tick, 3),
     }
     # a training step of an image counts 3 passes (forward and backward), the classifier's start one
     passes = (STEP * options.trial_epochs + 1) * len(trained) + len(measured) * (1 if frozen_f0 is not None else 2)
     return Tried(gain, meta, passes / len(stage.images))
+
+
+def _deferred(stage: StageContext, n: int) -> Tried:
+    """A stage too small to try: nothing trained or measured; the set stays untrained."""
+    _keep_untrained(stage.model.network, stage.config.train.seed + stage.index)
+    none = MarginGain(0.0, 0.0, 0)
+    meta = {
+        **dict.fromkeys(("classes_trained", "images_trained", "epochs", "images_measured"), 0),
+        "classes_measured": n,
+        "margins": {**none.to_dict(), "floor": FLOOR},
+        "trains": False,
+        "deferred": True,
+        "seconds": 0.0,
+    }
+    return Tried(none, meta, 0.0)
+
+
+def _keep_untrained(network: Any, seed: int) -> None:
+    """Stage 1's set, untrained: the frozen PTM (AdaptFormer's Up starts at zero); a later stage's stands."""
+    if not network.stages:
+        network.new_stage(seed=seed).requires_grad_(False).eval()
 
 
 def _restore(network: Any, kept: list[dict[str, torch.Tensor]]) -> None:
