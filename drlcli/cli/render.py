@@ -198,7 +198,9 @@ def _paused_why(trial: dict[str, Any] | None, transfer: dict[str, Any] | None) -
     """Why a switched run's carried network was not trained at a stage, for people: its own trial, the
     run's earlier trials (the set never trained: it counted no image), or its forward transfer."""
     if trial:
-        return "too few classes to try adapting on" if trial.get("deferred") else "its trial said adapting changes little"
+        return (
+            "too few classes to try adapting on" if trial.get("deferred") else "its trial said adapting changes little"
+        )
     run = transfer.get("run") if isinstance(transfer, dict) else None
     if isinstance(run, dict) and run.get("images") == 0:
         return "the run's trials said adapting changes little"
