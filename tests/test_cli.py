@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from drlcli.cli import app
 from drlcli.ptm import backbone
-from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
 runner = CliRunner()
 TINY_ARGS = ["--ptm", TINY_PTM] + [a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")]
@@ -211,10 +211,11 @@ def test_simplecil_method(tmp_path, stage_folders):
     assert result.exit_code == 0 and out["num_params"] == 0 and out["train_seconds"] == 0.0
 
 
-def test_the_default_learns_its_adapter_set_and_answers_from_its_frozen_track_first(tmp_path, stage_folders):
-    """What a new user's `drl init` makes (issue 32): the switched schedule. Stage 1 trains the
-    carried adapter set and answers from the frozen track (a `drl --preset frozen` run's files beside its own);
-    eval, info, export and predict read the answering track."""
+def test_the_default_learns_its_adapter_set_and_answers_from_its_frozen_track_first(tmp_path):
+    """What a new user's `drl init` makes (issue 32): the switched schedule. Stage 1 (whose trial on
+    these random images says adapt) trains the carried adapter set and answers from the frozen track (a
+    `drl --preset frozen` run's files beside its own); eval, info, export and predict read the answering track."""
+    stage_folders = make_stages(tmp_path / "data", num_stages=2, classes_per_stage=4, train=10, test=3)
     run = tmp_path / "run"
     assert drl("init", "--run", run, *TINY_ARGS, "--random-init").exit_code == 0
     result, out = drl_json("learn-stage", "--run", run, "--data", stage_folders[0][0], *FAST)

@@ -174,7 +174,7 @@ def test_benchmark_writes_one_folder_per_variant_with_workers_and_bf16(tmp_path)
         out,
         *TINY_ARGS,
         "--methods",
-        "simplecil,drl/skip_unread=false",
+        "simplecil,drl/skip_unread=false/trial=none",  # untried: a stage of one class trains
         "--split",
         "B0Inc1",
     ]
@@ -184,10 +184,10 @@ def test_benchmark_writes_one_folder_per_variant_with_workers_and_bf16(tmp_path)
     report = json.loads(result.stdout)
     assert report["protocol"]["precision"] == "bf16" and report["artifacts"]["tensorboard"] == str(tb)
     rows = {row["label"]: row for row in report["results"]}
-    simplecil, trained = scalars(tb / "simplecil"), scalars(tb / "drl__skip_unread=false")
+    simplecil, trained = scalars(tb / "simplecil"), scalars(tb / "drl__skip_unread=false__trial=none")
     assert [t for t, _ in simplecil["accuracy/A_t"]] == [1, 2] and "loss/stage_001" not in simplecil
-    accuracy = rows["drl/skip_unread=false"]["accuracy"]
+    accuracy = rows["drl/skip_unread=false/trial=none"]["accuracy"]
     assert [a for _, a in trained["accuracy/A_t"]] == pytest.approx(accuracy, abs=1e-4)
     assert [e for e, _ in trained["loss/stage_002"]] == [1] and "forgetting/mean" in trained
-    stage = RunDir(out / "runs" / "drl__skip_unread=false").stage(2).meta
+    stage = RunDir(out / "runs" / "drl__skip_unread=false__trial=none").stage(2).meta
     assert stage["precision"] == "bf16" and stage["train"]["num_workers"] == 1
