@@ -40,6 +40,12 @@ def _init(run, overrides=None):
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
 
 
+def _init_frozen(run):
+    """The frozen head's run (``--recipe frozen``) beside a default one of the same seed."""
+    config = RunConfig.for_method("drl", {"train": {"seed": 3}}, preset="frozen")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+
+
 def _decides(monkeypatch, trains: bool) -> None:
     """What the trial's margins say, whatever the tiny random PTM's are."""
     gain = MarginGain(5.0, 4.0, 30) if trains else MarginGain(0.3, 0.5, 30)  # declined, near the floor
@@ -75,13 +81,7 @@ def test_where_adapting_would_not_pay_stage_1_trains_nothing_and_the_run_answers
 ):
     run, frozen = tmp_path / "run", tmp_path / "frozen"
     _init(run)
-    init_run(
-        frozen,
-        ptm=TINY_PTM,
-        random_init=True,
-        ptm_kwargs=TINY_PTM_KWARGS,
-        config=RunConfig.for_method("drl", {"train": {"seed": 3}}, preset="frozen"),
-    )
+    _init_frozen(frozen)
     _decides(monkeypatch, trains=False)
     results = _learn(run, four_class_stages[:2])
     first = json.loads((run / "stages/001/stage.json").read_text())
@@ -208,13 +208,7 @@ def test_a_stage_of_fewer_than_four_classes_defers_untrained_and_the_next_stage_
 def test_a_deferred_stage_answers_as_the_frozen_head(tmp_path, stage_folders):
     run, frozen = tmp_path / "run", tmp_path / "frozen"
     _init(run)
-    init_run(
-        frozen,
-        ptm=TINY_PTM,
-        random_init=True,
-        ptm_kwargs=TINY_PTM_KWARGS,
-        config=RunConfig.for_method("drl", {"train": {"seed": 3}}, preset="frozen"),
-    )
+    _init_frozen(frozen)
     _learn(run, stage_folders[:2])
     _learn(frozen, stage_folders[:2])
     ours, theirs = evaluate(run, all_seen=True, device="cpu"), evaluate(frozen, all_seen=True, device="cpu")
