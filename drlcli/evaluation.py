@@ -65,6 +65,27 @@ def check_class_names_use(class_names: Sequence[str] | None, *datasets: Any) -> 
         )
 
 
+@dataclass(frozen=True)
+class SetFeatures:
+    """One eval set's rows as a model's pass gave them (this process's share), keyed by the set (its
+    folder and fingerprint, or a dataset's content digest), the rows the model read and the precision.
+    A model whose network computes the very same rows (a switched run's untrained adapter set: the
+    frozen PTM, as its frozen track's) reads them instead of passing the images again (``predict_sets``);
+    the caller vouches for that."""
+
+    key: tuple[Any, ...]
+    feats: torch.Tensor
+    labels: torch.Tensor
+
+
+def _set_key(model: IncrementalModel, item: EvalSet, precision: str) -> tuple[Any, ...]:
+    images = item.images
+    root = getattr(images, "root", None)
+    where = str(Path(root).resolve()) if root is not None else None
+    reads = (model.stages_scored, model.layout_scored, model.probes_read)
+    return (type(images).__name__, where, images.fingerprint(), len(images), reads, precision)
+
+
 def evaluate_sets(
     model: IncrementalModel,
     sets: list[EvalSet],
@@ -72,8 +93,12 @@ def evaluate_sets(
     num_workers: int = 0,
     precision: str = "fp32",
     progress: ProgressFn | None = None,
+    given: Sequence[SetFeatures] = (),
+    kept: list[SetFeatures] | None = None,
 ) -> AccuracyReport:
-    ranked, targets, _ = predict_sets(model, sets, num_workers=num_workers, precision=precision, progress=progress)
+    ranked, targets, _ = predict_sets(
+        model, sets, num_workers=num_workers, precision=precision, progress=progress, given=given, kept=kept
+    )
     return accuracy_report(ranked[:, 0], targets, model.class_stage, num_stages=model.num_stages, ranked=ranked)
 
 
@@ -84,31 +109,24 @@ def predict_sets(
     num_workers: int = 0,
     precision: str = "fp32",
     progress: ProgressFn | None = None,
+    given: Sequence[SetFeatures] = (),
+    kept: list[SetFeatures] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Each image's TOP_K best-scored classes (N, k), best first, its target (global class
     indices; -1 for an image of a class not learned) and known(x) (N,) (``openset.py``; None when
     the model is not calibrated), over every set, gathered from all ranks. The network runs in
-    ``precision``, the scoring in fp32."""
+    ``precision``, the scoring in fp32. ``given``: sets' rows a pass of a model whose network
+    computes the same rows already gave (``SetFeatures``), used instead of a pass; ``kept``: each
+    set's rows are appended to it."""
     predictions, targets, known = [], [], []
+    reuse = {g.key: g for g in given}
     for k, item in enumerate(sets, 1):
         report_step = (
             (lambda step, total, k=k: progress(Progress("evaluate", step, total, eval_set=k, num_eval_sets=len(sets))))
             if progress
             else None
         )
-        feats, labels = embed_images(
-            model.network,
-            item.images,
-            model.data_config,
-            batch_size=EVAL_BATCH_SIZE,
-            num_workers=num_workers,
-            precision=precision,
-            indices=distributed.shard(len(item.images)),
-            progress=report_step,
-            stages=model.stages_scored,
-            layout=model.layout_scored,
-            probes=model.probes_read,
-        )
+        feats, labels = _set_rows(model, item, reuse, kept, num_workers, precision, report_step)
         scoring, inputs = model.split(feats)
         scores = model.scores(scoring)
         predictions.append(scores.topk(min(TOP_K, scores.shape[1]), dim=1).indices.cpu())
@@ -119,6 +137,39 @@ def predict_sets(
     parts = distributed.all_gather_objects((torch.cat(predictions), torch.cat(targets), torch.cat(known)))
     ranked, target = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return ranked, target, torch.cat([p[2] for p in parts]) if calibrated else None
+
+
+def _set_rows(
+    model: IncrementalModel,
+    item: EvalSet,
+    reuse: dict[tuple[Any, ...], SetFeatures],
+    kept: list[SetFeatures] | None,
+    num_workers: int,
+    precision: str,
+    progress: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This process's rows of the set and their labels: as given (``reuse``), else from a pass."""
+    key = _set_key(model, item, precision) if reuse or kept is not None else ()
+    hit = reuse.get(key)
+    if hit is not None:
+        feats, labels = hit.feats, hit.labels
+    else:
+        feats, labels = embed_images(
+            model.network,
+            item.images,
+            model.data_config,
+            batch_size=EVAL_BATCH_SIZE,
+            num_workers=num_workers,
+            precision=precision,
+            indices=distributed.shard(len(item.images)),
+            progress=progress,
+            stages=model.stages_scored,
+            layout=model.layout_scored,
+            probes=model.probes_read,
+        )
+    if kept is not None:
+        kept.append(SetFeatures(key, feats, labels))
+    return feats, labels
 
 
 def registered_eval_sets(loaded: LoadedRun, *, missing: list[str] | None = None) -> list[EvalSet]:

@@ -273,3 +273,26 @@ def test_a_run_tries_at_most_trial_stages_stages(tmp_path, four_class_stages, mo
     results = _learn(run, four_class_stages)
     assert [("trial" in r.carry, r.carry["paused"]) for r in results] == [(True, True), (True, True), (False, True)]
     assert all(r.passes["training"] == 0 for r in results)
+
+
+def test_an_untrained_set_is_evaluated_from_the_frozen_tracks_rows(tmp_path, four_class_stages, monkeypatch):
+    """A stage that keeps the set untrained (the frozen PTM) scores the carried head on the rows the
+    frozen track's evaluation passed: no second pass, the same top-1 as with one."""
+    from drlcli import evaluation
+    from drlcli.stage import record as record_module
+
+    _decides(monkeypatch, trains=False)
+    passes = []
+    embed = evaluation.embed_images
+    monkeypatch.setattr(evaluation, "embed_images", lambda *a, **k: passes.append(1) or embed(*a, **k))
+    reused, passed = tmp_path / "reused", tmp_path / "passed"
+    _init(reused)
+    _init(passed)
+    ours = _learn(reused, four_class_stages[:2])
+    counted, passes[:] = len(passes), []
+    evaluate_sets = record_module.evaluate_sets
+    monkeypatch.setattr(record_module, "evaluate_sets", lambda *a, given=(), **k: evaluate_sets(*a, **k))
+    theirs = _learn(passed, four_class_stages[:2])
+    assert counted == 3 and len(passes) == 6  # the eval sets of stages 1 and 2 (1 + 2), once each against twice
+    assert [r.switch["top1"] for r in ours] == [r.switch["top1"] for r in theirs]
+    assert all(r.carry["paused"] for r in ours)

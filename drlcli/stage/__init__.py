@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import distributed
 from ..device import resolve_device
+from ..evaluation import SetFeatures
 from ..methods import schedule_of
 from ..precision import check_precision
 from ..progress import ProgressFn
@@ -130,13 +131,25 @@ class _Learned:
         return learned_result(self.stage, self.trained, self.fitted, self.evaluated, self.record, start=start)
 
 
+@dataclass(frozen=True)
+class _FrozenPass:
+    """What a switched run's frozen track's pass over the stage's images gave the run (this process's
+    share): f_0, the head's rows and rmd inputs, and each eval set's rows; ``fingerprint``: of the images."""
+
+    f0: Any
+    fingerprint: str
+    rows: tuple[Any, Any]
+    eval_rows: tuple[SetFeatures, ...]
+
+
 def _learn_frozen(
     records: Records, writer: RunWriter | None, sources: Sources, options: _Options, locks: contextlib.ExitStack
-) -> tuple[FrozenStage, tuple[Any, ...] | None]:
+) -> tuple[FrozenStage, _FrozenPass | None]:
     """A switched run's frozen track's stage (``switch.py``), learned and handed to the run's writer,
     unless the interrupted call this one resumes kept it (``resumed_frozen``) or an earlier release's
     committed it alone: what the run's record takes of it, and its f_0 of the stage's images with
-    their fingerprint, for the run's forward transfer (None: not computed)."""
+    their fingerprint, for the run's forward transfer, with its head rows and its eval sets' rows, which
+    an untrained set's are too (None: not computed)."""
     track = frozen_track_of(records, writer)
     kept = None if options.restart else resumed_frozen(records, track, writer)
     if kept is not None:
@@ -148,10 +161,8 @@ def _learn_frozen(
     # the run's epoch checkpoints meanwhile, for a call that resumes this one
     commit_stage(frozen.stage, frozen.record)
     fitted = frozen.fitted
-    return learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index), (
-        fitted.f0,
-        frozen.stage.fingerprint,
-        (fitted.rows, fitted.rmd_rows),
+    return learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index), _FrozenPass(
+        fitted.f0, frozen.stage.fingerprint, (fitted.rows, fitted.rmd_rows), frozen.evaluated.rows
     )
 
 
@@ -173,13 +184,13 @@ def _learn(
     if unchanged is not None:
         return unchanged
     check_classes(records.images, records.eval_images, records.learned)
-    outcome = frozen_f0 = None
+    outcome = frozen_pass = None
     if schedule_of(records.config).switches:
         overrides = options.train_overrides or {}
         records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
         own = replace(options, train_overrides=workers, progress=relay(options.progress), keep_f0=True)
-        outcome, frozen_f0 = _learn_frozen(records, writer, sources, own, locks)
+        outcome, frozen_pass = _learn_frozen(records, writer, sources, own, locks)
     stage = prepare(
         run,
         writer,
@@ -192,13 +203,23 @@ def _learn(
         progress=options.progress,
     )
     check_data(stage)
-    # a carried run's stage after the first: its forward transfer, before training; the frozen track's
-    # f_0 only of the very images the run lists, in its order (else the run passes them itself)
-    same = frozen_f0 is not None and frozen_f0[1] == stage.fingerprint
-    began = carried_start(stage, frozen_f0[0] if same else None, frozen_f0[2] if same else None)
+    # the frozen track's pass only of the very images the run lists, in its order (else the run passes them itself)
+    same = frozen_pass is not None and frozen_pass.fingerprint == stage.fingerprint
+    return _learn_run(stage, options, frozen_pass if same else None, outcome)
+
+
+def _learn_run(
+    stage: StageContext, options: _Options, handed: _FrozenPass | None, outcome: FrozenStage | None
+) -> _Learned:
+    """The run's own phases after its checks: a carried run's stage begins (its forward transfer, before
+    training), trains, fits, is evaluated and recorded; ``handed``: the frozen track's pass of the same
+    images, ``outcome``: that track's stage (a switched run)."""
+    began = carried_start(stage, handed.f0 if handed else None, handed.rows if handed else None)
     trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
     fitted = fit_features(stage, began, keep_f0=options.keep_f0)
-    evaluated = evaluate_stage(stage)
+    # an untrained set is the frozen PTM: its eval rows are the frozen track's (no second pass)
+    given = handed.eval_rows if handed is not None and began is not None and began.untrained else ()
+    evaluated = evaluate_stage(stage, given=given, keep=options.keep_f0)
     if outcome is not None:  # the run answers from the track its records pick (``track.answer_after``)
         evaluated = answered(stage, fitted, evaluated, outcome)
     passes = stage_passes(stage, began, trained, fitted, frozen=outcome is not None)

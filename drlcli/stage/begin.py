@@ -74,6 +74,7 @@ def _untrained_start(
         tried.meta if tried else None,
         passes,
         tried.passes if tried else 0.0,
+        untrained=paused,
     )
 
 

@@ -14,6 +14,7 @@ from ..config import RunConfig
 from ..data import LabelledImages
 from ..device import resolve_device
 from ..errors import IntegrityError
+from ..evaluation import SetFeatures
 from ..heads import HeadFit
 from ..heads.openset.calibrate import Calibration
 from ..heads.openset.rmd import Moments
@@ -133,6 +134,7 @@ class Began:
     trial: dict[str, Any] | None = None  # the stage's trial, while no stage trained the set (``trial.py``)
     passes: float = 0.0  # its feature passes, per image of the stage (stage.json ``metrics.passes``)
     trial_passes: float = 0.0  # the trial's, likewise
+    untrained: bool = False  # the set stays untrained this stage: the frozen PTM, as the frozen track's
 
     @property
     def moves(self) -> bool:
@@ -170,6 +172,7 @@ class Evaluated:
     report: AccuracyReport | None  # None: no eval set registered or given
     warnings: list[str]  # registered eval sets that were left out
     switch: dict[str, Any] | None = None  # a switched run: the track that answers (``switch.answered``)
+    rows: tuple[SetFeatures, ...] = ()  # each eval set's rows, where kept (a switched run's frozen track's)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from .. import distributed, heads
 from ..errors import DivergedError
-from ..evaluation import eval_set, evaluate_sets, registered_eval_sets
+from ..evaluation import SetFeatures, eval_set, evaluate_sets, registered_eval_sets
 from ..heads import PROTOTYPES, TOTALS_MARK, openset
 from ..heads.openset import BIAS, RMD_BIAS
 from ..metrics import AccuracyReport, HistorySummary
@@ -60,8 +60,10 @@ class StageResult:
         return out
 
 
-def evaluate_stage(stage: StageContext) -> Evaluated:
-    """Top-1 on every eval set earlier stages registered (a missing one is a warning) and on --eval-data."""
+def evaluate_stage(stage: StageContext, *, given: tuple[SetFeatures, ...] = (), keep: bool = False) -> Evaluated:
+    """Top-1 on every eval set earlier stages registered (a missing one is a warning) and on --eval-data.
+    ``given``: sets' rows a network that computes the same rows gave (``evaluation.SetFeatures``);
+    ``keep``: the result keeps each set's rows (``Evaluated.rows``)."""
     warnings: list[str] = []
     sets = registered_eval_sets(stage.loaded, missing=warnings)
     for message in warnings:
@@ -69,7 +71,7 @@ def evaluate_stage(stage: StageContext) -> Evaluated:
     if stage.eval_images is not None:
         sets.append(eval_set(stage.eval_images, stage.model, what="--eval-data"))
     tick = time.perf_counter()
-    report = None
+    report, kept = None, [] if keep else None
     if sets:
         report = evaluate_sets(
             stage.model,
@@ -77,10 +79,12 @@ def evaluate_stage(stage: StageContext) -> Evaluated:
             num_workers=stage.config.train.num_workers,
             precision=stage.precision,
             progress=stage.progress,
+            given=given,
+            kept=kept,
         )
     if report is not None:
         log.debug("evaluated %d images in %.1fs", report.num_images, time.perf_counter() - tick)
-    return Evaluated(report, warnings)
+    return Evaluated(report, warnings, rows=tuple(kept or ()))
 
 
 def record_stage(
