@@ -9,7 +9,7 @@ import torch
 from conftest import rewrite_stage_meta
 from typer.testing import CliRunner
 
-from drlcli import evaluate, export_run, forget_class, learn_stage, restore_class
+from drlcli import evaluate, evaluation, export_run, forget_class, learn_stage, restore_class
 from drlcli.api import info, verify
 from drlcli.cli import app, render
 from drlcli.commands.init import init_run
@@ -19,6 +19,7 @@ from drlcli.metrics import MarginGain, Transfer, margin_gain
 from drlcli.run.directory import RunDir
 from drlcli.run.load import load_run
 from drlcli.stage import begin as begin_module
+from drlcli.stage import record as record_module
 from drlcli.stage import trial as trial_module
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
@@ -278,9 +279,6 @@ def test_a_run_tries_at_most_trial_stages_stages(tmp_path, four_class_stages, mo
 def test_an_untrained_set_is_evaluated_from_the_frozen_tracks_rows(tmp_path, four_class_stages, monkeypatch):
     """A stage that keeps the set untrained (the frozen PTM) scores the carried head on the rows the
     frozen track's evaluation passed: no second pass, the same top-1 as with one."""
-    from drlcli import evaluation
-    from drlcli.stage import record as record_module
-
     _decides(monkeypatch, trains=False)
     passes = []
     embed = evaluation.embed_images
