@@ -15,6 +15,9 @@ from drlcli.cli import app, render
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import IntegrityError, UsageError
+from drlcli.heads.base import EarlierStages
+from drlcli.heads.ridge import fit as ridge_fit
+from drlcli.heads.ridge.solution import Solution
 from drlcli.metrics import MarginGain, Transfer, margin_gain
 from drlcli.run.directory import RunDir
 from drlcli.run.load import load_run
@@ -294,3 +297,44 @@ def test_an_untrained_set_is_evaluated_from_the_frozen_tracks_rows(tmp_path, fou
     assert counted == 3 and len(passes) == 6  # the eval sets of stages 1 and 2 (1 + 2), once each against twice
     assert [r.switch["top1"] for r in ours] == [r.switch["top1"] for r in theirs]
     assert all(r.carry["paused"] for r in ours)
+
+
+def test_an_untrained_sets_head_takes_the_frozen_tracks_solution_and_a_trained_one_solves_its_own(
+    tmp_path, four_class_stages, monkeypatch
+):
+    """While the set is untrained its head's sums are the frozen track's, bit for bit: the fit takes
+    that track's λ and W (checked by digest) instead of searching and solving again; once the set
+    trains, its sums differ and it solves for itself."""
+    run = tmp_path / "run"
+    _init(run, {"ridge": {"carry_draws": 4, "carry_rank": 3}})  # the frozen track's ridge (SMALL's proj_dim is not)
+    _decides(monkeypatch, trains=False)
+    first = _learn(run, four_class_stages[:1])
+    _decides(monkeypatch, trains=True)
+    second = _learn(run, four_class_stages[1:2])
+    stages = run / "stages"
+    own = [json.loads((stages / f"00{i}" / "stage.json").read_text())["ridge"] for i in (1, 2)]
+    frozen = [json.loads((stages / f"00{i}" / "frozen-stage.json").read_text())["ridge"] for i in (1, 2)]
+    assert own[0]["earlier_columns"] == "same sums" and own[0]["lambda"] == frozen[0]["lambda"]
+    assert own[0]["validation_errors"] == frozen[0]["validation_errors"]
+    assert own[1]["earlier_columns"] == "carried"  # stage 2 trained the set: its own sums, its own solve
+    assert first[0].switch["top1"]["carried"] == first[0].switch["top1"]["frozen"]
+    assert second[0].epoch_losses and verify(run).num_stages == 2
+
+
+def test_a_solution_of_other_sums_is_not_taken():
+    """``fit_stage(given=...)``: a solution whose digest is not of this fit's sums is ignored."""
+    ridge = {"proj_dim": 32, "layout_grid": 0, "covariance_weight": 0}
+    config = RunConfig.for_method("drl", {"ridge": ridge, "train": {"seed": 3}}, preset="frozen")
+    torch.manual_seed(0)
+    features, labels = torch.randn(24, 1, 16), torch.arange(4).repeat(6)
+    kwargs = {"image_labels": labels.tolist(), "indices": None, "num_classes": 4, "config": config, "stage_index": 1}
+    earlier = EarlierStages(head=None, tensors=[], statistics=lambda: iter(()))
+    offered = ridge_fit.fit_stage(earlier, features, labels, offer=True, **kwargs).solution
+    taken = ridge_fit.fit_stage(earlier, features, labels, given=offered, **kwargs)
+    assert taken.meta["earlier_columns"] == "same sums" and torch.equal(
+        taken.tensors["ranpac.weight"], offered.weight.float()
+    )
+    other = Solution("0" * 64, offered.lam * 10, {}, 0, torch.zeros_like(offered.weight))
+    solved = ridge_fit.fit_stage(earlier, features, labels, given=other, **kwargs)
+    assert solved.meta["earlier_columns"] == "solved" and solved.meta["lambda"] == offered.lam
+    assert torch.allclose(solved.tensors["ranpac.weight"], offered.weight.float())

@@ -68,6 +68,7 @@ class HeadFit(Protocol):
     statistics: dict[str, Tensor]  # the stage's statistics file
     meta: dict[str, Any]  # into stage.json; has "seconds"
     num_params: int
+    solution: Any  # offered to a second fit of the same sums (``fit_stage(offer=True)``; else None)
 
 
 class AnalyticHead(Protocol):

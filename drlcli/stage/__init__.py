@@ -134,12 +134,14 @@ class _Learned:
 @dataclass(frozen=True)
 class _FrozenPass:
     """What a switched run's frozen track's pass over the stage's images gave the run (this process's
-    share): f_0, the head's rows and rmd inputs, and each eval set's rows; ``fingerprint``: of the images."""
+    share): f_0, the head's rows and rmd inputs, each eval set's rows and its head's solution (all of
+    them an untrained set's too); ``fingerprint``: of the images."""
 
     f0: Any
     fingerprint: str
     rows: tuple[Any, Any]
     eval_rows: tuple[SetFeatures, ...]
+    solution: Any
 
 
 def _learn_frozen(
@@ -162,7 +164,11 @@ def _learn_frozen(
     commit_stage(frozen.stage, frozen.record)
     fitted = frozen.fitted
     return learned_frozen(frozen.record, frozen.evaluated.report, frozen.stage.index), _FrozenPass(
-        fitted.f0, frozen.stage.fingerprint, (fitted.rows, fitted.rmd_rows), frozen.evaluated.rows
+        fitted.f0,
+        frozen.stage.fingerprint,
+        (fitted.rows, fitted.rmd_rows),
+        frozen.evaluated.rows,
+        fitted.fit.solution if fitted.fit is not None else None,
     )
 
 
@@ -216,10 +222,11 @@ def _learn_run(
     images, ``outcome``: that track's stage (a switched run)."""
     began = carried_start(stage, handed.f0 if handed else None, handed.rows if handed else None)
     trained = train_or_resume(stage, restart=options.restart, paused=began is not None and began.paused)
-    fitted = fit_features(stage, began, keep_f0=options.keep_f0)
-    # an untrained set is the frozen PTM: its eval rows are the frozen track's (no second pass)
-    given = handed.eval_rows if handed is not None and began is not None and began.untrained else ()
-    evaluated = evaluate_stage(stage, given=given, keep=options.keep_f0)
+    # an untrained set is the frozen PTM: its eval rows are the frozen track's (no second pass), and its
+    # head's sums are that track's, whose solution its fit takes once it has checked them
+    same = handed if handed is not None and began is not None and began.untrained else None
+    fitted = fit_features(stage, began, keep_f0=options.keep_f0, given=same.solution if same else None)
+    evaluated = evaluate_stage(stage, given=same.eval_rows if same else (), keep=options.keep_f0)
     if outcome is not None:  # the run answers from the track its records pick (``track.answer_after``)
         evaluated = answered(stage, fitted, evaluated, outcome)
     passes = stage_passes(stage, began, trained, fitted, frozen=outcome is not None)

@@ -23,14 +23,18 @@ from .decide import Decision, decide, deciding
 log = logging.getLogger(__name__)
 
 
-def fit_features(stage: StageContext, began: Began | None = None, *, keep_f0: bool = False) -> Fitted:
+def fit_features(
+    stage: StageContext, began: Began | None = None, *, keep_f0: bool = False, given: Any = None
+) -> Fitted:
     """One pass over the stage's images: the new classes' prototypes in every subspace (their mean
     feature), the "unknown" answer's calibration, and the run's analytic head (if it has one) fitted
     on the same features. A run that trains no stage nothing reads (``train.skip_unread``) computes
     no such subspace either: its prototype rows there are zero, and nothing scores with them. A carried
     run's stage after the first carries the earlier classes from ``began`` (``carried_start``), and a
     paused one, whose network did not move, reads its rows from there instead of passing again.
-    ``keep_f0``: the result keeps f_0 of this process's images (``Fitted.f0``; a frozen track's)."""
+    ``keep_f0``: the result keeps f_0 of this process's images (``Fitted.f0``; a frozen track's) and its
+    head's solution (``HeadFit.solution``); ``given``: such a solution, which the head takes where it
+    was solved from the very same sums (a run whose set no stage has trained: the frozen PTM)."""
     tick = time.perf_counter()
     model, head = stage.model, head_of(stage.config)
     shard = distributed.shard(len(stage.images))
@@ -48,7 +52,7 @@ def fit_features(stage: StageContext, began: Began | None = None, *, keep_f0: bo
     log.debug("prototypes of %d classes in %.1fs", len(stage.images.class_names), time.perf_counter() - tick)
     fit = None
     if head is not None:
-        fit = _fit_head(stage, head, feats, labels, shard, carry)
+        fit = _fit_head(stage, head, feats, labels, shard, carry, solutions=(keep_f0, given))
     if carry is not None and fit is not None:
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
     seconds = time.perf_counter() - tick + (began.seconds if began is not None else 0.0)  # its passes count too
@@ -226,9 +230,11 @@ def _fit_head(
     labels: torch.Tensor,
     shard: list[int] | None,
     carry: Any = None,
+    solutions: tuple[bool, Any] = (False, None),
 ) -> HeadFit:
     """The head fitted with the stage's features on top of the earlier stages' statistics (a carried
-    run, whose stage ``carry`` is: the earlier classes' carried sums instead)."""
+    run, whose stage ``carry`` is: the earlier classes' carried sums instead); ``solutions``: whether
+    the fit offers its solution, and one it is given (``fit_features``)."""
     stage.say("fit", 0, 0, "the head from the run's statistics")
     loaded = stage.loaded
     earlier = EarlierStages(
@@ -251,6 +257,8 @@ def _fit_head(
         stage_index=stage.index,
         carries=carry is not None,
         keeps=carry is not None and stage.schedule.pauses,
+        offer=solutions[0],
+        given=solutions[1],
     )
     stage.model.head = fit.head.to(stage.model.device)
     log.debug("%s head fitted in %.1fs: %s", stage.config.method, fit.meta["seconds"], fit.meta["lambda"])

@@ -36,6 +36,7 @@ from .carry.stage import check_carried as _check_carried
 from .covariance import ClassFactors, ClassMoments, covariance_input, pooled_covariance
 from .head import RidgeHead, expand, head_input, joined_rows, random_projection
 from .head import check_stages as _check_stages
+from .solution import Solution, sums_digest
 from .statistics import (
     STAT_DTYPE,
     Statistics,
@@ -65,6 +66,7 @@ class StageFit:
     statistics: dict[str, Tensor]  # the stage's statistics file
     meta: dict[str, Any]  # λ, validation errors, image counts, seconds
     num_params: int  # entries of W solved in this stage
+    solution: Solution | None = None  # offered to a second fit of the same sums (``fit_stage``'s ``offer``)
 
 
 def fit_stage(
@@ -79,6 +81,8 @@ def fit_stage(
     stage_index: int,
     carries: bool = False,
     keeps: bool = False,
+    offer: bool = False,
+    given: Solution | None = None,
 ) -> StageFit:
     """Add a stage's images to the statistics and solve W for every class seen.
 
@@ -88,6 +92,10 @@ def fit_stage(
     and none of the sums a later stage draws again (the Grams, Q, the scatter), unless it ``keeps``
     them: a run whose later stages may leave the network as it is (a paused switched run) and read
     them instead of drawing (``carried.Carried``).
+
+    ``offer``: the fit also returns its ``Solution`` (a switched run's frozen track); ``given``: a
+    solution another fit offered, taken instead of searching λ and solving where it was solved from
+    the very same sums (``solution.py``: a switched run whose set no stage has trained).
     """
     start = time.perf_counter()
     cfg = config.ridge
@@ -101,17 +109,15 @@ def fit_stage(
     carried = earlier.carried
     carries = carries or carried is not None
     total, scatters = _totals(earlier, stage)
-    lambdas = lambda_grid(cfg)
-    seed = config.train.seed + stage_index
-    lam, errors, validated = _choose_lambda(
-        total, lambdas, cfg, first=earlier.head is None, images=(phi, labels.cpu(), val), seed=seed
-    )
-    # every process goes on with the first's λ: the same statistics everywhere, but an eigensolver or
-    # factorisation may round differently on another CPU, and the moved solve below sums over processes
-    lam = distributed.broadcast_object(lam)
-    # a carried run solves every column again: the earlier W was solved on other features
-    moved = {} if carried is not None else _moved(earlier, total, lam, phi, images=len(image_labels), new=num_classes)
-    weight = solve(total, lam, **moved)
+    search = (lambda_grid(cfg), cfg.lambda_search, cfg.lambda_classes, config.train.seed + stage_index)
+    digest = sums_digest(total, projection, (*search, earlier.head is None)) if offer or given else ""
+    if given is not None and given.solves(digest):
+        solution, columns = given, "same sums"
+    else:
+        images = (phi, labels.cpu(), val)
+        found, columns = _solved(earlier, total, cfg, search, images=images, counts=(len(image_labels), num_classes))
+        solution = Solution(digest, *found)
+    lam, weight = solution.lam, solution.weight
     tensors = _weights(earlier, weight, projection, layout)
     statistics = _run_statistics(stage, total, lam, stage_index, carries=carries, keeps=keeps)
     if cfg.covariance_weight > 0:
@@ -119,10 +125,11 @@ def fit_stage(
     rows = _covariance_rows(earlier, tensors, statistics, carries=carries, keeps=keeps)
     meta = {
         "lambda": lam,
-        "validation_errors": {f"{x:g}": e for x, e in errors.items()},  # the λ tried
-        # the classes those errors are over (``ranpac.lambda_classes``), and W of the earlier classes (``_moved``)
-        "validation_classes": validated,
-        "earlier_columns": "carried" if carried is not None else "moved" if moved else "solved",
+        "validation_errors": {f"{x:g}": e for x, e in solution.errors.items()},  # the λ tried
+        # the classes those errors are over (``ranpac.lambda_classes``), and W of the earlier classes (``_moved``;
+        # "same sums": λ and W are another fit's of the very same sums, ``given``)
+        "validation_classes": solution.validated,
+        "earlier_columns": "carried" if carried is not None and columns == "solved" else columns,
         "num_fit": total.num_fit,
         "num_val": total.num_val,
         "proj_dim": projection.shape[1],
@@ -130,7 +137,32 @@ def fit_stage(
     }
     head = _assemble(projection, rows, layout)
     meta["seconds"] = round(time.perf_counter() - start, 3)  # the statistics read, the solve, the head built
-    return StageFit(head, tensors, statistics, meta, weight.numel())
+    return StageFit(head, tensors, statistics, meta, weight.numel(), solution if offer else None)
+
+
+def _solved(
+    earlier: EarlierStages,
+    total: Statistics,
+    cfg: RidgeConfig,
+    search: tuple[list[float], str, int, int],
+    *,
+    images: tuple[Tensor, Tensor, Tensor],
+    counts: tuple[int, int],
+) -> tuple[tuple[float, dict[float, float], int, Tensor], str]:
+    """(λ, its validation errors, the classes they are over, W) from ``total``, and how W's earlier
+    columns were had: "moved" by this process's share of the stage's ``images`` (φ, labels, held out;
+    ``counts``: the stage's images and new classes, ``_moved``) or "solved" again."""
+    lam, errors, validated = _choose_lambda(
+        total, search[0], cfg, first=earlier.head is None, images=images, seed=search[3]
+    )
+    # every process goes on with the first's λ: the same statistics everywhere, but an eigensolver or
+    # factorisation may round differently on another CPU, and the moved solve below sums over processes
+    lam = distributed.broadcast_object(lam)
+    # a carried run solves every column again: the earlier W was solved on other features
+    moved = (
+        {} if earlier.carried is not None else _moved(earlier, total, lam, images[0], images=counts[0], new=counts[1])
+    )
+    return (lam, errors, validated, solve(total, lam, **moved)), "moved" if moved else "solved"
 
 
 def _totals(earlier: EarlierStages, stage: Statistics) -> tuple[Statistics, list[dict[str, Tensor]]]:
