@@ -550,3 +550,19 @@ def test_crafted_layout_is_refused(layout_run, stage_folders, tmp_path, craft):
     result = CliRunner().invoke(app, ["predict", image, "--run", str(run), "--json"])
     assert result.exit_code == 5, result.stdout
     assert "of run" in result.stderr and "restore it from a backup" in result.stderr
+
+
+def test_packed_grams_hold_the_upper_triangle_row_by_row_and_unpack_exactly():
+    """``pack`` keeps the upper triangle row by row in float32; ``unpack`` gives back the symmetric
+    float64 matrix with every entry exactly the packed one's (a crafted length is refused)."""
+    torch.manual_seed(0)
+    a = torch.randn(7, 5, dtype=torch.float64)
+    gram = a @ a.T
+    packed = pack(gram)
+    upper = torch.ones(7, 7, dtype=torch.bool).triu()
+    assert packed.dtype == torch.float32 and torch.equal(packed, gram[upper].float())
+    out = unpack(packed, 7)
+    assert out.dtype == torch.float64 and torch.equal(out, out.T) and torch.equal(out[upper], packed.double())
+    assert torch.equal(pack(out), packed)
+    with pytest.raises(RuntimeError):
+        unpack(packed[:-1], 7)
