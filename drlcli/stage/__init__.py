@@ -20,6 +20,7 @@ from ..methods import schedule_of
 from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
+from ..run.records import trial_declined
 from ..run.track import adopt_track
 from ..run.writer import RunWriter
 from ..tracking import TensorBoardLog, check_tensorboard_dir
@@ -112,6 +113,7 @@ class _Options:
     precision: str
     progress: ProgressFn | None
     keep_f0: bool = False  # a switched run's frozen track: its f_0 of the stage's images, for the run
+    offer: bool = False  # ... and its head's solution, while the run's set has never trained (``fit_features``)
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,8 @@ def _learn(
         overrides = options.train_overrides or {}
         records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
-        own = replace(options, train_overrides=workers, progress=relay(options.progress), keep_f0=True)
+        untrained = not records.metas or trial_declined(records.metas)  # the set may be the frozen PTM this stage
+        own = replace(options, train_overrides=workers, progress=relay(options.progress), keep_f0=True, offer=untrained)
         outcome, frozen_pass = _learn_frozen(records, writer, sources, own, locks)
     stage = prepare(
         run,
@@ -225,7 +228,8 @@ def _learn_run(
     # an untrained set is the frozen PTM: its eval rows are the frozen track's (no second pass), and its
     # head's sums are that track's, whose solution its fit takes once it has checked them
     same = handed if handed is not None and began is not None and began.untrained else None
-    fitted = fit_features(stage, began, keep_f0=options.keep_f0, given=same.solution if same else None)
+    given = same.solution if same else None
+    fitted = fit_features(stage, began, keep_f0=options.keep_f0, solutions=(options.offer, given))
     evaluated = evaluate_stage(stage, given=same.eval_rows if same else (), keep=options.keep_f0)
     if outcome is not None:  # the run answers from the track its records pick (``track.answer_after``)
         evaluated = answered(stage, fitted, evaluated, outcome)

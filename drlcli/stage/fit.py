@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def fit_features(
-    stage: StageContext, began: Began | None = None, *, keep_f0: bool = False, given: Any = None
+    stage: StageContext,
+    began: Began | None = None,
+    *,
+    keep_f0: bool = False,
+    solutions: tuple[bool, Any] = (False, None),
 ) -> Fitted:
     """One pass over the stage's images: the new classes' prototypes in every subspace (their mean
     feature), the "unknown" answer's calibration, and the run's analytic head (if it has one) fitted
@@ -32,9 +36,10 @@ def fit_features(
     no such subspace either: its prototype rows there are zero, and nothing scores with them. A carried
     run's stage after the first carries the earlier classes from ``began`` (``carried_start``), and a
     paused one, whose network did not move, reads its rows from there instead of passing again.
-    ``keep_f0``: the result keeps f_0 of this process's images (``Fitted.f0``; a frozen track's) and its
-    head's solution (``HeadFit.solution``); ``given``: such a solution, which the head takes where it
-    was solved from the very same sums (a run whose set no stage has trained: the frozen PTM)."""
+    ``keep_f0``: the result keeps f_0 of this process's images (``Fitted.f0``; a frozen track's).
+    ``solutions``: whether the head's fit offers its solution (``HeadFit.solution``; a frozen track's
+    while the run's set has never trained), and one it is given, which it takes where it was solved from
+    the very same sums (a run whose set no stage has trained: the frozen PTM)."""
     tick = time.perf_counter()
     model, head = stage.model, head_of(stage.config)
     shard = distributed.shard(len(stage.images))
@@ -52,7 +57,7 @@ def fit_features(
     log.debug("prototypes of %d classes in %.1fs", len(stage.images.class_names), time.perf_counter() - tick)
     fit = None
     if head is not None:
-        fit = _fit_head(stage, head, feats, labels, shard, carry, solutions=(keep_f0, given))
+        fit = _fit_head(stage, head, feats, labels, shard, carry, solutions=solutions)
     if carry is not None and fit is not None:
         fit.statistics.update(carry.tensors())  # every class's Gaussian, into the run's totals
     seconds = time.perf_counter() - tick + (began.seconds if began is not None else 0.0)  # its passes count too

@@ -29,7 +29,7 @@ class Solution:
 
     def solves(self, digest: str) -> bool:
         """Whether this is the solution of sums with that ``digest`` (every bit the same)."""
-        return digest == self.digest and self.weight.shape[1] > 0
+        return digest == self.digest
 
 
 def sums_digest(total: Statistics, projection: Tensor, search: tuple[Any, ...]) -> str:
