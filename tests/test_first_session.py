@@ -286,6 +286,34 @@ def test_a_reopened_set_learns_again_held_near_where_it_began(images):
     assert network.start is None and len(network.forward_train(images)) == 2
 
 
+def test_the_hold_reads_a_share_of_the_batch(images):
+    """hold_share: the hold term of the batch's leading images only, equal to the term of a batch of
+    just them; the starting set passes only those (its forward is counted in the stage's passes)."""
+    ptm = _tiny_ptm().eval()
+    network = AdapterNetwork(ptm, AdapterConfig(dropout=0.0), carried=True, hold_weight=2.0, hold_share=0.5)
+    stage = network.new_stage(seed=0)
+    stage.requires_grad_(False)
+    network.new_stage(seed=1)
+    with torch.no_grad():
+        stage.up.normal_(0.0, 0.3)  # moved since the stage began
+    assert [network.held(b) for b in (1, 2, 3, 48)] == [1, 1, 2, 24]
+    calls = []
+    real = network._pass
+
+    def counted(batch, probes, stage=None):
+        calls.append((len(batch), stage is network.start))
+        return real(batch, probes, stage=stage)
+
+    network._pass = counted
+    _, _, term = network.forward_train(images)
+    k = network.held(len(images))
+    assert calls == [(len(images), False), (k, True)]
+    network._pass, network.hold_share = real, 1.0
+    _, _, alone = network.forward_train(images[:k])  # the whole of a batch of just them
+    torch.testing.assert_close(term, alone)
+    assert term.item() > 0
+
+
 def test_hold_loss_by_hand():
     from drlcli.features.adapter.network import hold_loss
 

@@ -44,6 +44,9 @@ class ScheduleConfig:
     # "all", from stage 2 on: the loss adds this times the mean relative squared move of the stage's
     # own images' read tokens (f_0 and the layout cells) from where the set put them when the stage began
     hold_weight: float = option(3.0, within=Range(0, 1e4))
+    # the share of each batch's images the hold term reads (the leading ones of a shuffled batch, at
+    # least one): only they pass through the stage's starting set, the hold's one extra forward a step
+    hold_share: float = option(1.0, within=Range(0, 1, low_open=True))
     # "first" only: train the adapters on the fit part of stage 1's images, fit the head on the fit
     # part's frozen and adapted features, and keep the adapters only when the held-out part (the ridge
     # head's statistics split) scores higher with them

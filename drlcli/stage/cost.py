@@ -1,7 +1,8 @@
 """What a stage's learning cost, in DeiT forward passes per image of the stage (stage.json's
 ``metrics.passes``, learn-stage's cost line, ``drl info``'s per-stage sum): a no-grad forward of an
 image counts 1, a training step of an image 3 (its forward and a backward about twice as long), and
-the hold target's no-grad forward of the stage's starting set 1 more. Evaluation is not counted: it
+the hold target's no-grad forward of the stage's starting set 1 more for each image it reads
+(``schedule.hold_share`` of them). Evaluation is not counted: it
 is per evaluation image, the same for every recipe."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def stage_passes(
     result = trained.result
     if result is not None:
         images = len(training_images(stage))
-        per_epoch = STEP + (1 if holds(stage) else 0)
+        per_epoch = STEP + (stage.config.schedule.hold_share if holds(stage) else 0)
         start = 1 if stage.config.train.head_init == "prototypes" else 0  # the classifier's class means
         training = (len(result.epoch_losses) * per_epoch + start) * images / n
     paused = began is not None and began.paused

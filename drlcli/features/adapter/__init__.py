@@ -51,5 +51,6 @@ def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
         config.adapter,
         carried=config.schedule.stages == "all",
         hold_weight=config.schedule.hold_weight,
+        hold_share=config.schedule.hold_share,
         read_grid=config.ridge.layout_grid,
     )

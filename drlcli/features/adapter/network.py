@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,15 +43,23 @@ def hold_loss(tokens: Tensor, target: Tensor) -> Tensor:
 
 class AdapterNetwork(nn.Module):
     """Frozen PTM + stage 1's ``EaseAdapters`` (AdaptFormer) inside it, once stage 1 is learned;
-    ``carried``: the set learns again at every stage, held near each stage's start by ``hold_weight``."""
+    ``carried``: the set learns again at every stage, held near each stage's start by ``hold_weight``
+    on the leading ``hold_share`` of each batch's images."""
 
     def __init__(
-        self, ptm: nn.Module, cfg: AdapterConfig, *, carried: bool = False, hold_weight: float = 0.0, read_grid: int = 0
+        self,
+        ptm: nn.Module,
+        cfg: AdapterConfig,
+        *,
+        carried: bool = False,
+        hold_weight: float = 0.0,
+        hold_share: float = 1.0,
+        read_grid: int = 0,
     ):
         super().__init__()
         self.ptm = ptm
         self.cfg = cfg
-        self.carried, self.hold_weight = carried, hold_weight
+        self.carried, self.hold_weight, self.hold_share = carried, hold_weight, hold_share
         self.read_grid = read_grid  # the head's layout grid: the hold term's tokens are f_0 and its cells
         self.width = backbone.width(ptm)
         self.depth = len(ptm.blocks)
@@ -126,14 +135,21 @@ class AdapterNetwork(nn.Module):
     def forward_train(self, images: Tensor) -> tuple[Tensor | None, ...]:
         """(None, the adapted feature) with gradients for the adapters (no PTM feature to distil to);
         in a reopened set (``new_stage``) with ``hold_weight`` w > 0, also w · ``hold_loss`` of the
-        read tokens (f_0 and the layout cells) against the set's as the stage began (no dropout)."""
+        read tokens (f_0 and the layout cells) against the set's as the stage began (no dropout), of the
+        batch's leading ``held(B)`` images: an unbiased estimate of the whole batch's term (the batches
+        are shuffled) for that share of the starting set's forward."""
         tokens, _ = self._pass(images, ())
         feature = self.ptm.fc_norm(tokens[:, 0])
         if self.start is None or not self.hold_weight:
             return None, feature
+        k = self.held(len(images))
         with torch.no_grad():
-            target = self._read(self._pass(images, (), stage=self.start)[0])
-        return None, feature, self.hold_weight * hold_loss(self._read(tokens, feature), target)
+            target = self._read(self._pass(images[:k], (), stage=self.start)[0])
+        return None, feature, self.hold_weight * hold_loss(self._read(tokens[:k], feature[:k]), target)
+
+    def held(self, batch: int) -> int:
+        """How many of a batch's images the hold term reads: ``hold_share`` of them, at least one."""
+        return max(1, min(batch, math.ceil(self.hold_share * batch - 1e-9)))
 
     def _read(self, tokens: Tensor, feature: Tensor | None = None) -> Tensor:
         """(B, 1 + g², d): f_0 and the layout cells the head reads."""
