@@ -47,10 +47,10 @@ FROZEN = {"score": {"head": "ridge"}, "ridge": RIDGE, "train": {"skip_unread": T
 # Grams' products from at most 50,000 of them, each class's rows split between the fit and held-out Grams
 CARRY_SUMS = {"carry_mean": "exact", "carry_draws": 25, "carry_gram_draws": 50_000, "carry_grams": "split"}
 # one adapter set in blocks 0-5, trained at every stage (20 epochs at lr 0.05) and held near each
-# stage's start (weight 3), the earlier classes carried as Gaussians
+# stage's start (weight 3, read on a quarter of each batch), the earlier classes carried as Gaussians
 _CARRIED_SET = {
     "adapter": {"peft": "adaptformer", "blocks": 0.5},
-    "schedule": {"stages": "all", "hold_weight": 3.0},
+    "schedule": {"stages": "all", "hold_weight": 3.0, "hold_share": 0.25},
     "train": {"lr": 0.05, "epochs": 20, "batch_size": 48, "scale_init": 16.0},
 }
 # ... answering from the frozen PTM's head until the forward transfer says adapting pays, trained only

@@ -42,6 +42,7 @@ def test_the_preset_is_the_researched_schedule():
     config = RunConfig.for_method("ranpac", preset="carried")
     adapter, schedule = config.adapter, config.schedule
     assert (adapter.peft, schedule.stages, adapter.blocks, schedule.hold_weight) == ("adaptformer", "all", 0.5, 3.0)
+    assert schedule.hold_share == 0.25
     assert (config.train.loss, config.train.lr, config.train.epochs, config.train.batch_size) == ("ce", 0.05, 20, 48)
     head = config.ridge
     assert (head.covariance_rank, head.layout_grid, head.carry_rank, head.carry_lambda) == (16, 2, 16, 1000.0)
@@ -65,6 +66,9 @@ def test_every_stage_trains_and_only_the_newest_holds_the_set_and_the_carry(carr
     assert "carry" not in metas[0] and metas[1]["carry"]["classes"] == 3 and metas[2]["carry"]["classes"] == 6
     assert metas[2]["carry"]["move"] > 0 and metas[2]["ridge"]["earlier_columns"] == "carried"
     assert all(m["train"]["loss"] == "ce" for m in metas)
+    # two epochs: a training step 3 passes an image, from stage 2 also the hold's starting-set forward
+    # on a quarter of each batch (the stages' images all train; the classifier starts at random)
+    assert [r.passes["training"] for r in results] == pytest.approx([2 * 3, 2 * 3.25, 2 * 3.25])
 
 
 def test_no_stage_keeps_sums_a_later_stage_draws_again(carried_run):

@@ -56,6 +56,8 @@ def test_a_run_of_an_earlier_release_answers_exports_and_learns(name, tmp_path):
     assert list(loaded.model.class_names) == want["classes"] + ["class_06", "class_07"]
     verify(run)
     if name == "switched":  # its frozen track now in the run's manifest: one manifest, format 4
+        # its run.yaml has no hold_share: its stages keep reading the hold on every image, as they did
+        assert loaded.config.schedule.hold_share == 1.0 and loaded.config.schedule.hold_weight == 3.0
         assert not (run / "frozen" / "manifest.json").exists()
         assert RunDir(run).manifest()["format_version"] == 4
 
