@@ -314,6 +314,34 @@ def test_the_hold_reads_a_share_of_the_batch(images):
     assert term.item() > 0
 
 
+def test_the_hold_s_share_under_torchrun_is_the_one_process_s(monkeypatch):
+    """K processes each hold positions r, r+K, ... of the global batch: the mean of their weighted hold
+    terms (their gradients are averaged) is the one process's term, whatever K and the share."""
+    from drlcli import distributed
+
+    ptm = _tiny_ptm().eval()
+    network = AdapterNetwork(ptm, AdapterConfig(dropout=0.0), carried=True, hold_weight=2.0, hold_share=0.25)
+    stage = network.new_stage(seed=0)
+    stage.requires_grad_(False)
+    network.new_stage(seed=1)
+    with torch.no_grad():
+        stage.up.normal_(0.0, 0.3)
+    batch = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # the one process holds 3
+    one = network.forward_train(batch)[2]
+    for world in (2, 3, 4):
+        monkeypatch.setattr(distributed, "world_size", lambda w=world: w)
+        terms = []
+        for rank in range(world):
+            monkeypatch.setattr(distributed, "rank", lambda r=rank: r)
+            terms.append(network.forward_train(batch[rank::world])[2])
+        torch.testing.assert_close(sum(terms) / world, one)
+        held = []
+        for rank in range(world):
+            monkeypatch.setattr(distributed, "rank", lambda r=rank: r)
+            held.append(network.held_rows(12 // world)[0])
+        assert sum(held) == network.held(12) == 3
+
+
 def test_hold_loss_by_hand():
     from drlcli.features.adapter.network import hold_loss
 

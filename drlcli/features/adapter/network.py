@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ... import distributed
 from ...ptm import backbone
 from ...seeding import seeded
 from ..ease.network import EaseAdapters
@@ -142,14 +143,27 @@ class AdapterNetwork(nn.Module):
         feature = self.ptm.fc_norm(tokens[:, 0])
         if self.start is None or not self.hold_weight:
             return None, feature
-        k = self.held(len(images))
+        mine, weight = self.held_rows(len(images))
+        if not mine:
+            return None, feature, feature.new_zeros(())
         with torch.no_grad():
-            target = self._read(self._pass(images[:k], (), stage=self.start)[0])
-        return None, feature, self.hold_weight * hold_loss(self._read(tokens[:k], feature[:k]), target)
+            target = self._read(self._pass(images[:mine], (), stage=self.start)[0])
+        moved = hold_loss(self._read(tokens[:mine], feature[:mine]), target)
+        return None, feature, self.hold_weight * weight * moved
 
     def held(self, batch: int) -> int:
         """How many of a batch's images the hold term reads: ``hold_share`` of them, at least one."""
         return max(1, min(batch, math.ceil(self.hold_share * batch - 1e-9)))
+
+    def held_rows(self, batch: int) -> tuple[int, float]:
+        """This process's share of the hold: how many of its ``batch`` leading images it reads, and the
+        weight of their mean. The hold reads the global batch's leading ``held`` positions; under torchrun
+        process r of K holds positions r, r+K, ... of each global batch (``train.GlobalBatchShard``), so
+        the mean of the K processes' terms, as their gradients are averaged, is the one process's term."""
+        world, rank = distributed.world_size(), distributed.rank()
+        k = self.held(batch * world)
+        mine = max(0, -(-(k - rank) // world))
+        return mine, mine * world / k
 
     def _read(self, tokens: Tensor, feature: Tensor | None = None) -> Tensor:
         """(B, 1 + g², d): f_0 and the layout cells the head reads."""
