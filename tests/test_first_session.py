@@ -286,16 +286,23 @@ def test_a_reopened_set_learns_again_held_near_where_it_began(images):
     assert network.start is None and len(network.forward_train(images)) == 2
 
 
-def test_the_hold_reads_a_share_of_the_batch(images):
-    """hold_share: the hold term of the batch's leading images only, equal to the term of a batch of
-    just them; the starting set passes only those (its forward is counted in the stage's passes)."""
-    ptm = _tiny_ptm().eval()
-    network = AdapterNetwork(ptm, AdapterConfig(dropout=0.0), carried=True, hold_weight=2.0, hold_share=0.5)
+def _moved_since_the_stage_began(*, hold_share: float) -> AdapterNetwork:
+    """A carried network reopened at stage 2 (hold weight 2), its set moved since the stage began."""
+    network = AdapterNetwork(
+        _tiny_ptm().eval(), AdapterConfig(dropout=0.0), carried=True, hold_weight=2.0, hold_share=hold_share
+    )
     stage = network.new_stage(seed=0)
     stage.requires_grad_(False)
     network.new_stage(seed=1)
     with torch.no_grad():
-        stage.up.normal_(0.0, 0.3)  # moved since the stage began
+        stage.up.normal_(0.0, 0.3)
+    return network
+
+
+def test_the_hold_reads_a_share_of_the_batch(images):
+    """hold_share: the hold term of the batch's leading images only, equal to the term of a batch of
+    just them; the starting set passes only those (its forward is counted in the stage's passes)."""
+    network = _moved_since_the_stage_began(hold_share=0.5)
     assert [network.held(b) for b in (1, 2, 3, 48)] == [1, 1, 2, 24]
     calls = []
     real = network._pass
@@ -316,29 +323,20 @@ def test_the_hold_reads_a_share_of_the_batch(images):
 
 def test_the_hold_s_share_under_torchrun_is_the_one_process_s(monkeypatch):
     """K processes each hold positions r, r+K, ... of the global batch: the mean of their weighted hold
-    terms (their gradients are averaged) is the one process's term, whatever K and the share."""
+    terms (their gradients are averaged) is the one process's term, at K 2, 3 and 4."""
     from drlcli import distributed
 
-    ptm = _tiny_ptm().eval()
-    network = AdapterNetwork(ptm, AdapterConfig(dropout=0.0), carried=True, hold_weight=2.0, hold_share=0.25)
-    stage = network.new_stage(seed=0)
-    stage.requires_grad_(False)
-    network.new_stage(seed=1)
-    with torch.no_grad():
-        stage.up.normal_(0.0, 0.3)
+    network = _moved_since_the_stage_began(hold_share=0.25)
     batch = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # the one process holds 3
     one = network.forward_train(batch)[2]
     for world in (2, 3, 4):
         monkeypatch.setattr(distributed, "world_size", lambda w=world: w)
-        terms = []
+        terms, held = [], []
         for rank in range(world):
             monkeypatch.setattr(distributed, "rank", lambda r=rank: r)
             terms.append(network.forward_train(batch[rank::world])[2])
-        torch.testing.assert_close(sum(terms) / world, one)
-        held = []
-        for rank in range(world):
-            monkeypatch.setattr(distributed, "rank", lambda r=rank: r)
             held.append(network.held_rows(12 // world)[0])
+        torch.testing.assert_close(sum(terms) / world, one)
         assert sum(held) == network.held(12) == 3
 
 
