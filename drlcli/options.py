@@ -153,6 +153,9 @@ class TrainConfig:
     crop_scale_min: float = option(0.08, within=Range(0, 1, low_open=True))
     hflip: bool = True
     seed: int = option(0, within=Range(0, 2**32 - 1))
+    # each epoch trains on at most this many images of each class, drawn afresh every epoch
+    # (``stage/batches.py``); null: every image (runs before this key)
+    epoch_images_per_class: int | None = option(None, within=Range(1, 1_000_000))
     num_workers: int = option(0, within=Range(0, 256))  # DataLoader workers; 0 loads in the main process
     # a new stage whose subspace nothing the run answers reads (``methods.stage_is_read``) is
     # created but not trained; false trains every stage (runs from before this key: false)

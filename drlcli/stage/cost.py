@@ -2,13 +2,15 @@
 ``metrics.passes``, learn-stage's cost line, ``drl info``'s per-stage sum): a no-grad forward of an
 image counts 1, a training step of an image 3 (its forward and a backward about twice as long), and
 the hold target's no-grad forward of the stage's starting set 1 more for each image it reads
-(``schedule.hold_share`` of them). Evaluation is not counted: it
+(``schedule.hold_share`` of them); an epoch reads at most ``train.epoch_images_per_class`` images of
+each class. Evaluation is not counted: it
 is per evaluation image, the same for every recipe."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .batches import epoch_size
 from .context import Began, Fitted, StageContext, Trained
 from .decide import training_images
 
@@ -30,10 +32,11 @@ def stage_passes(
     training = 0.0
     result = trained.result
     if result is not None:
-        images = len(training_images(stage))
-        per_epoch = STEP + (stage.config.schedule.hold_share if holds(stage) else 0)
-        start = 1 if stage.config.train.head_init == "prototypes" else 0  # the classifier's class means
-        training = (len(result.epoch_losses) * per_epoch + start) * images / n
+        trained_on = training_images(stage)
+        read = epoch_size(trained_on.labels, stage.config.train.epoch_images_per_class)  # an epoch's images
+        per_epoch = (STEP + (stage.config.schedule.hold_share if holds(stage) else 0)) * read
+        start = len(trained_on) if stage.config.train.head_init == "prototypes" else 0  # the classifier's class means
+        training = (len(result.epoch_losses) * per_epoch + start) / n
     paused = began is not None and began.paused
     features = (1.0 if frozen else 0.0) + (0.0 if paused else 1.0)  # the track's pass; the fit's own
     trial = 0.0

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from .. import distributed
 from ..data import ImageDataset, LabelledImages, make_loader, start_workers, train_transform
@@ -34,6 +34,7 @@ from ..model import class_means, embed_images
 from ..options import TrainConfig
 from ..precision import autocast, grad_scaler
 from ..seeding import reseed, seeded
+from .batches import EpochDraw, GlobalBatchShard
 from .train_state import TrainState, capture, fork_python_random, restore
 
 PROGRESS_EVERY = 10  # training steps between progress reports (the first and last step always report)
@@ -208,18 +209,23 @@ def _loader(
     *,
     device: torch.device,
 ) -> DataLoader:
-    """Augmented batches of ``cfg.batch_size`` images, shuffled by ``generator``; under torchrun the
-    batch is the global one and each process loads its share (``GlobalBatchShard``)."""
+    """Augmented batches of ``cfg.batch_size`` images, shuffled by ``generator`` (at most
+    ``cfg.epoch_images_per_class`` of each class an epoch: ``batches.py``); under torchrun the batch
+    is the global one and each process loads its share (``GlobalBatchShard``)."""
     dataset = ImageDataset(images, train_transform(data_config, crop_scale_min=cfg.crop_scale_min, hflip=cfg.hflip))
     world = distributed.world_size()
-    global_batch = min(cfg.batch_size, len(dataset))
-    drop_last = len(dataset) > cfg.batch_size  # no tiny last batch, unless it is the only one
+    draw = EpochDraw(images.labels, cfg.epoch_images_per_class, generator)
+    global_batch = min(cfg.batch_size, draw.size)
+    drop_last = draw.size > cfg.batch_size  # no tiny last batch, unless it is the only one
     sampler = None
     if world > 1:  # --batch-size is the global batch: each of the K processes takes 1/K of it
-        if len(dataset) < world:
-            raise UsageError(f"the stage has {len(dataset)} images, fewer than the {world} processes; use fewer")
-        global_batch = len(dataset) // world * world if global_batch == len(dataset) else global_batch
-        sampler = GlobalBatchShard(len(dataset), global_batch, generator)
+        if draw.size < world:
+            raise UsageError(
+                f"the stage trains {draw.size} images an epoch, fewer than the {world} processes; use fewer"
+            )
+        global_batch = draw.size // world * world if global_batch == draw.size else global_batch
+    if world > 1 or draw.cap is not None:
+        sampler = GlobalBatchShard(draw, global_batch)
     return make_loader(
         dataset,
         batch_size=distributed.local_batch_size(global_batch),
@@ -346,30 +352,6 @@ def initial_class_means(
         indices=distributed.shard(len(images)),
     )
     return class_means(feats[:, -1:], labels, len(images.class_names))[:, 0]
-
-
-class GlobalBatchShard(Sampler[int]):
-    """This process's share of the batches one process would draw from the same generator.
-
-    Every rank holds the same generator state, so all draw the same permutation; global batch b
-    is perm[b·B : (b+1)·B] (full batches only) and rank r takes its every K-th sample. With the
-    gradients averaged over ranks, a step sees the same images as the one-process step.
-    """
-
-    def __init__(self, size: int, global_batch: int, generator: torch.Generator):
-        self.size, self.global_batch, self.generator = size, global_batch, generator
-        self.rank, self.world = distributed.rank(), distributed.world_size()
-
-    def __iter__(self):
-        perm = torch.randperm(self.size, generator=self.generator).tolist()
-        for start in range(0, self.size - self.global_batch + 1, self.global_batch):
-            yield from perm[start + self.rank : start + self.global_batch : self.world]
-        # torch's RandomSampler draws one more permutation (for its remainder) when exhausted;
-        # do the same so the next epoch's order matches too (tests/test_distributed.py)
-        torch.randperm(self.size, generator=self.generator)
-
-    def __len__(self) -> int:
-        return self.size // self.global_batch * (self.global_batch // self.world)
 
 
 class _StageStep(nn.Module):

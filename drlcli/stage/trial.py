@@ -151,7 +151,7 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
             trained,
             # its classifier starts at the class means: the few steps then refine the features instead
             # of chasing random class directions, which narrowed every margin on a sketch order
-            replace(train, epochs=options.trial_epochs, head_init="prototypes"),
+            replace(train, epochs=options.trial_epochs, head_init="prototypes", epoch_images_per_class=None),
             stage.model.data_config,
             precision=stage.train_precision,
             progress=_progress(stage),

@@ -158,7 +158,7 @@ class AdapterNetwork(nn.Module):
     def held_rows(self, batch: int) -> tuple[int, float]:
         """This process's share of the hold: how many of its ``batch`` leading images it reads, and the
         weight of their mean. The hold reads the global batch's leading ``held`` positions; under torchrun
-        process r of K holds positions r, r+K, ... of each global batch (``train.GlobalBatchShard``), so
+        process r of K holds positions r, r+K, ... of each global batch (``batches.GlobalBatchShard``), so
         the mean of the K processes' terms, as their gradients are averaged, is the one process's term."""
         world, rank = distributed.world_size(), distributed.rank()
         k = self.held(batch * world)
