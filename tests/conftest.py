@@ -119,14 +119,12 @@ def stage_folders(tmp_path_factory) -> list[tuple[Path, Path]]:
     return make_stages(tmp_path_factory.mktemp("data"), num_stages=3, classes_per_stage=3, train=12, test=4)
 
 
-@pytest.fixture
-def run_dir(tmp_path) -> Path:
-    """A freshly initialised DRL run (the frozen PTM's IPA network) on the tiny random ViT that trains
-    its stages (``TRAINS``)."""
+def new_run(path: Path) -> Path:
+    """A freshly initialised DRL run at ``path`` (the frozen PTM's IPA network) on the tiny random ViT
+    that trains its stages (``TRAINS``: a dataset reaches training, not only the feature passes)."""
     from drlcli.commands.init import init_run
     from drlcli.config import RunConfig
 
-    path = tmp_path / "run"
     init_run(
         path,
         ptm=TINY_PTM,
@@ -135,6 +133,12 @@ def run_dir(tmp_path) -> Path:
         config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
     )
     return path
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """``new_run`` in the test's folder."""
+    return new_run(tmp_path / "run")
 
 
 FAST = {"epochs": 2, "batch_size": 12}

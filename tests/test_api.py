@@ -4,16 +4,13 @@ import json
 
 import pytest
 import torch
-from conftest import FROZEN, TRAINS, Pairs
+from conftest import Pairs, new_run
 
 from drlcli import evaluate, learn_stage
-from drlcli.commands.init import init_run
-from drlcli.config import RunConfig
 from drlcli.data.decode import load_rgb
 from drlcli.data.images import scan_class_folders
 from drlcli.errors import DataError, UsageError
 from drlcli.run.directory import RunDir
-from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
 
 OPTS = {"epochs": 1, "batch_size": 12}
 
@@ -28,22 +25,10 @@ def as_dataset(folder, *, numbered: list[str] | None = None) -> Pairs:
     return Pairs(items)
 
 
-def _new_run(path):
-    # the stages trained: a dataset reaches training, not only the feature passes
-    init_run(
-        path,
-        ptm=TINY_PTM,
-        random_init=True,
-        ptm_kwargs=TINY_PTM_KWARGS,
-        config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
-    )
-    return path
-
-
 def test_a_dataset_learns_the_same_stage_as_its_folder(tmp_path, stage_folders):
     train, test = stage_folders[0]
-    from_folder = _new_run(tmp_path / "folder")
-    from_dataset = _new_run(tmp_path / "dataset")
+    from_folder = new_run(tmp_path / "folder")
+    from_dataset = new_run(tmp_path / "dataset")
     a = learn_stage(from_folder, data_dir=train, eval_data_dir=test, train_overrides=OPTS, device="cpu")
     b = learn_stage(
         from_dataset, data=as_dataset(train), eval_data=as_dataset(test), train_overrides=OPTS, device="cpu"
@@ -63,7 +48,7 @@ def test_a_dataset_learns_the_same_stage_as_its_folder(tmp_path, stage_folders):
 
 
 def test_a_dataset_with_other_items_is_a_new_stage_or_refused(tmp_path, stage_folders):
-    run = _new_run(tmp_path / "run")
+    run = new_run(tmp_path / "run")
     learn_stage(run, data=as_dataset(stage_folders[0][0]), train_overrides=OPTS, device="cpu")
     fewer = Pairs(as_dataset(stage_folders[0][0]).items[:-1])
     with pytest.raises(DataError, match="class 'class_00' in --data was already learned in stage 1"):

@@ -56,12 +56,12 @@ def _rank_lines(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if not any(m in line for m in launcher))[-3000:]
 
 
-def test_two_processes_match_one(tmp_path, stage_folders):
+@pytest.mark.parametrize("cap", [None, 8])  # every image an epoch; at most 8 of each class's 12
+def test_two_processes_match_one(tmp_path, stage_folders, cap):
     # deterministic transforms (full-image crops, no flip): the runs then differ only in how the
     # same global batches are split over processes and in float summation order
-    config = RunConfig.for_method(
-        "drl", {"train": {"crop_scale_min": 1.0, "hflip": False, "skip_unread": False}}, preset="frozen"
-    )
+    train_section = {"crop_scale_min": 1.0, "hflip": False, "skip_unread": False, "epoch_images_per_class": cap}
+    config = RunConfig.for_method("drl", {"train": train_section}, preset="frozen")
     runs = {}
     for name in ("one", "two"):
         runs[name] = tmp_path / name

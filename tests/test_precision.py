@@ -8,7 +8,7 @@ from copy import deepcopy
 
 import pytest
 import torch
-from conftest import FROZEN, TRAINS
+from conftest import FROZEN, TRAINS, new_run
 from typer.testing import CliRunner
 
 from drlcli import evaluate, learn_stage
@@ -49,17 +49,6 @@ def _stop_at_epoch(n):
             raise _Interrupt
 
     return progress
-
-
-def _new_run(path):
-    init_run(
-        path,
-        ptm=TINY_PTM,
-        random_init=True,
-        ptm_kwargs=TINY_PTM_KWARGS,
-        config=RunConfig.for_method("drl", TRAINS, preset=FROZEN),
-    )
-    return path
 
 
 def test_check_precision_refuses_unknown_names_and_fp16_off_cuda():
@@ -140,7 +129,7 @@ def test_bf16_learns_evaluates_and_predicts_on_cpu(stage_folders, tmp_path):
     """bf16 autocast on CPU: stage.json records it, the stage differs from fp32's only by rounding,
     and the scores stay fp32, close to fp32's."""
     train, test = stage_folders[0]
-    runs = {p: _new_run(tmp_path / p) for p in ("fp32", "bf16")}
+    runs = {p: new_run(tmp_path / p) for p in ("fp32", "bf16")}
     results = {
         p: learn_stage(run, data_dir=train, eval_data_dir=test, train_overrides=OPTS, device="cpu", precision=p)
         for p, run in runs.items()
@@ -186,7 +175,7 @@ def test_resume_under_another_precision_is_refused(run_dir, stage_folders):
         learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
     meta_path.write_bytes(seal_checkpoint(meta))
     resumed = learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
-    straight_run = _new_run(run_dir.parent / "straight")
+    straight_run = new_run(run_dir.parent / "straight")
     straight = learn_stage(straight_run, data_dir=train, train_overrides=OPTS, device="cpu", precision="bf16")
     assert resumed.resumed_from_epoch == 1 and resumed.epoch_losses == straight.epoch_losses
     a, b = RunDir(run_dir).stage(1).tensors, RunDir(straight_run).stage(1).tensors
@@ -316,7 +305,7 @@ def test_train_progress_carries_numbers(run_dir, stage_folders):
 def test_half_precision_on_cuda(stage_folders, tmp_path, precision):
     """Learn (interrupted and resumed: fp16's loss scale comes back from the checkpoint), evaluate and
     predict in half precision on CUDA; the stage records it; accuracy stays within an image of fp32's."""
-    run, opts = _new_run(tmp_path / "r"), {"epochs": 2, "batch_size": 12}
+    run, opts = new_run(tmp_path / "r"), {"epochs": 2, "batch_size": 12}
     train, test = stage_folders[0]
     with pytest.raises(_Interrupt):
         learn_stage(
