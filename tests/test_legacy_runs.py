@@ -99,9 +99,9 @@ FORMAT4 = Path(__file__).parent / "data" / "format4-runs"
 ANSWERS4 = json.loads((FORMAT4 / "answers.json").read_text())["switched"]
 
 
-def _same(found: dict, want: dict) -> None:
+def _same(found: dict, want: dict, atol: float = 1e-6) -> None:
     assert found["classes"] == want["classes"]
-    assert torch.allclose(found["scores"], torch.tensor(want["scores"]), atol=1e-6)
+    assert torch.allclose(found["scores"], torch.tensor(want["scores"]), atol=atol)
 
 
 def _kept_in_frozen(run: Path) -> None:
@@ -139,7 +139,8 @@ def test_a_format4_switched_run_forgets_restores_and_learns_as_it_did(tmp_path):
     run = _copy_from(FORMAT4, "switched", tmp_path / "next")
     result = learn_stage(run, data_dir=LEGACY / "data" / "stage3", device="cpu")
     assert result.stage == 3
-    _same(_answers(load_run(run, device="cpu").model), ANSWERS4["stage3"])
+    # a stage trained here: another CPU's kernels sum in another order (about 1e-4 on these scores, of 1 to 8)
+    _same(_answers(load_run(run, device="cpu").model), ANSWERS4["stage3"], atol=1e-3)
     _kept_in_frozen(run)
     assert "frozen/stages/003/stage.json" in RunDir(run).manifest()["files"]
     verify(run)
