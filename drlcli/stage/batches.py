@@ -43,8 +43,8 @@ class EpochDraw:
             # do the same so the next epoch's order matches one process's (tests/test_distributed.py)
             torch.randperm(self.count, generator=self.generator)
             return order
-        cap = self.cap
-        chosen = torch.cat([idx[torch.randperm(len(idx), generator=self.generator)[:cap]] for idx in self.by_class])
+        drawn = [idx[torch.randperm(len(idx), generator=self.generator)[: self.cap]] for idx in self.by_class]
+        chosen = torch.cat(drawn)
         return chosen[torch.randperm(len(chosen), generator=self.generator)].tolist()
 
 
