@@ -57,8 +57,12 @@ _CARRIED_SET = {
 # while it could
 _SWITCHED = {"schedule": {"switch": "transfer", "pause": "transfer"}}
 # ... tried on half of stage 1's classes first (after a trial that widened the other half's margins, the
-# adapted head answers unless the counts say it loses), and trained in bf16 where the device computes it natively
-_TRIED = {"schedule": {"trial": "transfer", "trial_answers": True}, "train": {"precision": "auto"}}
+# adapted head answers unless the counts say it loses; from that stage itself on a drop of at most 20 images a
+# class), and trained in bf16 where the device computes it natively
+_TRIED = {
+    "schedule": {"trial": "transfer", "trial_answers": True, "trial_answers_small_stage": 20},
+    "train": {"precision": "auto"},
+}
 _CE = {"train": {"loss": "ce", "kd_weight": 0.0}}  # no distillation: no frozen PTM in the adapted pass
 
 

@@ -68,7 +68,11 @@ def test_the_facts_of_each_method():
     mine = default.to_dict()
     assert {k for k in mine if mine[k] != same[k]} == {"method", "score", "train", "ridge", "schedule"}
     # ... and for the default's trial of stage 1 (``stage/trial.py``), which ranpac's preset keeps off
-    assert {k for k, v in mine["schedule"].items() if v != same["schedule"][k]} == {"trial", "trial_answers"}
+    assert {k for k, v in mine["schedule"].items() if v != same["schedule"][k]} == {
+        "trial",
+        "trial_answers",
+        "trial_answers_small_stage",
+    }
     assert {k: v for k, v in mine["ridge"].items() if same["ridge"][k] != v} == {
         "carry_mean": "exact",
         "carry_draws": 25,

@@ -155,7 +155,7 @@ def test_after_a_trial_that_widened_the_margins_the_carried_network_answers_unle
     tmp_path, four_class_stages, monkeypatch, percent, counts, answers
 ):
     run, plain = tmp_path / "run", tmp_path / "plain"
-    _init(run)
+    _init(run, {"first_session": {"trial_images": 4, "trial_answers_small_stage": 0}})  # stage 1 by rule (below)
     _init(plain, {"first_session": {"trial_images": 4, "trial_answers": False}})  # as earlier releases answer
     monkeypatch.setattr(trial_module, "margin_gain", lambda *args: MarginGain(percent, percent, 30))
     monkeypatch.setattr(begin_module, "measure", lambda *args: Transfer(*counts, 40))
@@ -170,6 +170,32 @@ def test_after_a_trial_that_widened_the_margins_the_carried_network_answers_unle
     assert info(run)["frozen_track"]["answers"] == answers and verify(run).num_stages == 2
     said = render.learn_stage(second.to_dict())
     assert ("a trial widened the margins" in said) is (answers == "carried")
+
+
+@pytest.mark.parametrize(
+    "most, percent, answers",
+    [
+        (10, 5.0, "carried"),  # 10 images a class, at most 10: the stage answers by its own trial
+        (9, 5.0, "frozen"),  # more images a class than that: its trial speaks from the next stage on
+        (10, -5.0, "frozen"),  # a narrowing trial trains, and speaks for no stage
+        (0, 5.0, "frozen"),  # off: as earlier releases answer
+    ],
+)
+def test_a_small_drop_answers_by_its_own_trial(tmp_path, four_class_stages, monkeypatch, most, percent, answers):
+    run = tmp_path / "run"
+    _init(run, {"first_session": {"trial_images": 4, "trial_answers_small_stage": most}})
+    monkeypatch.setattr(trial_module, "margin_gain", lambda *args: MarginGain(percent, percent, 30))
+    (first,) = _learn(run, four_class_stages[:1])
+    assert first.carry["trial"]["trains"] is True and first.epoch_losses
+    assert first.switch["answers"] == answers and first.eval.top1 == first.switch["top1"][answers]
+    assert evaluate(run, all_seen=True, device="cpu").answers == answers
+    assert info(run)["frozen_track"]["answers"] == answers and verify(run).num_stages == 1
+    said = render.learn_stage(first.to_dict())
+    assert ("on a drop of few images a class" in said) is (answers == "carried")
+    if answers == "carried":  # the record's counts are what the answer reads: more images a class, and it lies
+        rewrite_stage_meta(run, 1, lambda meta: meta["images_per_class"].update(dict.fromkeys(meta["classes"], 11)))
+        with pytest.raises(IntegrityError, match="switch record does not say the frozen track answers"):
+            verify(run)
 
 
 def test_a_switch_record_that_disagrees_with_the_trial_is_refused(tmp_path, four_class_stages, monkeypatch):

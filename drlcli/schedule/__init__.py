@@ -13,7 +13,8 @@ and the benchmark read, rather than each asking the method:
 - ``pauses``: the set trains at a stage only while the forward transfer could still pay.
 - ``tries``: before the set ever trains, a short trial on half of the stage's classes says whether
   adapting moves the other half's margins (``stage/trial.py``); with ``trial_answers``, a trial that
-  widened them has the adapted head answer from the next stage on, unless the counts say it loses.
+  widened them has the adapted head answer from the next stage on (from that stage itself, where it is a
+  drop of few images a class: ``trial_answers_small_stage``), unless the counts say it loses.
 - ``decides_first``: stage 1's adapters are kept only where the held-out part scores higher.
 
 The ``schedule`` section of a run config holds the options; runs of earlier releases named it and
@@ -71,6 +72,10 @@ class ScheduleConfig:
     # train on (and trained the set), the adapted head answers unless the forward-transfer counts say
     # adapting loses (``run/track.py``); false: only once the counts say adapting pays
     trial_answers: bool = False
+    # read only with ``trial_answers``: a stage of at most this many images a class (on average) answers by
+    # its own trial's verdict, from the adapted head, where that trial widened the margins; 0: the verdict
+    # is read from the next stage on (runs of earlier releases)
+    trial_answers_small_stage: int = option(0, within=Range(0, 1_000_000))
 
 
 @dataclass(frozen=True)

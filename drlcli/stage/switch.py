@@ -16,7 +16,15 @@ from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..run.layout import FROZEN_TRACK, STAGE_META, sha256_bytes, stage_file
 from ..run.records import check_stage_meta
-from ..run.track import CARRIED, FROZEN, answer_after, frozen_track, tied_track, widened_before
+from ..run.track import (
+    CARRIED,
+    FROZEN,
+    answer_after,
+    answers_by_own_trial,
+    frozen_track,
+    tied_track,
+    widened_before,
+)
 from ..run.trackdir import TrackDir
 from ..run.writer import RunWriter, deferred_files
 from .context import Evaluated, Fitted, Record, Records, StageContext
@@ -128,12 +136,16 @@ def relay(progress: ProgressFn | None) -> ProgressFn | None:
 def answered(stage: StageContext, fitted: Fitted, evaluated: Evaluated, frozen: FrozenStage) -> Evaluated:
     """The stage's evaluation as the run answers (``track.answer_after``): the carried network's once
     the run's forward transfer (stage.json ``carry.transfer``) says adapting pays, or, after a stage
-    whose trial widened the margins (``schedule.trial_answers``), while it does not say adapting
-    loses; else the frozen track's. With stage.json's ``switch``: which, both tracks' top-1, the
-    frozen track's seconds and record sha256."""
+    whose trial widened the margins (``schedule.trial_answers``; a small drop's by its own trial,
+    ``trial_answers_small_stage``), while it does not say adapting loses; else the frozen track's. With
+    stage.json's ``switch``: which, both tracks' top-1, the frozen track's seconds and record sha256."""
     transfer = (fitted.carry or {}).get("transfer")
     total = Transfer.from_dict(transfer["run"]) if transfer is not None else Transfer(0, 0, 0)
-    widened = stage.config.schedule.trial_answers and widened_before(stage.loaded.stage_metas)
+    options = stage.config.schedule
+    own = {"carry": fitted.carry, "images_per_class": stage.images.counts()}
+    widened = options.trial_answers and (
+        widened_before(stage.loaded.stage_metas) or answers_by_own_trial(own, options.trial_answers_small_stage)
+    )
     answer = answer_after(total, widened)
     switch = {
         "answers": answer,
