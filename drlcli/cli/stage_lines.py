@@ -71,8 +71,11 @@ def carry_lines(c: dict[str, Any]) -> list[str]:
             if c.get("draws")
             else "the sums the stage before kept"
         )
+        why = ""
+        if isinstance(c.get("transfer"), dict) and c["transfer"]["run"]["images"] and not c["transfer"]["stalls"]:
+            why = " (a stage of too few classes to train on: schedule.train_min_classes)"
         lines = [
-            f"carried {c['classes']} earlier classes as they stood: the adapters did not move, nor did their "
+            f"carried {c['classes']} earlier classes as they stood{why}: the adapters did not move, nor did their "
             f"class Gaussians; the head read {sums} ({c['seconds']:.1f}s)"
         ]
     else:

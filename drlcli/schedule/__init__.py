@@ -60,6 +60,10 @@ class ScheduleConfig:
     # transfer so far could still reach the switch's floor (``metrics.Transfer.stalls``); a paused stage
     # fits the head on the network as it stands
     pause: str = option("none", choices=("none", "transfer"))
+    # with pause "transfer" only: a stage after the first of fewer classes than this does not train the set
+    # either (0: any stage may, as runs of earlier releases): its forward transfer counts next to nothing
+    # among so few, and its maps, fitted on their few images, move every earlier class's Gaussian
+    train_min_classes: int = option(0, within=Range(0, 1_000_000))
     # with pause "transfer" only: "transfer" tries adapting before a stage trains, while no stage has
     # trained the set, up to ``trial_stages`` stages (``stage/trial.py``): a copy of the set trained
     # ``trial_epochs`` on half of the stage's classes (at most ``trial_images`` images each), the other

@@ -127,7 +127,8 @@ def _began(stage: StageContext, head: Head, frozen_f0: torch.Tensor | None) -> B
         rows, rmd_rows, bare, labels = in_image_order(shard, rows, rmd_rows, bare, labels)
     own = measure(rows[:, 0], bare, labels)
     run = own + stage.earlier_transfer()
-    paused = stage.schedule.pauses and run.stalls
+    few = len(stage.images.class_names) < stage.config.schedule.train_min_classes
+    paused = stage.schedule.pauses and (run.stalls or few)
     passes = 1.0 if frozen_f0 is not None else 2.0  # the rows; f_0 through the frozen PTM unless handed over
     return Began(rows.cpu(), rmd_rows.cpu(), own.record(run), paused, time.perf_counter() - tick, passes=passes)
 
