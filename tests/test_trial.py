@@ -364,3 +364,24 @@ def test_a_solution_of_other_sums_is_not_taken():
     solved = ridge_fit.fit_stage(earlier, features, labels, given=other, **kwargs)
     assert solved.meta["earlier_columns"] == "solved" and solved.meta["lambda"] == offered.lam
     assert torch.allclose(solved.tensors["ranpac.weight"], offered.weight.float())
+
+
+@pytest.mark.parametrize("least, trains", [(4, False), (0, True)])
+def test_a_stage_of_fewer_classes_than_train_min_classes_keeps_the_set_as_it_stands(
+    tmp_path, monkeypatch, least, trains
+):
+    root = tmp_path / "data"
+    folders = make_stages(root, num_stages=1, classes_per_stage=4, train=10, test=3)  # classes 0-3
+    folders += make_stages(root, num_stages=1, classes_per_stage=2, train=10, test=3, first=3)  # 4, 5
+    folders += make_stages(root, num_stages=1, classes_per_stage=4, train=10, test=3, first=3, name="big{}")  # 8-11
+    run = tmp_path / "run"
+    _init(run, {"first_session": {"trial_images": 4, "train_min_classes": least}})
+    _decides(monkeypatch, trains=True)
+    monkeypatch.setattr(begin_module, "measure", lambda *args: Transfer(3, 1, 40))  # never stalls
+    first, two, four = _learn(run, folders)
+    assert first.epoch_losses and four.epoch_losses and not four.carry.get("paused")
+    assert bool(two.epoch_losses) is trains and two.carry.get("paused", False) is not trains
+    assert (two.passes["training"] > 0) is trains
+    said = render.learn_stage(two.to_dict())
+    assert ("too few classes to train on" in said) is not trains
+    assert verify(run).num_stages == 3
