@@ -58,9 +58,10 @@ _CARRIED_SET = {
 _SWITCHED = {"schedule": {"switch": "transfer", "pause": "transfer"}}
 # ... tried on half of stage 1's classes first (after a trial that widened the other half's margins, the
 # adapted head answers unless the counts say it loses; from that stage itself on a drop of at most 20 images a
-# class), and trained in bf16 where the device computes it natively
+# class), not trained by a later stage of fewer than 4 classes (the trial's own least), and trained in bf16
+# where the device computes it natively
 _TRIED = {
-    "schedule": {"trial": "transfer", "trial_answers": True, "trial_answers_small_stage": 20},
+    "schedule": {"trial": "transfer", "trial_answers": True, "trial_answers_small_stage": 20, "train_min_classes": 4},
     "train": {"precision": "auto"},
 }
 _CE = {"train": {"loss": "ce", "kd_weight": 0.0}}  # no distillation: no frozen PTM in the adapted pass

@@ -72,6 +72,7 @@ def test_the_facts_of_each_method():
         "trial",
         "trial_answers",
         "trial_answers_small_stage",
+        "train_min_classes",
     }
     assert {k: v for k, v in mine["ridge"].items() if same["ridge"][k] != v} == {
         "carry_mean": "exact",
