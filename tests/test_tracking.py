@@ -174,7 +174,7 @@ def test_benchmark_writes_one_folder_per_variant_with_workers_and_bf16(tmp_path)
         out,
         *TINY_ARGS,
         "--methods",
-        "simplecil,drl/skip_unread=false/trial=none",  # untried: a stage of one class trains
+        "simplecil,drl/skip_unread=false/trial=none/train_min_classes=0",  # untried: a stage of one class trains
         "--split",
         "B0Inc1",
     ]
@@ -184,10 +184,13 @@ def test_benchmark_writes_one_folder_per_variant_with_workers_and_bf16(tmp_path)
     report = json.loads(result.stdout)
     assert report["protocol"]["precision"] == "bf16" and report["artifacts"]["tensorboard"] == str(tb)
     rows = {row["label"]: row for row in report["results"]}
-    simplecil, trained = scalars(tb / "simplecil"), scalars(tb / "drl__skip_unread=false__trial=none")
+    simplecil, trained = (
+        scalars(tb / "simplecil"),
+        scalars(tb / "drl__skip_unread=false__trial=none__train_min_classes=0"),
+    )
     assert [t for t, _ in simplecil["accuracy/A_t"]] == [1, 2] and "loss/stage_001" not in simplecil
-    accuracy = rows["drl/skip_unread=false/trial=none"]["accuracy"]
+    accuracy = rows["drl/skip_unread=false/trial=none/train_min_classes=0"]["accuracy"]
     assert [a for _, a in trained["accuracy/A_t"]] == pytest.approx(accuracy, abs=1e-4)
     assert [e for e, _ in trained["loss/stage_002"]] == [1] and "forgetting/mean" in trained
-    stage = RunDir(out / "runs" / "drl__skip_unread=false__trial=none").stage(2).meta
+    stage = RunDir(out / "runs" / "drl__skip_unread=false__trial=none__train_min_classes=0").stage(2).meta
     assert stage["precision"] == "bf16" and stage["train"]["num_workers"] == 1
