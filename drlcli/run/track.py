@@ -23,6 +23,7 @@ from ..config import RunConfig
 from ..errors import IntegrityError, RunStateError
 from ..methods import schedule_of
 from ..metrics import Transfer
+from ..schedule import ScheduleConfig
 from .directory import RunDir
 from .forgotten import ForgetState, read_log
 from .layout import FROZEN_TRACK, LOCK, MANIFEST, STAGE_META, TRACK_PREFIX, stage_file
@@ -65,11 +66,11 @@ def _drop_legacy_files(run: RunDir) -> None:
             storage.discard(path)
 
 
-def answering(run: RunDir, metas: list[dict[str, Any]], *, by_trial: bool = False, small: int = 0) -> str:
+def answering(run: RunDir, metas: list[dict[str, Any]], options: ScheduleConfig) -> str:
     """The track the run answers from after its newest stage (``FROZEN`` for a run with no stage).
-    Every stage's ``switch.answers`` must be what its records say (``answer_after``; ``by_trial``: the
-    run's ``schedule.trial_answers``, ``small`` its ``trial_answers_small_stage``), and each stage's run
-    counts its own plus the stage's before; else IntegrityError (a crafted stage.json)."""
+    Every stage's ``switch.answers`` must be what its records say (``answer_after``, ``trial_speaks``
+    under the run's ``options``), and each stage's run counts its own plus the stage's before; else
+    IntegrityError (a crafted stage.json)."""
     answer, total, widened = FROZEN, Transfer(0, 0, 0), False
     for meta in metas:
         stage, record = meta.get("stage"), meta.get("switch")
@@ -80,8 +81,8 @@ def answering(run: RunDir, metas: list[dict[str, Any]], *, by_trial: bool = Fals
                 raise _crafted(run, stage, "its forward-transfer counts do not add up to the run's")
         elif stage != 1:
             raise _crafted(run, stage, "it has no forward-transfer counts")
-        answer = answer_after(total, widened or (by_trial and answers_by_own_trial(meta, small)))
-        widened = widened or (by_trial and widened_at(meta))  # read from the next stage on
+        answer = answer_after(total, trial_speaks(options, widened, meta))
+        widened = widened or widened_at(meta)  # read from the next stage on
         if not isinstance(record, dict) or record.get("answers") != answer:
             raise _crafted(run, stage, f"its switch record does not say the {answer} track answers, as its records do")
         if not isinstance(record.get("frozen_stage_sha256"), str):
@@ -114,17 +115,17 @@ def widened_at(meta: dict[str, Any]) -> bool:
     return trial is not None and trial["trains"] and trial["margins"]["percent"] > 0 and trained
 
 
-def answers_by_own_trial(meta: dict[str, Any], most: int) -> bool:
-    """Whether a stage answers by its own trial's verdict (``schedule.trial_answers_small_stage``): it
-    trained after its trial widened the margins (``widened_at``) and holds at most ``most`` images a class
-    on average (``images_per_class``). On a drop of few images a class the trained set was above the
-    frozen head at stage 1 on most class orders; on one of many, below it (docs/performance.md)."""
-    counts = meta.get("images_per_class")
-    if most <= 0 or not isinstance(counts, dict) or not counts or not widened_at(meta):
+def trial_speaks(options: ScheduleConfig, widened: bool, meta: dict[str, Any]) -> bool:
+    """Whether a trial's verdict answers for the stage of ``meta`` (a checked stage.json, or the one
+    being written), under ``schedule.trial_answers``: an earlier stage's trial ``widened`` the margins
+    (``widened_before``), or the stage's own did and it holds at most ``trial_answers_small_stage``
+    images a class on average. On a drop of few images a class the trained set was above the frozen
+    head at stage 1 on most class orders; on one of many, below it (docs/performance.md)."""
+    if not options.trial_answers:
         return False
-    if not all(type(n) is int and n >= 0 for n in counts.values()):
-        return False
-    return sum(counts.values()) <= most * len(counts)
+    counts, most = meta.get("images_per_class") or {}, options.trial_answers_small_stage
+    small = most > 0 and bool(counts) and sum(counts.values()) <= most * len(counts)
+    return widened or (small and widened_at(meta))
 
 
 def switched(run: RunDir, manifest: dict[str, Any]) -> bool:
@@ -158,8 +159,7 @@ def tied_track(
     an earlier release interrupted between its two commits left: RunStateError or IntegrityError
     naming the command that completes it; any other mismatch: IntegrityError."""
     record, config = read_record(run, manifest)
-    options = config.schedule
-    answer = answering(run, metas, by_trial=options.trial_answers, small=options.trial_answers_small_stage)
+    answer = answering(run, metas, config.schedule)
     track = frozen_track(run, manifest)
     if not track.exists():
         raise IntegrityError(

@@ -16,15 +16,7 @@ from ..progress import ProgressFn
 from ..run.directory import RunDir
 from ..run.layout import FROZEN_TRACK, STAGE_META, sha256_bytes, stage_file
 from ..run.records import check_stage_meta
-from ..run.track import (
-    CARRIED,
-    FROZEN,
-    answer_after,
-    answers_by_own_trial,
-    frozen_track,
-    tied_track,
-    widened_before,
-)
+from ..run.track import CARRIED, FROZEN, answer_after, frozen_track, tied_track, trial_speaks, widened_before
 from ..run.trackdir import TrackDir
 from ..run.writer import RunWriter, deferred_files
 from .context import Evaluated, Fitted, Record, Records, StageContext
@@ -141,12 +133,9 @@ def answered(stage: StageContext, fitted: Fitted, evaluated: Evaluated, frozen: 
     stage.json's ``switch``: which, both tracks' top-1, the frozen track's seconds and record sha256."""
     transfer = (fitted.carry or {}).get("transfer")
     total = Transfer.from_dict(transfer["run"]) if transfer is not None else Transfer(0, 0, 0)
-    options = stage.config.schedule
-    own = {"carry": fitted.carry, "images_per_class": stage.images.counts()}
-    widened = options.trial_answers and (
-        widened_before(stage.loaded.stage_metas) or answers_by_own_trial(own, options.trial_answers_small_stage)
-    )
-    answer = answer_after(total, widened)
+    own = {"carry": fitted.carry, "images_per_class": stage.images.counts()}  # as stage.json will hold them
+    speaks = trial_speaks(stage.config.schedule, widened_before(stage.loaded.stage_metas), own)
+    answer = answer_after(total, speaks)
     switch = {
         "answers": answer,
         "top1": {
