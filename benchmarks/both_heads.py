@@ -1,0 +1,85 @@
+"""Both heads of a switched run at once: would answering from the sum of the adapted head's and the frozen
+head's scores beat answering from either? An open question (docs/performance.md, "Answering from both
+heads"); this script measures it on runs ``drl benchmark`` left, without changing them.
+
+    python benchmarks/both_heads.py RUN_DIR [RUN_DIR ...] --ptm-weights $W [--threads 2]
+
+RUN_DIR is a switched run (the default recipe) whose adapter set trained, with eval data registered (``drl benchmark`` registers each stage's test images). Both heads score the
+same images: the run's model (the adapted network, its head) and its frozen track's (the frozen PTM, its
+head). Each head's (N, C) scores are standardised per image (mean 0, std 1 over the classes) and summed.
+One JSON line per run: the top-1 (%) of the adapted head, the frozen head and the sum, and the images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from drlcli.evaluation import EVAL_BATCH_SIZE, registered_eval_sets
+from drlcli.methods import schedule_of
+from drlcli.model import embed_images
+from drlcli.run.directory import RunDir
+from drlcli.run.load import LoadedRun, load_own, load_run
+from drlcli.run.trackdir import frozen_track
+
+
+def head_scores(loaded: LoadedRun) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, C) scores and (N,) global targets of the run's registered eval images under its model."""
+    model, scores, targets = loaded.model, [], []
+    for item in registered_eval_sets(loaded):
+        feats, labels = embed_images(
+            model.network,
+            item.images,
+            model.data_config,
+            batch_size=EVAL_BATCH_SIZE,
+            stages=model.stages_scored,
+            layout=model.layout_scored,
+            probes=model.probes_read,
+        )
+        scores.append(model.scores(model.split(feats)[0]))
+        targets.append(torch.tensor(item.label_map, dtype=torch.long)[labels])
+    return torch.cat(scores), torch.cat(targets)
+
+
+def standardised(scores: torch.Tensor) -> torch.Tensor:
+    return (scores - scores.mean(1, keepdim=True)) / scores.std(1, keepdim=True)
+
+
+def measure(run_dir: Path, weights: Path | None) -> dict[str, object]:
+    run = RunDir(run_dir)  # the adapted network's model, whichever head the run answers from
+    adapted = run.read_generation(lambda m: load_own(run, m, device="cpu", ptm_weights=weights, scoring=True))
+    if not schedule_of(adapted.config).switches:
+        raise SystemExit(f"{run_dir}: not a switched run (the default recipe's): it has one head")
+    frozen = load_run(frozen_track(adapted.run, adapted.manifest), device="cpu", ptm_weights=weights)
+    if frozen.model.class_names != adapted.model.class_names:
+        raise SystemExit(f"{run_dir}: the frozen track holds other classes than the run")
+    (a, targets), (f, frozen_targets) = head_scores(adapted), head_scores(frozen)
+    if not torch.equal(targets, frozen_targets):
+        raise SystemExit(f"{run_dir}: the two heads read different eval images")
+
+    def top1(scores: torch.Tensor) -> float:
+        return round(100.0 * (scores.argmax(1) == targets).float().mean().item(), 2)
+
+    both = standardised(a) + standardised(f)
+    return {"run": str(run_dir), "images": len(targets), "adapted": top1(a), "frozen": top1(f), "both": top1(both)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument(
+        "--ptm-weights", type=Path, help="the PTM's weights file (a run made on a tiny random ViT: none)"
+    )
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        for run_dir in args.runs:
+            print(json.dumps(measure(run_dir, args.ptm_weights)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""benchmarks/both_heads.py scores a switched run's two heads and their sum on its registered eval data."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drlcli import learn_stage
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.metrics import MarginGain
+from drlcli.stage import trial as trial_module
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "both_heads.py"
+SMALL = {
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "train": {"epochs": 2, "batch_size": 8, "seed": 3},
+    "first_session": {"trial_images": 4},
+}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("both_heads", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("answers_small", [10, 0])  # stage 1 answers from the adapted head / the frozen one
+def test_both_heads_scores_each_head_as_the_run_recorded_it_and_their_sum(tmp_path, monkeypatch, answers_small):
+    (train, test), *_ = make_stages(tmp_path / "data", num_stages=1, classes_per_stage=4, train=10, test=3)
+    run = tmp_path / "run"
+    options = {**SMALL, "first_session": {"trial_images": 4, "trial_answers_small_stage": answers_small}}
+    init_run(
+        run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=RunConfig.for_method("drl", options)
+    )
+    monkeypatch.setattr(trial_module, "margin_gain", lambda *args: MarginGain(5.0, 5.0, 30))  # the set trains
+    result = learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu")
+    assert result.epoch_losses and result.switch["answers"] == ("carried" if answers_small else "frozen")
+    with torch.inference_mode():
+        row = _script().measure(run, None)
+    assert row["images"] == 12
+    assert row["adapted"] == pytest.approx(result.switch["top1"]["carried"], abs=0.01)
+    assert row["frozen"] == pytest.approx(result.switch["top1"]["frozen"], abs=0.01)
+    assert 0.0 <= row["both"] <= 100.0
+
+
+def test_both_heads_refuses_a_run_of_one_head(learned_run):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(learned_run)], capture_output=True, text=True)
+    assert result.returncode != 0 and "not a switched run" in result.stderr
+    assert not result.stdout.strip() or json.loads(result.stdout.splitlines()[-1])
