@@ -4,16 +4,23 @@ heads"); this script measures it on runs ``drl benchmark`` left, without changin
 
     python benchmarks/both_heads.py RUN_DIR [RUN_DIR ...] --ptm-weights $W [--threads 2]
 
-RUN_DIR is a switched run (the default recipe) whose adapter set trained, with eval data registered (``drl benchmark`` registers each stage's test images). Both heads score the
-same images: the run's model (the adapted network, its head) and its frozen track's (the frozen PTM, its
-head). Each head's (N, C) scores are standardised per image (mean 0, std 1 over the classes) and summed.
-One JSON line per run: the top-1 (%) of the adapted head, the frozen head and the sum, and the images.
+    python benchmarks/both_heads.py --per-stage FILE.jsonl -- benchmark --data SK --out OUT ... --methods default
+
+RUN_DIR is a switched run (the default recipe) with eval data registered (``drl benchmark`` registers each
+stage's test images). Both heads score the same images: the run's own model (the adapted network, its head,
+whichever head the run answers from) and its frozen track's (the frozen PTM, its head). Each head's (N, C)
+scores are standardised per image (mean 0, std 1 over the classes) and summed. One JSON line per run: the
+top-1 (%) of the adapted head, the frozen head and the sum, and the images. With ``--per-stage``, the rest
+of the command line is a ``drl`` command (``benchmark ...``) run in this process, and after every stage a
+switched run learns, its line (with the variant and the stage) is appended to FILE: a run's directory keeps
+only its newest stage's head. It costs two more evaluations a stage.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +30,7 @@ from drlcli.methods import schedule_of
 from drlcli.model import embed_images
 from drlcli.run.directory import RunDir
 from drlcli.run.load import LoadedRun, load_own, load_run
+from drlcli.run.records import read_record
 from drlcli.run.trackdir import frozen_track
 
 
@@ -67,15 +75,44 @@ def measure(run_dir: Path, weights: Path | None) -> dict[str, object]:
     return {"run": str(run_dir), "images": len(targets), "adapted": top1(a), "frozen": top1(f), "both": top1(both)}
 
 
+def per_stage(out: Path, command: list[str]) -> None:
+    """Run the ``drl`` ``command`` here, measuring every switched run after each stage it learns."""
+    from drlcli.benchmark import runner
+    from drlcli.cli import app
+
+    learn = runner._Session._learn
+
+    def learn_and_measure(session, v_index, variant, run_dir, k):  # noqa: ANN001, ANN202
+        learn(session, v_index, variant, run_dir, k)
+        run = RunDir(run_dir)
+        if session.main and schedule_of(read_record(run, run.manifest())[1]).switches:
+            with torch.inference_mode():
+                row = measure(run_dir, session.settings.ptm_weights)
+            with out.open("a") as f:
+                f.write(json.dumps({"variant": variant.label, "stage": k + 1, **row}) + "\n")
+
+    runner._Session._learn = learn_and_measure
+    app(command, standalone_mode=False)
+
+
 def main() -> None:
+    argv = sys.argv[1:]
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []  # --per-stage's drl command
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--per-stage", type=Path, help="append each stage's line here; then: -- benchmark ARGS")
+    parser.add_argument("runs", nargs="*", type=Path)
     parser.add_argument(
         "--ptm-weights", type=Path, help="the PTM's weights file (a run made on a tiny random ViT: none)"
     )
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if (args.per_stage is None) != (not command) or (command and args.runs):
+        parser.error("give RUN_DIRs, or --per-stage FILE -- and a drl command")
+    if args.per_stage is not None:
+        per_stage(args.per_stage, command)
+        return
     with torch.inference_mode():
         for run_dir in args.runs:
             print(json.dumps(measure(run_dir, args.ptm_weights)), flush=True)

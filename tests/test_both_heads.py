@@ -14,7 +14,7 @@ from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.metrics import MarginGain
 from drlcli.stage import trial as trial_module
-from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_class_folders, make_stages
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "both_heads.py"
 SMALL = {
@@ -54,3 +54,34 @@ def test_both_heads_refuses_a_run_of_one_head(learned_run):
     result = subprocess.run([sys.executable, str(SCRIPT), str(learned_run)], capture_output=True, text=True)
     assert result.returncode != 0 and "not a switched run" in result.stderr
     assert not result.stdout.strip() or json.loads(result.stdout.splitlines()[-1])
+
+
+def test_both_heads_per_stage_measures_every_stage_a_switched_run_learns(tmp_path):
+    data = tmp_path / "data"
+    make_class_folders(data / "train", list(range(8)), images_per_class=6)
+    make_class_folders(data / "test", list(range(8)), images_per_class=2, offset=6)
+    lines, out = tmp_path / "stages.jsonl", tmp_path / "out"
+    tiny = ["--ptm", TINY_PTM, "--random-init"] + [
+        a for k, v in TINY_PTM_KWARGS.items() for a in ("--ptm-arg", f"{k}={v}")
+    ]
+    bench = ["benchmark", "--data", str(data), "--out", str(out), *tiny, "--split", "B0Inc4", "--epochs", "1"]
+    bench += ["--methods", "default,frozen", "--device", "cpu"]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--per-stage", str(lines), "--", *bench], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert [(r["variant"], r["stage"], r["images"]) for r in rows] == [("default", 1, 8), ("default", 2, 16)]
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert rows[-1]["frozen"] == pytest.approx(next(r for r in results if r["label"] == "frozen")["last"], abs=0.01)
+    for row in rows:  # each stage's heads as that stage recorded them
+        meta = json.loads((out / "runs" / "default" / "stages" / f"{row['stage']:03d}" / "stage.json").read_text())
+        assert row["adapted"] == pytest.approx(meta["switch"]["top1"]["carried"], abs=0.01)
+        assert row["frozen"] == pytest.approx(meta["switch"]["top1"]["frozen"], abs=0.01)
+
+
+def test_both_heads_wants_runs_or_a_command(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--per-stage", str(tmp_path / "x.jsonl")], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "give RUN_DIRs, or --per-stage FILE" in result.stderr
