@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 
 from drlcli.evaluation import EVAL_BATCH_SIZE, registered_eval_sets
-from drlcli.methods import schedule_of
 from drlcli.model import embed_images
 from drlcli.run.directory import RunDir
 from drlcli.run.load import LoadedRun, load_own, load_run
-from drlcli.run.records import read_record
+from drlcli.run.track import switched
 from drlcli.run.trackdir import frozen_track
 
 
@@ -57,10 +56,11 @@ def standardised(scores: torch.Tensor) -> torch.Tensor:
 
 
 def measure(run_dir: Path, weights: Path | None) -> dict[str, object]:
-    run = RunDir(run_dir)  # the adapted network's model, whichever head the run answers from
-    adapted = run.read_generation(lambda m: load_own(run, m, device="cpu", ptm_weights=weights, scoring=True))
-    if not schedule_of(adapted.config).switches:
+    run = RunDir(run_dir)
+    if not switched(run, run.manifest()):
         raise SystemExit(f"{run_dir}: not a switched run (the default recipe's): it has one head")
+    # the adapted network's model, whichever head the run answers from
+    adapted = run.read_generation(lambda m: load_own(run, m, device="cpu", ptm_weights=weights, scoring=True))
     frozen = load_run(frozen_track(adapted.run, adapted.manifest), device="cpu", ptm_weights=weights)
     if frozen.model.class_names != adapted.model.class_names:
         raise SystemExit(f"{run_dir}: the frozen track holds other classes than the run")
@@ -85,7 +85,7 @@ def per_stage(out: Path, command: list[str]) -> None:
     def learn_and_measure(session, v_index, variant, run_dir, k):  # noqa: ANN001, ANN202
         learn(session, v_index, variant, run_dir, k)
         run = RunDir(run_dir)
-        if session.main and schedule_of(read_record(run, run.manifest())[1]).switches:
+        if session.main and switched(run, run.manifest()):
             with torch.inference_mode():
                 row = measure(run_dir, session.settings.ptm_weights)
             with out.open("a") as f:

@@ -110,11 +110,12 @@ def load_run(
 
 
 def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None, scoring: bool) -> LoadedRun:
-    if scoring and schedule_of(read_record(run, manifest)[1]).switches:
+    record, config = read_record(run, manifest)
+    if scoring and schedule_of(config).switches:
         frozen = _frozen_answers(run, manifest, device=device, ptm_weights=ptm_weights)
         if frozen is not None:
             return frozen
-    return load_own(run, manifest, device=device, ptm_weights=ptm_weights, scoring=scoring)
+    return _load_own(run, manifest, record, config, device=device, ptm_weights=ptm_weights, scoring=scoring)
 
 
 def load_own(
@@ -122,8 +123,21 @@ def load_own(
 ) -> LoadedRun:
     """The run's own model and records of ``manifest``'s generation: a switched run's adapted network and
     its head, whichever head the run answers from (``benchmarks/both_heads.py`` reads both)."""
-    start = time.perf_counter()
     record, config = read_record(run, manifest)
+    return _load_own(run, manifest, record, config, device=device, ptm_weights=ptm_weights, scoring=scoring)
+
+
+def _load_own(
+    run: RunDir,
+    manifest: dict[str, Any],
+    record: dict[str, Any],
+    config: RunConfig,
+    *,
+    device: str,
+    ptm_weights: Path | None,
+    scoring: bool,
+) -> LoadedRun:
+    start = time.perf_counter()
     ptm = load_ptm(run, record, manifest, ptm_weights=ptm_weights).to(resolve_device(device))
     stages = run.stages(manifest)
     for stage in stages:
