@@ -10,7 +10,8 @@ RUN_DIR is a switched run (the default recipe) with eval data registered (``drl 
 stage's test images). Both heads score the same images: the run's own model (the adapted network, its head,
 whichever head the run answers from) and its frozen track's (the frozen PTM, its head). Each head's (N, C)
 scores are standardised per image (mean 0, std 1 over the classes) and summed. One JSON line per run: the
-top-1 (%) of the adapted head, the frozen head and the sum, and the images. With ``--per-stage``, the rest
+top-1 (%) of the adapted head, the frozen head and the sum, and the images; with ``--frozen-weights W ...``,
+also (``weighted``) that of each sum with the frozen head's scores weighted by W. With ``--per-stage``, the rest
 of the command line is a ``drl`` command (``benchmark ...``) run in this process, and after every stage a
 switched run learns, its line (with the variant and the stage) is appended to FILE: a run's directory keeps
 only its newest stage's head. It costs two more evaluations a stage.
@@ -55,7 +56,7 @@ def standardised(scores: torch.Tensor) -> torch.Tensor:
     return (scores - scores.mean(1, keepdim=True)) / scores.std(1, keepdim=True)
 
 
-def measure(run_dir: Path, weights: Path | None) -> dict[str, object]:
+def measure(run_dir: Path, weights: Path | None, frozen_weights: tuple[float, ...] = ()) -> dict[str, object]:
     run = RunDir(run_dir)
     if not switched(run, run.manifest()):
         raise SystemExit(f"{run_dir}: not a switched run (the default recipe's): it has one head")
@@ -71,11 +72,14 @@ def measure(run_dir: Path, weights: Path | None) -> dict[str, object]:
     def top1(scores: torch.Tensor) -> float:
         return round(100.0 * (scores.argmax(1) == targets).float().mean().item(), 2)
 
-    both = standardised(a) + standardised(f)
-    return {"run": str(run_dir), "images": len(targets), "adapted": top1(a), "frozen": top1(f), "both": top1(both)}
+    a, f = standardised(a), standardised(f)
+    row = {"run": str(run_dir), "images": len(targets), "adapted": top1(a), "frozen": top1(f), "both": top1(a + f)}
+    if frozen_weights:  # the sum with the frozen head's scores weighted by w (1: "both")
+        row["weighted"] = {str(w): top1(a + w * f) for w in frozen_weights}
+    return row
 
 
-def per_stage(out: Path, command: list[str]) -> None:
+def per_stage(out: Path, command: list[str], frozen_weights: tuple[float, ...] = ()) -> None:
     """Run the ``drl`` ``command`` here, measuring every switched run after each stage it learns."""
     from drlcli.benchmark import runner
     from drlcli.cli import app
@@ -87,7 +91,7 @@ def per_stage(out: Path, command: list[str]) -> None:
         run = RunDir(run_dir)
         if session.main and switched(run, run.manifest()):
             with torch.inference_mode():
-                row = measure(run_dir, session.settings.ptm_weights)
+                row = measure(run_dir, session.settings.ptm_weights, frozen_weights)
             with out.open("a") as f:
                 f.write(json.dumps({"variant": variant.label, "stage": k + 1, **row}) + "\n")
 
@@ -106,16 +110,23 @@ def main() -> None:
         "--ptm-weights", type=Path, help="the PTM's weights file (a run made on a tiny random ViT: none)"
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--frozen-weights",
+        type=float,
+        nargs="+",
+        default=(),
+        help="also score the sum with the frozen head's standardised scores weighted by each W",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if (args.per_stage is None) != (not command) or (command and args.runs):
         parser.error("give RUN_DIRs, or --per-stage FILE -- and a drl command")
     if args.per_stage is not None:
-        per_stage(args.per_stage, command)
+        per_stage(args.per_stage, command, tuple(args.frozen_weights))
         return
     with torch.inference_mode():
         for run_dir in args.runs:
-            print(json.dumps(measure(run_dir, args.ptm_weights)), flush=True)
+            print(json.dumps(measure(run_dir, args.ptm_weights, tuple(args.frozen_weights))), flush=True)
 
 
 if __name__ == "__main__":

@@ -43,11 +43,13 @@ def test_both_heads_scores_each_head_as_the_run_recorded_it_and_their_sum(tmp_pa
     result = learn_stage(run, data_dir=train, eval_data_dir=test, device="cpu")
     assert result.epoch_losses and result.switch["answers"] == ("carried" if answers_small else "frozen")
     with torch.inference_mode():
-        row = _script().measure(run, None)
+        row = _script().measure(run, None, (0.0, 1.0))
     assert row["images"] == 12
     assert row["adapted"] == pytest.approx(result.switch["top1"]["carried"], abs=0.01)
     assert row["frozen"] == pytest.approx(result.switch["top1"]["frozen"], abs=0.01)
     assert 0.0 <= row["both"] <= 100.0
+    # a weight of 0 leaves the adapted head's answers, 1 is the plain sum
+    assert row["weighted"] == {"0.0": row["adapted"], "1.0": row["both"]}
 
 
 def test_both_heads_refuses_a_run_of_one_head(learned_run):
