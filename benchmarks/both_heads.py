@@ -11,7 +11,8 @@ stage's test images). Both heads score the same images: the run's own model (the
 whichever head the run answers from) and its frozen track's (the frozen PTM, its head). Each head's (N, C)
 scores are standardised per image (mean 0, std 1 over the classes) and summed. One JSON line per run: the
 top-1 (%) of the adapted head, the frozen head and the sum, and the images; with ``--frozen-weights W ...``,
-also (``weighted``) that of each sum with the frozen head's scores weighted by W. With ``--per-stage``, the rest
+also (``weighted``) that of each sum with the frozen head's scores weighted by W; with ``--scores DIR``, each
+line's standardised scores and targets are saved in DIR (a ``.pt`` file a line), for other rules scored later. With ``--per-stage``, the rest
 of the command line is a ``drl`` command (``benchmark ...``) run in this process, and after every stage a
 switched run learns, its line (with the variant and the stage) is appended to FILE: a run's directory keeps
 only its newest stage's head. It costs two more evaluations a stage.
@@ -56,7 +57,9 @@ def standardised(scores: torch.Tensor) -> torch.Tensor:
     return (scores - scores.mean(1, keepdim=True)) / scores.std(1, keepdim=True)
 
 
-def measure(run_dir: Path, weights: Path | None, frozen_weights: tuple[float, ...] = ()) -> dict[str, object]:
+def measure(
+    run_dir: Path, weights: Path | None, frozen_weights: tuple[float, ...] = (), scores_to: Path | None = None
+) -> dict[str, object]:
     run = RunDir(run_dir)
     if not switched(run, run.manifest()):
         raise SystemExit(f"{run_dir}: not a switched run (the default recipe's): it has one head")
@@ -73,13 +76,17 @@ def measure(run_dir: Path, weights: Path | None, frozen_weights: tuple[float, ..
         return round(100.0 * (scores.argmax(1) == targets).float().mean().item(), 2)
 
     a, f = standardised(a), standardised(f)
+    if scores_to is not None:  # for other rules of summing, scored later
+        torch.save({"adapted": a, "frozen": f, "targets": targets}, scores_to)
     row = {"run": str(run_dir), "images": len(targets), "adapted": top1(a), "frozen": top1(f), "both": top1(a + f)}
     if frozen_weights:  # the sum with the frozen head's scores weighted by w (1: "both")
         row["weighted"] = {str(w): top1(a + w * f) for w in frozen_weights}
     return row
 
 
-def per_stage(out: Path, command: list[str], frozen_weights: tuple[float, ...] = ()) -> None:
+def per_stage(
+    out: Path, command: list[str], frozen_weights: tuple[float, ...] = (), scores: Path | None = None
+) -> None:
     """Run the ``drl`` ``command`` here, measuring every switched run after each stage it learns."""
     from drlcli.benchmark import runner
     from drlcli.cli import app
@@ -91,7 +98,8 @@ def per_stage(out: Path, command: list[str], frozen_weights: tuple[float, ...] =
         run = RunDir(run_dir)
         if session.main and switched(run, run.manifest()):
             with torch.inference_mode():
-                row = measure(run_dir, session.settings.ptm_weights, frozen_weights)
+                to = scores / f"{variant.label}-{k + 1:03d}.pt" if scores else None
+                row = measure(run_dir, session.settings.ptm_weights, frozen_weights, to)
             with out.open("a") as f:
                 f.write(json.dumps({"variant": variant.label, "stage": k + 1, **row}) + "\n")
 
@@ -117,16 +125,18 @@ def main() -> None:
         default=(),
         help="also score the sum with the frozen head's standardised scores weighted by each W",
     )
+    parser.add_argument("--scores", type=Path, help="save each line's standardised scores (.pt) in this folder")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if (args.per_stage is None) != (not command) or (command and args.runs):
         parser.error("give RUN_DIRs, or --per-stage FILE -- and a drl command")
     if args.per_stage is not None:
-        per_stage(args.per_stage, command, tuple(args.frozen_weights))
+        per_stage(args.per_stage, command, tuple(args.frozen_weights), args.scores)
         return
     with torch.inference_mode():
-        for run_dir in args.runs:
-            print(json.dumps(measure(run_dir, args.ptm_weights, tuple(args.frozen_weights))), flush=True)
+        for i, run_dir in enumerate(args.runs):
+            to = args.scores / f"{i}-{run_dir.name}.pt" if args.scores else None
+            print(json.dumps(measure(run_dir, args.ptm_weights, tuple(args.frozen_weights), to)), flush=True)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def test_both_heads_per_stage_measures_every_stage_a_switched_run_learns(tmp_pat
     bench = ["benchmark", "--data", str(data), "--out", str(out), *tiny, "--split", "B0Inc4", "--epochs", "1"]
     bench += ["--methods", "default,frozen", "--device", "cpu"]
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--per-stage", str(lines), "--", *bench], capture_output=True, text=True
+        [sys.executable, str(SCRIPT), "--per-stage", str(lines), "--scores", str(tmp_path), "--", *bench],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in lines.read_text().splitlines()]
@@ -80,6 +82,9 @@ def test_both_heads_per_stage_measures_every_stage_a_switched_run_learns(tmp_pat
         meta = json.loads((out / "runs" / "default" / "stages" / f"{row['stage']:03d}" / "stage.json").read_text())
         assert row["adapted"] == pytest.approx(meta["switch"]["top1"]["carried"], abs=0.01)
         assert row["frozen"] == pytest.approx(meta["switch"]["top1"]["frozen"], abs=0.01)
+        saved = torch.load(tmp_path / f"default-{row['stage']:03d}.pt")  # the same scores, saved
+        top1 = 100.0 * (saved["frozen"].argmax(1) == saved["targets"]).float().mean().item()
+        assert top1 == pytest.approx(row["frozen"], abs=0.01) and len(saved["targets"]) == row["images"]
 
 
 def test_both_heads_wants_runs_or_a_command(tmp_path):
