@@ -118,15 +118,6 @@ def _load(run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Pa
     return _load_own(run, manifest, record, config, device=device, ptm_weights=ptm_weights, scoring=scoring)
 
 
-def load_own(
-    run: RunDir, manifest: dict[str, Any], *, device: str, ptm_weights: Path | None, scoring: bool
-) -> LoadedRun:
-    """The run's own model and records of ``manifest``'s generation: a switched run's adapted network and
-    its head, whichever head the run answers from (``benchmarks/both_heads.py`` reads both)."""
-    record, config = read_record(run, manifest)
-    return _load_own(run, manifest, record, config, device=device, ptm_weights=ptm_weights, scoring=scoring)
-
-
 def _load_own(
     run: RunDir,
     manifest: dict[str, Any],
