@@ -156,6 +156,9 @@ class TrainConfig:
     # each epoch trains on at most this many images of each class, drawn afresh every epoch
     # (``stage/batches.py``); null: every image (runs before this key)
     epoch_images_per_class: int | None = option(None, within=Range(1, 1_000_000))
+    # the share of each layout cell's patch tokens a training step of an adapter set reads, drawn afresh
+    # for every image (PatchDropout, Liu et al., WACV 2023); 1: every token
+    keep_tokens: float = option(1.0, within=Range(0, 1, low_open=True))
     num_workers: int = option(0, within=Range(0, 256))  # DataLoader workers; 0 loads in the main process
     # a new stage whose subspace nothing the run answers reads (``methods.stage_is_read``) is
     # created but not trained; false trains every stage (runs from before this key: false)

@@ -307,9 +307,9 @@ def test_the_hold_reads_a_share_of_the_batch(images):
     calls = []
     real = network._pass
 
-    def counted(batch, probes, stage=None):
+    def counted(batch, probes, stage=None, kept=None):
         calls.append((len(batch), stage is network.start))
-        return real(batch, probes, stage=stage)
+        return real(batch, probes, stage=stage, kept=kept)
 
     network._pass = counted
     _, _, term = network.forward_train(images)

@@ -39,10 +39,20 @@ def _adapted_or_ipa(ptm: nn.Module, config: RunConfig) -> StageNetwork:
     return adapter.build(ptm, config) if adapter.adapts(config) else ipa.build(ptm, config)
 
 
+def _all_tokens(config: RunConfig, method: str) -> None:
+    """Only an adapter set's training reads a share of the tokens (``train.keep_tokens``)."""
+    if config.train.keep_tokens < 1:
+        raise UsageError(
+            f"train.keep_tokens must be 1 for method {method} without an adapter set in the PTM (only its "
+            "training reads a share of the tokens); set train.keep_tokens 1, or adapter.peft adaptformer"
+        )
+
+
 def _adapting_rules(config: RunConfig, method: str) -> None:
     """The schedule's rules, and those of adapting a PTM that the ridge head reads alone."""
     schedule_rules(config)
     if not adapter.adapts(config):
+        _all_tokens(config, method)
         return
     if config.ridge.subspaces != 1:
         raise UsageError(
@@ -71,6 +81,7 @@ def _ranpac_rules(config: RunConfig) -> None:
 
 
 def _ease_rules(config: RunConfig) -> None:
+    _all_tokens(config, "ease")
     if config.train.kd_weight:
         raise UsageError("train.kd_weight must be 0 for method ease (it has no PTM stream to distil from)")
 
@@ -93,7 +104,14 @@ DRL = Method(
     rules=_drl_rules,
     schedule=_drl_schedule,
 )
-SIMPLECIL = Method(name="simplecil", build=ipa.build, trains=False, offset=1, tensor_prefix="")
+SIMPLECIL = Method(
+    name="simplecil",
+    build=ipa.build,
+    trains=False,
+    offset=1,
+    tensor_prefix="",
+    rules=lambda config: _all_tokens(config, "simplecil"),
+)
 EASE = Method(
     name="ease",
     build=ease.build,

@@ -178,8 +178,10 @@ def trial(stage: StageContext, frozen_f0: torch.Tensor | None) -> Tried | None:
         "deferred": False,
         "seconds": round(time.perf_counter() - tick, 3),
     }
-    # a training step of an image counts 3 passes (forward and backward), the classifier's start one
-    passes = (STEP * options.trial_epochs + 1) * len(trained) + len(measured) * (1 if frozen_f0 is not None else 2)
+    # a training step of an image counts 3 passes (forward and backward) on its share of the tokens, the
+    # classifier's start one
+    step = STEP * stage.config.train.keep_tokens
+    passes = (step * options.trial_epochs + 1) * len(trained) + len(measured) * (1 if frozen_f0 is not None else 2)
     return Tried(gain, meta, passes / len(stage.images))
 
 

@@ -53,4 +53,5 @@ def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
         hold_weight=config.schedule.hold_weight,
         hold_share=config.schedule.hold_share,
         read_grid=config.ridge.layout_grid,
+        keep_tokens=config.train.keep_tokens,
     )

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import distributed
+from ...errors import UsageError
 from ...ptm import backbone
 from ...seeding import seeded
 from ..ease.network import EaseAdapters
@@ -40,6 +41,14 @@ def hold_loss(tokens: Tensor, target: Tensor) -> Tensor:
     began (``schedule.hold_weight``; issue 32's research: distillation on the new images only)."""
     tokens, target = tokens.float(), target.float()
     return ((tokens - target).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-12)).mean()
+
+
+def _keep(tokens: Tensor, kept: Tensor | None, prefix: int) -> Tensor:
+    """The ``prefix`` tokens (the class token), then the patch tokens ``kept`` (B, K) names; all: None."""
+    if kept is None:
+        return tokens
+    patches = tokens[:, prefix:].gather(1, kept[..., None].expand(-1, -1, tokens.shape[-1]))
+    return torch.cat([tokens[:, :prefix], patches], 1)
 
 
 class AdapterNetwork(nn.Module):
@@ -56,12 +65,14 @@ class AdapterNetwork(nn.Module):
         hold_weight: float = 0.0,
         hold_share: float = 1.0,
         read_grid: int = 0,
+        keep_tokens: float = 1.0,
     ):
         super().__init__()
         self.ptm = ptm
         self.cfg = cfg
         self.carried, self.hold_weight, self.hold_share = carried, hold_weight, hold_share
         self.read_grid = read_grid  # the head's layout grid: the hold term's tokens are f_0 and its cells
+        self.keep_tokens = keep_tokens  # the share of each layout cell's patch tokens a training step reads
         self.width = backbone.width(ptm)
         self.depth = len(ptm.blocks)
         self.stages = nn.ModuleList()
@@ -139,7 +150,8 @@ class AdapterNetwork(nn.Module):
         read tokens (f_0 and the layout cells) against the set's as the stage began (no dropout), of the
         batch's leading ``held(B)`` images: an unbiased estimate of the whole batch's term (the batches
         are shuffled) for that share of the starting set's forward."""
-        tokens, _ = self._pass(images, ())
+        kept = self._kept(images)
+        tokens, _ = self._pass(images, (), kept=kept)
         feature = self.ptm.fc_norm(tokens[:, 0])
         if self.start is None or not self.hold_weight:
             return None, feature
@@ -147,8 +159,9 @@ class AdapterNetwork(nn.Module):
         if not mine:
             return None, feature, feature.new_zeros(())
         with torch.no_grad():
-            target = self._read(self._pass(images[:mine], (), stage=self.start)[0])
-        moved = hold_loss(self._read(tokens[:mine], feature[:mine]), target)
+            part = None if kept is None else kept[:mine]
+            target = self._read(self._pass(images[:mine], (), stage=self.start, kept=part)[0], cells=kept is not None)
+        moved = hold_loss(self._read(tokens[:mine], feature[:mine], cells=kept is not None), target)
         return None, feature, self.hold_weight * weight * moved
 
     def held(self, batch: int) -> int:
@@ -165,22 +178,53 @@ class AdapterNetwork(nn.Module):
         mine = max(0, -(-(k - rank) // world))
         return mine, mine * world / k
 
-    def _read(self, tokens: Tensor, feature: Tensor | None = None) -> Tensor:
-        """(B, 1 + g², d): f_0 and the layout cells the head reads."""
+    def _read(self, tokens: Tensor, feature: Tensor | None = None, *, cells: bool = False) -> Tensor:
+        """(B, 1 + g², d): f_0 and the layout cells the head reads (``cells``: the patch tokens kept by
+        ``_kept``, cell by cell, each cell the mean of its kept tokens)."""
         feature = self.ptm.fc_norm(tokens[:, 0]) if feature is None else feature
         if not self.read_grid:
             return feature[:, None]
-        return torch.cat([feature[:, None], backbone.layout_cells(self.ptm, tokens, self.read_grid)], 1)
+        if cells:
+            patches = tokens[:, self.ptm.num_prefix_tokens :]
+            b, _, d = patches.shape
+            layout = patches.reshape(b, self.read_grid**2, -1, d).mean(2)
+        else:
+            layout = backbone.layout_cells(self.ptm, tokens, self.read_grid)
+        return torch.cat([feature[:, None], layout], 1)
+
+    def _kept(self, images: Tensor) -> Tensor | None:
+        """(B, K) the patch tokens a training step reads: ``keep_tokens`` of each layout cell's, drawn
+        afresh for each image, grouped cell by cell in row-major order (so that a cell's mean is the mean
+        of its kept tokens, ``_read``); None: all of them."""
+        if self.keep_tokens >= 1:
+            return None
+        patches = self.ptm.patch_embed.num_patches
+        side, grid = math.isqrt(patches), max(1, self.read_grid)
+        if side * side != patches or side % grid:
+            raise UsageError(
+                f"train.keep_tokens {self.keep_tokens:g} needs the PTM's patch grid to split into {grid} x {grid} "
+                f"layout cells; set train.keep_tokens 1"
+            )
+        cell = side // grid
+        at = torch.arange(side, device=images.device) // cell
+        order = torch.argsort((at[:, None] * grid + at[None, :]).flatten(), stable=True)  # the patches, cell by cell
+        keep = max(1, round(self.keep_tokens * cell * cell))
+        draw = torch.rand(len(images), grid * grid, cell * cell, device=images.device).argsort(-1)[..., :keep]
+        return order.view(1, grid * grid, cell * cell).expand(len(images), -1, -1).gather(2, draw).flatten(1)
 
     def _pass(
-        self, images: Tensor, probes: tuple[int, ...], stage: EaseAdapters | None = None
+        self,
+        images: Tensor,
+        probes: tuple[int, ...],
+        stage: EaseAdapters | None = None,
+        kept: Tensor | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """Every block with stage 1's adapters, or ``stage``'s (the bare PTM before it has them; the
         blocks past ``adapted_blocks`` as the PTM's), then the final norm."""
         if stage is None:
             stage = self.stages[0] if self.stages else None
         drop = self.cfg.dropout if stage is not None and stage.training else 0.0
-        x = backbone.embed_tokens(self.ptm, images)
+        x = _keep(backbone.embed_tokens(self.ptm, images), kept, self.ptm.num_prefix_tokens)
         probed: dict[int, Tensor] = {}
         for l, block in enumerate(self.ptm.blocks):
             if stage is None or l >= len(stage.down):
