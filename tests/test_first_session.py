@@ -286,11 +286,11 @@ def test_a_reopened_set_learns_again_held_near_where_it_began(images):
     assert network.start is None and len(network.forward_train(images)) == 2
 
 
-def _moved_since_the_stage_began(*, hold_share: float) -> AdapterNetwork:
-    """A carried network reopened at stage 2 (hold weight 2), its set moved since the stage began."""
-    network = AdapterNetwork(
-        _tiny_ptm().eval(), AdapterConfig(dropout=0.0), carried=True, hold_weight=2.0, hold_share=hold_share
-    )
+def moved_since_the_stage_began(adapter: AdapterConfig | None = None, **options) -> AdapterNetwork:
+    """A carried network reopened at stage 2 (hold weight 2 unless ``options`` say), its set moved since the
+    stage began."""
+    adapter = adapter or AdapterConfig(dropout=0.0)
+    network = AdapterNetwork(_tiny_ptm().eval(), adapter, carried=True, **{"hold_weight": 2.0, **options})
     stage = network.new_stage(seed=0)
     stage.requires_grad_(False)
     network.new_stage(seed=1)
@@ -302,7 +302,7 @@ def _moved_since_the_stage_began(*, hold_share: float) -> AdapterNetwork:
 def test_the_hold_reads_a_share_of_the_batch(images):
     """hold_share: the hold term of the batch's leading images only, equal to the term of a batch of
     just them; the starting set passes only those (its forward is counted in the stage's passes)."""
-    network = _moved_since_the_stage_began(hold_share=0.5)
+    network = moved_since_the_stage_began(hold_share=0.5)
     assert [network.held(b) for b in (1, 2, 3, 48)] == [1, 1, 2, 24]
     calls = []
     real = network._pass
@@ -326,7 +326,7 @@ def test_the_hold_s_share_under_torchrun_is_the_one_process_s(monkeypatch):
     terms (their gradients are averaged) is the one process's term, at K 2, 3 and 4."""
     from drlcli import distributed
 
-    network = _moved_since_the_stage_began(hold_share=0.25)
+    network = moved_since_the_stage_began(hold_share=0.25)
     batch = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # the one process holds 3
     one = network.forward_train(batch)[2]
     for world in (2, 3, 4):
