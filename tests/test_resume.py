@@ -112,6 +112,9 @@ def test_resume_on_another_device_type_is_refused(run_dir, stage_folders):
     ) as e:
         learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
     assert e.value.exit_code == 7
-    meta_path.write_bytes(seal_checkpoint({k: v for k, v in meta.items() if k != "device"}))  # written by an older drl
+    # written by an older drl: no device, and no option it did not have (keep_tokens: every token, the default's)
+    older = {k: v for k, v in meta.items() if k != "device"}
+    older["train"] = {k: v for k, v in meta["train"].items() if k != "keep_tokens"}
+    meta_path.write_bytes(seal_checkpoint(older))
     resumed = learn_stage(run_dir, data_dir=train, train_overrides=OPTS, device="cpu")
     assert resumed.resumed_from_epoch == 2

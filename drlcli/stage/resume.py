@@ -15,6 +15,7 @@ from .. import distributed
 from ..config import RunConfig
 from ..device import resolve_device
 from ..errors import DivergedError, IntegrityError, RunStateError
+from ..options import TrainConfig
 from ..progress import Progress, ProgressFn
 from ..ptm import backbone
 from ..run.directory import RunDir
@@ -176,10 +177,12 @@ def _refuse_other_training(run: RunDir, key: dict[str, Any], meta: dict[str, Any
             f"with --precision {written_in} to resume, or pass --restart to discard it"
         )
     differs = ["--data images"] if meta.get("data_fingerprint") != key["data_fingerprint"] else []
+    # an option the checkpoint does not name was written before drl had it: it trained as the option's default
+    written = {**asdict(TrainConfig()), **meta.get("train", {})}
     differs += [
-        f"{name} {meta['train'].get(name)!r} -> {value!r}"
+        f"{name} {written.get(name)!r} -> {value!r}"
         for name, value in key["train"].items()
-        if meta.get("train", {}).get(name) != value
+        if written.get(name) != value
     ]
     if differs:
         raise RunStateError(
