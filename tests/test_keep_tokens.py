@@ -85,6 +85,13 @@ def test_a_grid_the_patches_do_not_split_into_is_refused(images):
     assert _network(0.5, grid=0)._kept(images).shape == (3, 8)  # no layout: half of the whole grid
 
 
+def test_a_run_whose_grid_cannot_keep_the_share_is_not_made(tmp_path):
+    config = RunConfig.for_recipe("default", {"ridge": {"layout_grid": 3}, "train": {"keep_tokens": 0.5}})
+    with pytest.raises(UsageError, match=r"needs the PTM's patch grid to split into 3 x 3"):
+        init_run(tmp_path / "run", ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    assert not (tmp_path / "run" / "run.yaml").exists()
+
+
 @pytest.mark.parametrize("recipe", ["frozen", "ranpac", "paper", "ease", "simplecil"])
 def test_only_an_adapter_set_s_training_takes_a_share(recipe):
     with pytest.raises(UsageError, match="train.keep_tokens must be 1 for method .* set train.keep_tokens 1"):

@@ -12,6 +12,7 @@ import torch
 
 from ..config import RunConfig, closest_recipe
 from ..errors import UsageError
+from ..features import adapter
 from ..methods import schedule_of
 from ..progress import Progress, ProgressFn
 from ..ptm import backbone, hub
@@ -70,6 +71,7 @@ def init_run(
         model, ptm_record = _init_ptm(
             ptm, run, ptm_weights=ptm_weights, random_init=random_init, seed=seed, kwargs=ptm_kwargs
         )
+        adapter.check_tokens(model, config)
         record = run_record(ptm_record, config, recipe)
         if schedule_of(config).switches:  # its frozen track's config: the track's run.yaml is derived from it
             record = track_record(record, config)

@@ -42,6 +42,14 @@ def adapts(config: RunConfig) -> bool:
     return config.adapter.peft != "none"
 
 
+def check_tokens(ptm: nn.Module, config: RunConfig) -> None:
+    """Refuse, before a run is made, a share of tokens (``train.keep_tokens``) the PTM's grid cannot keep."""
+    if adapts(config) and config.train.keep_tokens < 1:
+        from .network import token_cells
+
+        token_cells(ptm, config.ridge.layout_grid, config.train.keep_tokens)
+
+
 def build(ptm: nn.Module, config: RunConfig) -> StageNetwork:
     """The adapted PTM's network (no adapter yet; stage 1 makes the set)."""
     from .network import AdapterNetwork

@@ -43,6 +43,19 @@ def hold_loss(tokens: Tensor, target: Tensor) -> Tensor:
     return ((tokens - target).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-12)).mean()
 
 
+def token_cells(ptm: nn.Module, read_grid: int, keep_tokens: float) -> tuple[int, int]:
+    """The side of the PTM's square patch grid and the cells a step keeps ``keep_tokens`` of (the layout's
+    ``read_grid`` x ``read_grid``, or the whole grid); ``UsageError`` where the grid does not split into them."""
+    patches = ptm.patch_embed.num_patches
+    side, grid = math.isqrt(patches), max(1, read_grid)
+    if side * side != patches or side % grid:
+        raise UsageError(
+            f"train.keep_tokens {keep_tokens:g} needs the PTM's patch grid to split into {grid} x {grid} "
+            "layout cells; set train.keep_tokens 1"
+        )
+    return side, grid
+
+
 def _keep(tokens: Tensor, kept: Tensor | None, prefix: int) -> Tensor:
     """The ``prefix`` tokens (the class token), then the patch tokens ``kept`` (B, K) names; all: None."""
     if kept is None:
@@ -198,13 +211,7 @@ class AdapterNetwork(nn.Module):
         of its kept tokens, ``_read``); None: all of them."""
         if self.keep_tokens >= 1:
             return None
-        patches = self.ptm.patch_embed.num_patches
-        side, grid = math.isqrt(patches), max(1, self.read_grid)
-        if side * side != patches or side % grid:
-            raise UsageError(
-                f"train.keep_tokens {self.keep_tokens:g} needs the PTM's patch grid to split into {grid} x {grid} "
-                f"layout cells; set train.keep_tokens 1"
-            )
+        side, grid = token_cells(self.ptm, self.read_grid, self.keep_tokens)
         cell = side // grid
         at = torch.arange(side, device=images.device) // cell
         order = torch.argsort((at[:, None] * grid + at[None, :]).flatten(), stable=True)  # the patches, cell by cell
