@@ -3,8 +3,8 @@
 image counts 1, a training step of an image 3 (its forward and a backward about twice as long), and
 the hold target's no-grad forward of the stage's starting set 1 more for each image it reads
 (``schedule.hold_share`` of them); an epoch reads at most ``train.epoch_images_per_class`` images of
-each class, and a step of an adapter set ``train.keep_tokens`` of each image's patch tokens (a pass's
-cost follows its tokens: about 0.44 at half of DeiT-Tiny's, 0.29 at a third, measured on the CPU).
+each class, and a step of an adapter set ``train.keep_tokens`` of each image's patch tokens (counted at
+that share: at 0.5 the sketches' stages learned in 0.50 of the time, docs/performance.md).
 Evaluation is not counted: it is per evaluation image, the same for every recipe."""
 
 from __future__ import annotations
