@@ -92,7 +92,8 @@ def render(r: dict[str, Any]) -> str:
 
 def cost_lines(c: dict[str, Any]) -> list[str]:
     trained = (
-        f"trains {c['epochs']} epoch(s) (the run's train.epochs; --epochs changes it): {c['train']:,} passes"
+        f"trains {c['epochs']} epoch(s) (train.epochs, at most schedule.later_epochs once the set has trained; "
+        f"--epochs changes it): {c['train']:,} passes"
         if c["trained"]
         else "trains nothing at this stage (the run's recipe)"
     )

@@ -275,8 +275,9 @@ def _against_run(state: _RunState, images: ImageSet | None, eval_images: ImageSe
 
 def _cost(state: _RunState, images: ImageSet, eval_images: ImageSet | None) -> StageCost:
     config, method, index, n = state.config, state.method, state.index, len(images)
-    trained = trains_stage(config, index) and not (method.schedule(config).pauses and trial_declined(state.metas))
-    epochs = config.train.epochs if trained else 0
+    schedule, declined = method.schedule(config), trial_declined(state.metas)
+    trained = trains_stage(config, index) and not (schedule.pauses and declined)
+    epochs = schedule.epochs(config.train.epochs, trained_before=bool(state.metas) and not declined) if trained else 0
     passes, notes = _feature_passes(state, trained)
     if any(m.get("eval_data") for m in state.metas):
         notes.append("the eval sets earlier stages registered are evaluated too (1 pass per image, not counted)")

@@ -48,6 +48,10 @@ class ScheduleConfig:
     # the share of each batch's images the hold term reads (the leading ones of a shuffled batch, at
     # least one): only they pass through the stage's starting set, the hold's one extra forward a step
     hold_share: float = option(1.0, within=Range(0, 1, low_open=True))
+    # "all" only: a stage trains at most this many epochs once the set trained at an earlier stage (its
+    # cosine schedule over them): the set already fits the domain and moves for the new classes alone;
+    # 0: every stage trains train.epochs (runs of earlier releases)
+    later_epochs: int = option(0, within=Range(0, 1_000_000))
     # "first" only: train the adapters on the fit part of stage 1's images, fit the head on the fit
     # part's frozen and adapted features, and keep the adapters only when the held-out part (the ridge
     # head's statistics split) scores higher with them
@@ -93,6 +97,12 @@ class Schedule:
     tries: bool = False
     decides_first: bool = False
     hold: bool = False  # a carried stage after the first adds the hold term (a second, no-grad forward)
+    later_epochs: int = 0  # a carried set's epochs at most, once it trained at an earlier stage (0: no bound)
+
+    def epochs(self, train_epochs: int, *, trained_before: bool) -> int:
+        """The epochs a stage trains: ``train_epochs``, at most ``later_epochs`` once the set trained at
+        an earlier stage (``trained_before``)."""
+        return min(train_epochs, self.later_epochs) if self.later_epochs and trained_before else train_epochs
 
 
 EVERY_STAGE = Schedule()  # ipa, ease: a new stage network at every stage whose subspace is read
@@ -113,6 +123,7 @@ def adapter_schedule(config: RunConfig) -> Schedule:
         tries=pauses and options.trial == "transfer",
         decides_first=not carries and options.decide,
         hold=carries and options.hold_weight > 0,
+        later_epochs=options.later_epochs if carries else 0,
     )
 
 
@@ -125,6 +136,8 @@ def rules(config: RunConfig) -> None:
             raise UsageError("schedule.stages all trains the adapter set: set adapter.peft adaptformer")
         if options.decide:
             raise UsageError("schedule.decide is for stages first: a carried run (stages all) keeps its adapters")
+    elif options.later_epochs:
+        raise UsageError("schedule.later_epochs bounds the stages after the set first trained: set schedule.stages all")
     elif options.switch != "none":
         raise UsageError("schedule.switch picks between the carried set and the frozen PTM: set schedule.stages all")
     if options.trial != "none" and options.pause != "transfer":

@@ -4,7 +4,7 @@ any model is built, the context every later phase works from, and each phase's r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +21,12 @@ from ..heads.openset.rmd import Moments
 from ..methods import Method, trains_stage
 from ..metrics import AccuracyReport, Transfer
 from ..model import IncrementalModel
+from ..options import TrainConfig
 from ..precision import training_precision
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
 from ..run.load import LoadedRun
+from ..run.records import trial_declined
 from ..run.writer import RunWriter
 from ..schedule import Schedule
 from ..tracking import TensorBoardLog
@@ -56,6 +58,7 @@ class StageContext:
     progress: ProgressFn | None
     # --eval-fraction: ``eval_images`` were held out of the drop ({"held_out": F, "seed": s}); None: not
     held_out: dict[str, Any] | None = None
+    epochs_given: bool = False  # the call set the stage's epochs (--epochs): the schedule's bound does not apply
 
     @property
     def model(self) -> IncrementalModel:
@@ -70,6 +73,16 @@ class StageContext:
     def train_precision(self) -> str:
         """The training steps' dtype (``train.precision``); the rest of the stage runs in ``precision``."""
         return training_precision(self.config.train.precision, self.precision, resolve_device(self.device))
+
+    @property
+    def train(self) -> TrainConfig:
+        """The training options of this stage: the run's, with the epochs its schedule gives a stage after
+        the set first trained (``Schedule.epochs``), unless the call set them."""
+        train, metas = self.config.train, self.loaded.stage_metas
+        if self.epochs_given:
+            return train
+        epochs = self.schedule.epochs(train.epochs, trained_before=bool(metas) and not trial_declined(metas))
+        return train if epochs == train.epochs else replace(train, epochs=epochs)
 
     @property
     def untrained(self) -> bool:

@@ -170,7 +170,7 @@ def _stage_meta(stage: StageContext, trained: Trained, fitted: Fitted, evaluated
         "classes": list(images.class_names),
         "images_per_class": images.counts(),
         "data_fingerprint": stage.fingerprint,
-        "train": asdict(stage.config.train) if stage.method.trains and not trained.skipped else None,
+        "train": asdict(stage.train) if stage.method.trains and not trained.skipped else None,
         "device": str(stage.model.device),
         "precision": stage.precision,  # the forward's in training, prototypes and evaluation
         "world_size": distributed.world_size(),

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..config import RunConfig
 from ..device import resolve_device
 from ..errors import DivergedError, IntegrityError, RunStateError
 from ..options import TrainConfig
@@ -40,12 +39,12 @@ def train_or_resume(stage: StageContext, *, restart: bool, paused: bool = False)
     if paused:  # a switched run's carried network, while adapting stalls here: not trained
         log.debug("stage %d: the carried network stays as it is (its forward transfer stalls)", stage.index)
         return Trained(None, None, paused=True)
-    network, train = stage.model.network, stage.config.train
+    network, train = stage.model.network, stage.train
     network.new_stage(seed=train.seed + stage.index)
     key = _checkpoint_key(
         stage.manifest,
         stage.index,
-        stage.config,
+        train,
         stage.fingerprint,
         device_type=resolve_device(stage.device).type,
         precision=stage.train_precision,
@@ -87,7 +86,7 @@ def _resume_state(stage: StageContext, key: dict[str, Any], *, restart: bool) ->
             stage.writer.discard_checkpoint()
     resume = distributed.broadcast_object(resume)
     if resume is not None:
-        stage.say("resume", resume.epoch, stage.config.train.epochs, "from the last finished epoch")
+        stage.say("resume", resume.epoch, stage.train.epochs, "from the last finished epoch")
     return resume
 
 
@@ -121,12 +120,12 @@ def _check_ranks_agree(stage: torch.nn.Module) -> None:
 
 
 def _checkpoint_key(
-    manifest: dict[str, Any], stage: int, config: RunConfig, fingerprint: str, *, device_type: str, precision: str
+    manifest: dict[str, Any], stage: int, options: TrainConfig, fingerprint: str, *, device_type: str, precision: str
 ) -> dict[str, Any]:
     """What must match for a checkpoint to be resumed: base state, stage, data, options, device type
     (kernels and RNG streams differ between CPU and CUDA: a resume across them is not the same run)
     and precision (likewise; fp16's checkpoint also holds its loss scale)."""
-    train = asdict(config.train)  # num_workers included: worker seeding changes the augmentations
+    train = asdict(options)  # the stage's epochs; num_workers included: worker seeding changes the augmentations
     del train["precision"]  # the key's own precision is the one it resolved to
     train["world_size"] = distributed.world_size()
     return {

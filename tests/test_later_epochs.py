@@ -1,0 +1,89 @@
+"""``schedule.later_epochs``: once a carried run's set has trained at a stage, a later stage trains at
+most that many epochs (its cosine schedule over them); a call's ``--epochs`` sets the stage's own."""
+
+import json
+
+import pytest
+
+from drlcli import learn_stage
+from drlcli.commands.check_data import check_data
+from drlcli.commands.init import init_run
+from drlcli.config import RunConfig
+from drlcli.errors import UsageError
+from drlcli.schedule import Schedule
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+
+SMALL = {
+    "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
+    "train": {"epochs": 3, "batch_size": 8},
+    "schedule": {"later_epochs": 1},
+}
+
+
+def _init(run):
+    config = RunConfig.for_method("ranpac", SMALL, preset="carried")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+
+
+def _train_records(run):
+    return [json.loads(p.read_text())["train"]["epochs"] for p in sorted((run / "stages").glob("*/stage.json"))]
+
+
+def test_the_bound_applies_once_the_set_has_trained():
+    schedule = Schedule(carries=True, later_epochs=5)
+    assert schedule.epochs(20, trained_before=False) == 20
+    assert schedule.epochs(20, trained_before=True) == 5
+    assert schedule.epochs(3, trained_before=True) == 3  # a bound, never more than train.epochs
+    assert Schedule(carries=True).epochs(20, trained_before=True) == 20  # 0: runs of earlier releases
+
+
+def test_the_option_needs_a_carried_set():
+    with pytest.raises(UsageError, match="schedule.later_epochs bounds the stages after the set first trained"):
+        RunConfig.for_method("ranpac", {"schedule": {"later_epochs": 5}}, preset="published")
+    assert RunConfig.for_recipe("frozen").schedule.later_epochs == 0
+
+
+def test_stage_1_trains_its_epochs_and_later_stages_the_bound(tmp_path, stage_folders):
+    run = tmp_path / "run"
+    _init(run)
+    results = [learn_stage(run, data_dir=train, device="cpu") for train, _ in stage_folders]
+    assert [len(r.epoch_losses) for r in results] == [3, 1, 1]
+    assert _train_records(run) == [3, 1, 1]  # stage.json says what each stage trained
+    # the cost counts the epochs trained: 3 passes a step, from stage 2 the hold on a quarter of each batch
+    assert [r.passes["training"] for r in results] == pytest.approx([3 * 3, 1 * 3.25, 1 * 3.25])
+
+
+def test_a_call_s_epochs_set_the_stage_s_own(tmp_path, stage_folders):
+    run = tmp_path / "run"
+    _init(run)
+    learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    second = learn_stage(run, data_dir=stage_folders[1][0], device="cpu", train_overrides={"epochs": 2})
+    assert len(second.epoch_losses) == 2 and _train_records(run) == [3, 2]
+
+
+def test_check_data_estimates_the_bounded_epochs(tmp_path, stage_folders):
+    run = tmp_path / "run"
+    _init(run)
+    assert check_data(run, stage_folders[0][0]).cost.epochs == 3
+    learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    assert check_data(run, stage_folders[1][0]).cost.epochs == 1
+
+
+def test_a_later_stage_interrupted_resumes_with_its_bounded_epochs(tmp_path, stage_folders):
+    """The epoch checkpoint of a bounded stage is keyed by the epochs it trains: the re-run resumes it."""
+
+    class Interrupt(Exception):
+        pass
+
+    def stop(event):
+        if event.phase == "train" and event.epoch == 2:
+            raise Interrupt
+
+    run = tmp_path / "run"
+    config = RunConfig.for_method("ranpac", {**SMALL, "schedule": {"later_epochs": 2}}, preset="carried")
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
+    with pytest.raises(Interrupt):
+        learn_stage(run, data_dir=stage_folders[1][0], device="cpu", progress=stop)
+    resumed = learn_stage(run, data_dir=stage_folders[1][0], device="cpu")
+    assert resumed.resumed_from_epoch == 1 and len(resumed.epoch_losses) == 2
