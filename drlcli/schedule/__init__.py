@@ -16,6 +16,7 @@ and the benchmark read, rather than each asking the method:
   widened them has the adapted head answer from the next stage on (from that stage itself, where it is a
   drop of few images a class: ``trial_answers_small_stage``), unless the counts say it loses.
 - ``decides_first``: stage 1's adapters are kept only where the held-out part scores higher.
+- ``later_epochs``: once the set has trained, a later stage trains at most that many epochs (``epochs``).
 
 The ``schedule`` section of a run config holds the options; runs of earlier releases named it and
 the adapter's together ``first_session`` (``config.py`` reads them). This module imports no torch.
