@@ -18,7 +18,7 @@ from ..methods import Method, method_of, trains_stage
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
 from ..run.forgotten import read_log
-from ..run.records import checked_metas, read_record, trial_declined
+from ..run.records import checked_metas, read_record, set_has_trained, trial_declined
 
 TRAIN_PASSES = 3  # forward-pass equivalents of one training step per image: forward and backward
 
@@ -275,9 +275,9 @@ def _against_run(state: _RunState, images: ImageSet | None, eval_images: ImageSe
 
 def _cost(state: _RunState, images: ImageSet, eval_images: ImageSet | None) -> StageCost:
     config, method, index, n = state.config, state.method, state.index, len(images)
-    schedule, declined = method.schedule(config), trial_declined(state.metas)
-    trained = trains_stage(config, index) and not (schedule.pauses and declined)
-    epochs = schedule.epochs(config.train.epochs, trained_before=bool(state.metas) and not declined) if trained else 0
+    schedule = method.schedule(config)
+    trained = trains_stage(config, index) and not (schedule.pauses and trial_declined(state.metas))
+    epochs = schedule.epochs(config.train.epochs, trained_before=set_has_trained(state.metas)) if trained else 0
     passes, notes = _feature_passes(state, trained)
     if any(m.get("eval_data") for m in state.metas):
         notes.append("the eval sets earlier stages registered are evaluated too (1 pass per image, not counted)")

@@ -340,6 +340,12 @@ def _real(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value) and abs(value) < 1e9
 
 
+def set_has_trained(metas: list[dict[str, Any]]) -> bool:
+    """Whether a run with these stage records has trained its adapter set: it has a stage, and its trials did
+    not keep the set untrained (``trial_declined``)."""
+    return bool(metas) and not trial_declined(metas)
+
+
 def trial_declined(metas: list[dict[str, Any]]) -> bool:
     """Whether the run's adapter set has never trained because its trials said adapting changes little
     (``stage/trial.py``): stage 1 was tried, and every stage kept the set as it stood."""

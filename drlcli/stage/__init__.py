@@ -20,7 +20,7 @@ from ..methods import schedule_of
 from ..precision import check_precision
 from ..progress import ProgressFn
 from ..run.directory import RunDir
-from ..run.records import trial_declined
+from ..run.records import set_has_trained
 from ..run.track import adopt_track
 from ..run.writer import RunWriter
 from ..tracking import TensorBoardLog, check_tensorboard_dir
@@ -197,7 +197,7 @@ def _learn(
         overrides = options.train_overrides or {}
         records.config.with_train(**overrides)  # a bad option, before either track learns
         workers = {"num_workers": overrides["num_workers"]} if "num_workers" in overrides else None
-        untrained = not records.metas or trial_declined(records.metas)  # the set may be the frozen PTM this stage
+        untrained = not set_has_trained(records.metas)  # the set may be the frozen PTM this stage
         own = replace(options, train_overrides=workers, progress=relay(options.progress), keep_f0=True, offer=untrained)
         outcome, frozen_pass = _learn_frozen(records, writer, sources, own, locks)
     stage = prepare(

@@ -26,7 +26,7 @@ from ..precision import training_precision
 from ..progress import Progress, ProgressFn
 from ..run.directory import RunDir
 from ..run.load import LoadedRun
-from ..run.records import trial_declined
+from ..run.records import set_has_trained
 from ..run.writer import RunWriter
 from ..schedule import Schedule
 from ..tracking import TensorBoardLog
@@ -81,7 +81,7 @@ class StageContext:
         train, metas = self.config.train, self.loaded.stage_metas
         if self.epochs_given:
             return train
-        epochs = self.schedule.epochs(train.epochs, trained_before=bool(metas) and not trial_declined(metas))
+        epochs = self.schedule.epochs(train.epochs, trained_before=set_has_trained(metas))
         return train if epochs == train.epochs else replace(train, epochs=epochs)
 
     @property
