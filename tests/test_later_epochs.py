@@ -11,7 +11,7 @@ from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import UsageError
 from drlcli.schedule import Schedule
-from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS
+from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
 SMALL = {
     "ridge": {"proj_dim": 96, "carry_draws": 4, "carry_rank": 3},
@@ -87,3 +87,18 @@ def test_a_later_stage_interrupted_resumes_with_its_bounded_epochs(tmp_path, sta
         learn_stage(run, data_dir=stage_folders[1][0], device="cpu", progress=stop)
     resumed = learn_stage(run, data_dir=stage_folders[1][0], device="cpu")
     assert resumed.resumed_from_epoch == 1 and len(resumed.epoch_losses) == 2
+
+
+def test_the_first_stage_that_trains_after_deferred_ones_trains_its_full_epochs(tmp_path, stage_folders, monkeypatch):
+    """Stages too small to try (``stage/trial.py``) keep the set untrained: the bound waits for one that trains."""
+    from drlcli.metrics import MarginGain
+    from drlcli.stage import trial as trial_module
+
+    monkeypatch.setattr(trial_module, "margin_gain", lambda *args: MarginGain(5.0, 4.0, 30))  # the trial says train
+    run = tmp_path / "run"
+    config = RunConfig.for_method("drl", {**SMALL, "schedule": {"later_epochs": 1, "trial_images": 4}})
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    later = make_stages(tmp_path / "later", num_stages=2, classes_per_stage=4, train=10, test=3, first=3)
+    results = [learn_stage(run, data_dir=train, device="cpu") for train, _ in [*stage_folders[:2], *later]]
+    assert [len(r.epoch_losses) for r in results] == [0, 0, 3, 1]  # two deferred stages of 3 classes
+    assert _train_records(run)[2:] == [3, 1]
