@@ -10,7 +10,9 @@ from drlcli.commands.check_data import check_data
 from drlcli.commands.init import init_run
 from drlcli.config import RunConfig
 from drlcli.errors import UsageError
+from drlcli.metrics import MarginGain
 from drlcli.schedule import Schedule
+from drlcli.stage import trial as trial_module
 from drlcli.synthetic import TINY_PTM, TINY_PTM_KWARGS, make_stages
 
 SMALL = {
@@ -91,9 +93,6 @@ def test_a_later_stage_interrupted_resumes_with_its_bounded_epochs(tmp_path, sta
 
 def test_the_first_stage_that_trains_after_deferred_ones_trains_its_full_epochs(tmp_path, stage_folders, monkeypatch):
     """Stages too small to try (``stage/trial.py``) keep the set untrained: the bound waits for one that trains."""
-    from drlcli.metrics import MarginGain
-    from drlcli.stage import trial as trial_module
-
     monkeypatch.setattr(trial_module, "margin_gain", lambda *args: MarginGain(5.0, 4.0, 30))  # the trial says train
     run = tmp_path / "run"
     config = RunConfig.for_method("drl", {**SMALL, "schedule": {"later_epochs": 1, "trial_images": 4}})
