@@ -101,23 +101,3 @@ def test_the_first_stage_that_trains_after_deferred_ones_trains_its_full_epochs(
     results = [learn_stage(run, data_dir=train, device="cpu") for train, _ in [*stage_folders[:2], *later]]
     assert [len(r.epoch_losses) for r in results] == [0, 0, 3, 1]  # two deferred stages of 3 classes
     assert _train_records(run)[2:] == [3, 1]
-
-
-def test_later_lr_sets_the_stages_after_the_set_first_trained(tmp_path, stage_folders):
-    """``schedule.later_lr``: stage 1 trains at train.lr, a later stage at later_lr; a call's --lr its own."""
-    assert Schedule(carries=True, later_lr=0.1).lr(0.05, trained_before=False) == 0.05
-    assert Schedule(carries=True, later_lr=0.1).lr(0.05, trained_before=True) == 0.1
-    assert Schedule(carries=True).lr(0.05, trained_before=True) == 0.05  # 0: train.lr
-    with pytest.raises(UsageError, match="schedule.later_lr sets the stages after the set first trained"):
-        RunConfig.for_method("ranpac", {"schedule": {"later_lr": 0.1}}, preset="published")
-    run = tmp_path / "run"
-    config = RunConfig.for_method(
-        "ranpac", {**SMALL, "schedule": {"later_epochs": 1, "later_lr": 0.02}}, preset="carried"
-    )
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
-    learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
-    learn_stage(run, data_dir=stage_folders[1][0], device="cpu")
-    learn_stage(run, data_dir=stage_folders[2][0], device="cpu", train_overrides={"lr": 0.03})
-    records = [json.loads(p.read_text())["train"] for p in sorted((run / "stages").glob("*/stage.json"))]
-    assert [r["lr"] for r in records] == [config.train.lr, 0.02, 0.03]
-    assert [r["epochs"] for r in records] == [3, 1, 1]

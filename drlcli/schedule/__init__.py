@@ -16,8 +16,7 @@ and the benchmark read, rather than each asking the method:
   widened them has the adapted head answer from the next stage on (from that stage itself, where it is a
   drop of few images a class: ``trial_answers_small_stage``), unless the counts say it loses.
 - ``decides_first``: stage 1's adapters are kept only where the held-out part scores higher.
-- ``later_epochs``: once the set has trained, a later stage trains at most that many epochs (``epochs``),
-  at ``later_lr`` where that is set (``lr``).
+- ``later_epochs``: once the set has trained, a later stage trains at most that many epochs (``epochs``).
 
 The ``schedule`` section of a run config holds the options; runs of earlier releases named it and
 the adapter's together ``first_session`` (``config.py`` reads them). This module imports no torch.
@@ -54,9 +53,6 @@ class ScheduleConfig:
     # cosine schedule over them): the set already fits the domain and moves for the new classes alone;
     # 0: every stage trains train.epochs (runs of earlier releases)
     later_epochs: int = option(0, within=Range(0, 1_000_000))
-    # "all" only: the learning rate of a stage after the set first trained (0: train.lr), e.g. larger where
-    # ``later_epochs`` makes the stage's cosine schedule short; a call's --lr sets the stage's own
-    later_lr: float = option(0.0, within=Range(0, 10))
     # "first" only: train the adapters on the fit part of stage 1's images, fit the head on the fit
     # part's frozen and adapted features, and keep the adapters only when the held-out part (the ridge
     # head's statistics split) scores higher with them
@@ -103,17 +99,11 @@ class Schedule:
     decides_first: bool = False
     hold: bool = False  # a carried stage after the first adds the hold term (a second, no-grad forward)
     later_epochs: int = 0  # a carried set's epochs at most, once it trained at an earlier stage (0: no bound)
-    later_lr: float = 0.0  # a carried set's learning rate once it trained at an earlier stage (0: train.lr)
 
     def epochs(self, train_epochs: int, *, trained_before: bool) -> int:
         """The epochs a stage trains: ``train_epochs``, at most ``later_epochs`` once the set trained at
         an earlier stage (``trained_before``)."""
         return min(train_epochs, self.later_epochs) if self.later_epochs and trained_before else train_epochs
-
-    def lr(self, train_lr: float, *, trained_before: bool) -> float:
-        """The learning rate a stage trains at: ``later_lr`` once the set trained at an earlier stage (where
-        set), else ``train_lr``."""
-        return self.later_lr if self.later_lr and trained_before else train_lr
 
 
 EVERY_STAGE = Schedule()  # ipa, ease: a new stage network at every stage whose subspace is read
@@ -135,7 +125,6 @@ def adapter_schedule(config: RunConfig) -> Schedule:
         decides_first=not carries and options.decide,
         hold=carries and options.hold_weight > 0,
         later_epochs=options.later_epochs if carries else 0,
-        later_lr=options.later_lr if carries else 0.0,
     )
 
 
@@ -150,8 +139,6 @@ def rules(config: RunConfig) -> None:
             raise UsageError("schedule.decide is for stages first: a carried run (stages all) keeps its adapters")
     elif options.later_epochs:
         raise UsageError("schedule.later_epochs bounds the stages after the set first trained: set schedule.stages all")
-    elif options.later_lr:
-        raise UsageError("schedule.later_lr sets the stages after the set first trained: set schedule.stages all")
     elif options.switch != "none":
         raise UsageError("schedule.switch picks between the carried set and the frozen PTM: set schedule.stages all")
     if options.trial != "none" and options.pause != "transfer":

@@ -59,7 +59,6 @@ class StageContext:
     # --eval-fraction: ``eval_images`` were held out of the drop ({"held_out": F, "seed": s}); None: not
     held_out: dict[str, Any] | None = None
     epochs_given: bool = False  # the call set the stage's epochs (--epochs): the schedule's bound does not apply
-    lr_given: bool = False  # the call set the stage's learning rate (--lr): the schedule's later_lr does not apply
 
     @property
     def model(self) -> IncrementalModel:
@@ -77,13 +76,13 @@ class StageContext:
 
     @property
     def train(self) -> TrainConfig:
-        """The training options of this stage: the run's, with the epochs and learning rate its schedule gives
-        a stage after the set first trained (``Schedule.epochs``, ``Schedule.lr``), unless the call set them."""
-        train, schedule = self.config.train, self.schedule
-        trained_before = set_has_trained(self.loaded.stage_metas)
-        epochs = train.epochs if self.epochs_given else schedule.epochs(train.epochs, trained_before=trained_before)
-        lr = train.lr if self.lr_given else schedule.lr(train.lr, trained_before=trained_before)
-        return train if (epochs, lr) == (train.epochs, train.lr) else replace(train, epochs=epochs, lr=lr)
+        """The training options of this stage: the run's, with the epochs its schedule gives a stage after
+        the set first trained (``Schedule.epochs``), unless the call set them."""
+        train, metas = self.config.train, self.loaded.stage_metas
+        if self.epochs_given:
+            return train
+        epochs = self.schedule.epochs(train.epochs, trained_before=set_has_trained(metas))
+        return train if epochs == train.epochs else replace(train, epochs=epochs)
 
     @property
     def untrained(self) -> bool:

@@ -114,7 +114,6 @@ def prepare(
         progress=progress,
         held_out=records.held_out,
         epochs_given=(train_overrides or {}).get("epochs") is not None,
-        lr_given=(train_overrides or {}).get("lr") is not None,
     )
     if stage.schedule.carries and loaded.stage_metas:
         stage.earlier_transfer()  # a crafted record stops the call before any training

@@ -98,7 +98,7 @@ def record_stage(
         stage.discard_checkpoint()
         raise DivergedError(
             f"training diverged: {bad} of stage {stage.index} holds NaN or infinite values; nothing was "
-            f"committed: lower --lr (now {stage.train.lr:g})"
+            f"committed: lower --lr (now {stage.config.train.lr:g})"
         )
     meta = _stage_meta(stage, trained, fitted, evaluated)
     if passes is not None:  # what learning it cost, in forward passes per image (``cost.py``)
