@@ -53,6 +53,9 @@ class ScheduleConfig:
     # cosine schedule over them): the set already fits the domain and moves for the new classes alone;
     # 0: every stage trains train.epochs (runs of earlier releases)
     later_epochs: int = option(0, within=Range(0, 1_000_000))
+    # "all" only: a stage trains in batches of this many images once the set trained at an earlier stage
+    # (with later_epochs, a stage keeps its step count on fewer passes); 0: train.batch_size
+    later_batch_size: int = option(0, within=Range(0, 1_000_000))
     # "first" only: train the adapters on the fit part of stage 1's images, fit the head on the fit
     # part's frozen and adapted features, and keep the adapters only when the held-out part (the ridge
     # head's statistics split) scores higher with them
@@ -99,11 +102,17 @@ class Schedule:
     decides_first: bool = False
     hold: bool = False  # a carried stage after the first adds the hold term (a second, no-grad forward)
     later_epochs: int = 0  # a carried set's epochs at most, once it trained at an earlier stage (0: no bound)
+    later_batch_size: int = 0  # a carried set's batch, once it trained at an earlier stage (0: train.batch_size)
 
     def epochs(self, train_epochs: int, *, trained_before: bool) -> int:
         """The epochs a stage trains: ``train_epochs``, at most ``later_epochs`` once the set trained at
         an earlier stage (``trained_before``)."""
         return min(train_epochs, self.later_epochs) if self.later_epochs and trained_before else train_epochs
+
+    def batch_size(self, train_batch_size: int, *, trained_before: bool) -> int:
+        """The batch a stage trains in: ``later_batch_size`` once the set trained at an earlier stage
+        (``trained_before``), else ``train_batch_size``."""
+        return self.later_batch_size if self.later_batch_size and trained_before else train_batch_size
 
 
 EVERY_STAGE = Schedule()  # ipa, ease: a new stage network at every stage whose subspace is read
@@ -125,6 +134,7 @@ def adapter_schedule(config: RunConfig) -> Schedule:
         decides_first=not carries and options.decide,
         hold=carries and options.hold_weight > 0,
         later_epochs=options.later_epochs if carries else 0,
+        later_batch_size=options.later_batch_size if carries else 0,
     )
 
 
@@ -137,8 +147,9 @@ def rules(config: RunConfig) -> None:
             raise UsageError("schedule.stages all trains the adapter set: set adapter.peft adaptformer")
         if options.decide:
             raise UsageError("schedule.decide is for stages first: a carried run (stages all) keeps its adapters")
-    elif options.later_epochs:
-        raise UsageError("schedule.later_epochs bounds the stages after the set first trained: set schedule.stages all")
+    elif options.later_epochs or options.later_batch_size:
+        name = "later_epochs bounds" if options.later_epochs else "later_batch_size sets"
+        raise UsageError(f"schedule.{name} the stages after the set first trained: set schedule.stages all")
     elif options.switch != "none":
         raise UsageError("schedule.switch picks between the carried set and the frozen PTM: set schedule.stages all")
     if options.trial != "none" and options.pause != "transfer":

@@ -81,8 +81,12 @@ class StageContext:
         train, metas = self.config.train, self.loaded.stage_metas
         if self.epochs_given:
             return train
-        epochs = self.schedule.epochs(train.epochs, trained_before=set_has_trained(metas))
-        return train if epochs == train.epochs else replace(train, epochs=epochs)
+        before = set_has_trained(metas)
+        epochs = self.schedule.epochs(train.epochs, trained_before=before)
+        batch_size = self.schedule.batch_size(train.batch_size, trained_before=before)
+        if (epochs, batch_size) == (train.epochs, train.batch_size):
+            return train
+        return replace(train, epochs=epochs, batch_size=batch_size)
 
     @property
     def untrained(self) -> bool:
