@@ -64,6 +64,9 @@ _TRIED = {
     "schedule": {"trial": "transfer", "trial_answers": True, "trial_answers_small_stage": 20, "train_min_classes": 4},
     "train": {"precision": "auto"},
 }
+# ... and once the set has trained, a later stage trains 5 epochs in batches of 12: the 20 epochs' steps at
+# a quarter of their passes (chosen on the sketches' validation split, VS6: docs/performance.md)
+_LATER = {"schedule": {"later_epochs": 5, "later_batch_size": 12}}
 _CE = {"train": {"loss": "ce", "kd_weight": 0.0}}  # no distillation: no frozen PTM in the adapted pass
 
 
@@ -85,10 +88,11 @@ RECIPES: tuple[Recipe, ...] = (
         "default",
         "drl",
         "one AdaptFormer set in the PTM's first 6 blocks",
-        "tried on half of a stage's classes first; trained at every stage while adapting can pay; "
-        "the frozen PTM's head answers until adapting pays (the trial's margins or the forward transfer)",
+        "tried on half of a stage's classes first; trained at every stage while adapting can pay (20 epochs, "
+        "then 5 in batches of 12); the frozen PTM's head answers until adapting pays (the trial's margins or the "
+        "forward transfer)",
         "ridge (random features, PTM layout, class covariances)",
-        merged(FROZEN, _CARRIED_SET, _SWITCHED, _TRIED, {"ridge": CARRY_SUMS}, _CE),
+        merged(FROZEN, _CARRIED_SET, _SWITCHED, _TRIED, _LATER, {"ridge": CARRY_SUMS}, _CE),
         presets=("default", "switched"),
         method_default=True,
     ),

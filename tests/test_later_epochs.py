@@ -1,5 +1,6 @@
 """``schedule.later_epochs``: once a carried run's set has trained at a stage, a later stage trains at
-most that many epochs (its cosine schedule over them); a call's ``--epochs`` sets the stage's own."""
+most that many epochs (its cosine schedule over them); a call's ``--epochs`` sets the stage's own.
+``schedule.later_batch_size``: such a stage trains in batches of that many images."""
 
 import json
 
@@ -27,8 +28,8 @@ def _init(run):
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
 
 
-def _train_records(run):
-    return [json.loads(p.read_text())["train"]["epochs"] for p in sorted((run / "stages").glob("*/stage.json"))]
+def _train_records(run, key="epochs"):
+    return [json.loads(p.read_text())["train"][key] for p in sorted((run / "stages").glob("*/stage.json"))]
 
 
 def test_the_bound_applies_once_the_set_has_trained():
@@ -39,10 +40,22 @@ def test_the_bound_applies_once_the_set_has_trained():
     assert Schedule(carries=True).epochs(20, trained_before=True) == 20  # 0: runs of earlier releases
 
 
-def test_the_option_needs_a_carried_set():
-    with pytest.raises(UsageError, match="schedule.later_epochs bounds the stages after the set first trained"):
-        RunConfig.for_method("ranpac", {"schedule": {"later_epochs": 5}}, preset="published")
-    assert RunConfig.for_recipe("frozen").schedule.later_epochs == 0
+def test_the_later_batch_applies_once_the_set_has_trained():
+    schedule = Schedule(carries=True, later_epochs=5, later_batch_size=12)
+    assert schedule.batch_size(48, trained_before=False) == 48
+    assert schedule.batch_size(48, trained_before=True) == 12
+    assert Schedule(carries=True).batch_size(48, trained_before=True) == 48  # 0: train.batch_size
+    # under torchrun the processes share the batch: it is rounded up to a multiple of them
+    assert [schedule.batch_size(48, trained_before=True, processes=n) for n in (2, 3, 8)] == [12, 12, 16]
+
+
+@pytest.mark.parametrize(
+    ("option", "says"), [("later_epochs", "later_epochs bounds"), ("later_batch_size", "later_batch_size sets")]
+)
+def test_the_options_need_a_carried_set(option, says):
+    with pytest.raises(UsageError, match=f"schedule.{says} the stages after the set first trained"):
+        RunConfig.for_method("ranpac", {"schedule": {option: 5}}, preset="published")
+    assert getattr(RunConfig.for_recipe("frozen").schedule, option) == 0
 
 
 def test_stage_1_trains_its_epochs_and_later_stages_the_bound(tmp_path, stage_folders):
@@ -55,12 +68,32 @@ def test_stage_1_trains_its_epochs_and_later_stages_the_bound(tmp_path, stage_fo
     assert [r.passes["training"] for r in results] == pytest.approx([3 * 3, 1 * 3.25, 1 * 3.25])
 
 
-def test_a_call_s_epochs_set_the_stage_s_own(tmp_path, stage_folders):
+def test_later_stages_train_in_the_later_batch(tmp_path, stage_folders):
     run = tmp_path / "run"
-    _init(run)
+    config = RunConfig.for_method(
+        "ranpac", {**SMALL, "schedule": {"later_epochs": 1, "later_batch_size": 4}}, preset="carried"
+    )
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    results = [learn_stage(run, data_dir=train, device="cpu") for train, _ in stage_folders]
+    assert _train_records(run, "batch_size") == [8, 4, 4] and _train_records(run) == [3, 1, 1]
+    # the same passes an image as at the run's batch: the cost follows the images read, not the steps
+    assert [r.passes["training"] for r in results] == pytest.approx([3 * 3, 1 * 3.25, 1 * 3.25])
+
+
+def test_a_call_s_epochs_and_batch_set_the_stage_s_own(tmp_path, stage_folders):
+    run = tmp_path / "run"
+    config = RunConfig.for_method(
+        "ranpac", {**SMALL, "schedule": {"later_epochs": 1, "later_batch_size": 4}}, preset="carried"
+    )
+    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
     learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
-    second = learn_stage(run, data_dir=stage_folders[1][0], device="cpu", train_overrides={"epochs": 2})
+    second = learn_stage(
+        run, data_dir=stage_folders[1][0], device="cpu", train_overrides={"epochs": 2, "batch_size": None}
+    )
     assert len(second.epoch_losses) == 2 and _train_records(run) == [3, 2]
+    assert _train_records(run, "batch_size") == [8, 4]  # the batch the call left unset is the schedule's
+    learn_stage(run, data_dir=stage_folders[2][0], device="cpu", train_overrides={"batch_size": 6})
+    assert _train_records(run) == [3, 2, 1] and _train_records(run, "batch_size") == [8, 4, 6]
 
 
 def test_check_data_estimates_the_bounded_epochs(tmp_path, stage_folders):

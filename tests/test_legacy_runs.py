@@ -58,6 +58,8 @@ def test_a_run_of_an_earlier_release_answers_exports_and_learns(name, tmp_path):
     if name == "switched":  # its frozen track now in the run's manifest: one manifest, format 4
         # its run.yaml has no hold_share: its stages keep reading the hold on every image, as they did
         assert loaded.config.schedule.hold_share == 1.0 and loaded.config.schedule.hold_weight == 3.0
+        # ... nor later_epochs nor later_batch_size: its later stages train 20 epochs in batches of 48
+        assert (loaded.config.schedule.later_epochs, loaded.config.schedule.later_batch_size) == (0, 0)
         assert not (run / "frozen" / "manifest.json").exists()
         assert RunDir(run).manifest()["format_version"] == 4
 

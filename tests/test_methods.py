@@ -73,6 +73,8 @@ def test_the_facts_of_each_method():
         "trial_answers",
         "trial_answers_small_stage",
         "train_min_classes",
+        "later_epochs",  # and for its later stages' 5 epochs in batches of 12
+        "later_batch_size",
     }
     assert {k: v for k, v in mine["ridge"].items() if same["ridge"][k] != v} == {
         "carry_mean": "exact",

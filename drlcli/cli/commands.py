@@ -61,10 +61,16 @@ def learn_stage(
         min=1,
         show_default=False,
         help=f"Training epochs for this stage, if it is trained (drl's default trains its adapter set at each "
-        f"stage until adapting stops paying; recipe frozen trains none); {train_default('epochs')}.",
+        f"stage until adapting stops paying; recipe frozen trains none); {train_default('epochs')}; once the set "
+        "has trained, schedule.later_epochs (the default's 5).",
     ),
     batch_size: int | None = typer.Option(
-        None, "--batch-size", min=1, show_default=False, help=f"Images per step; {train_default('batch_size')}."
+        None,
+        "--batch-size",
+        min=1,
+        show_default=False,
+        help=f"Images per step; {train_default('batch_size')}; once the set has trained, schedule.later_batch_size "
+        "(the default's 12).",
     ),
     lr: float | None = typer.Option(
         None, "--lr", min=0.0, show_default=False, help=f"SGD learning rate; {train_default('lr')}."

@@ -109,10 +109,13 @@ class Schedule:
         an earlier stage (``trained_before``)."""
         return min(train_epochs, self.later_epochs) if self.later_epochs and trained_before else train_epochs
 
-    def batch_size(self, train_batch_size: int, *, trained_before: bool) -> int:
+    def batch_size(self, train_batch_size: int, *, trained_before: bool, processes: int = 1) -> int:
         """The batch a stage trains in: ``later_batch_size`` once the set trained at an earlier stage
-        (``trained_before``), else ``train_batch_size``."""
-        return self.later_batch_size if self.later_batch_size and trained_before else train_batch_size
+        (``trained_before``), rounded up to a multiple of the ``processes`` that share it (torchrun's),
+        else ``train_batch_size``."""
+        if not (self.later_batch_size and trained_before):
+            return train_batch_size
+        return -(-self.later_batch_size // processes) * processes
 
 
 EVERY_STAGE = Schedule()  # ipa, ease: a new stage network at every stage whose subspace is read

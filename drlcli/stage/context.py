@@ -13,6 +13,7 @@ import torch
 from ..config import RunConfig
 from ..data import LabelledImages
 from ..device import resolve_device
+from ..distributed import world_size
 from ..errors import IntegrityError
 from ..evaluation import SetFeatures
 from ..heads import HeadFit
@@ -58,7 +59,8 @@ class StageContext:
     progress: ProgressFn | None
     # --eval-fraction: ``eval_images`` were held out of the drop ({"held_out": F, "seed": s}); None: not
     held_out: dict[str, Any] | None = None
-    epochs_given: bool = False  # the call set the stage's epochs (--epochs): the schedule's bound does not apply
+    # the training options the call set (--epochs, --batch-size): the schedule's later ones do not replace them
+    train_given: frozenset[str] = frozenset()
 
     @property
     def model(self) -> IncrementalModel:
@@ -76,14 +78,16 @@ class StageContext:
 
     @property
     def train(self) -> TrainConfig:
-        """The training options of this stage: the run's, with the epochs its schedule gives a stage after
-        the set first trained (``Schedule.epochs``), unless the call set them."""
-        train, metas = self.config.train, self.loaded.stage_metas
-        if self.epochs_given:
-            return train
-        before = set_has_trained(metas)
-        epochs = self.schedule.epochs(train.epochs, trained_before=before)
-        batch_size = self.schedule.batch_size(train.batch_size, trained_before=before)
+        """The training options of this stage: the run's, with the epochs and batch its schedule gives a
+        stage after the set first trained (``Schedule.epochs``, ``Schedule.batch_size``), unless the call
+        set them."""
+        train, schedule = self.config.train, self.schedule
+        before = set_has_trained(self.loaded.stage_metas)
+        epochs, batch_size = train.epochs, train.batch_size
+        if "epochs" not in self.train_given:
+            epochs = schedule.epochs(epochs, trained_before=before)
+        if "batch_size" not in self.train_given:
+            batch_size = schedule.batch_size(batch_size, trained_before=before, processes=world_size())
         if (epochs, batch_size) == (train.epochs, train.batch_size):
             return train
         return replace(train, epochs=epochs, batch_size=batch_size)

@@ -113,7 +113,7 @@ def prepare(
         tracker=tracker,
         progress=progress,
         held_out=records.held_out,
-        epochs_given=(train_overrides or {}).get("epochs") is not None,
+        train_given=frozenset(key for key, value in (train_overrides or {}).items() if value is not None),
     )
     if stage.schedule.carries and loaded.stage_metas:
         stage.earlier_transfer()  # a crafted record stops the call before any training
