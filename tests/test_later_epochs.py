@@ -23,8 +23,10 @@ SMALL = {
 }
 
 
-def _init(run):
-    config = RunConfig.for_method("ranpac", SMALL, preset="carried")
+def _init(run, **schedule):
+    """A carried run of SMALL's options, ``schedule`` over its schedule section."""
+    options = {**SMALL, "schedule": {**SMALL["schedule"], **schedule}}
+    config = RunConfig.for_method("ranpac", options, preset="carried")
     init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
 
 
@@ -70,10 +72,7 @@ def test_stage_1_trains_its_epochs_and_later_stages_the_bound(tmp_path, stage_fo
 
 def test_later_stages_train_in_the_later_batch(tmp_path, stage_folders):
     run = tmp_path / "run"
-    config = RunConfig.for_method(
-        "ranpac", {**SMALL, "schedule": {"later_epochs": 1, "later_batch_size": 4}}, preset="carried"
-    )
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    _init(run, later_batch_size=4)
     results = [learn_stage(run, data_dir=train, device="cpu") for train, _ in stage_folders]
     assert _train_records(run, "batch_size") == [8, 4, 4] and _train_records(run) == [3, 1, 1]
     # the same passes an image as at the run's batch: the cost follows the images read, not the steps
@@ -82,10 +81,7 @@ def test_later_stages_train_in_the_later_batch(tmp_path, stage_folders):
 
 def test_a_call_s_epochs_and_batch_set_the_stage_s_own(tmp_path, stage_folders):
     run = tmp_path / "run"
-    config = RunConfig.for_method(
-        "ranpac", {**SMALL, "schedule": {"later_epochs": 1, "later_batch_size": 4}}, preset="carried"
-    )
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    _init(run, later_batch_size=4)
     learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
     second = learn_stage(
         run, data_dir=stage_folders[1][0], device="cpu", train_overrides={"epochs": 2, "batch_size": None}
@@ -115,8 +111,7 @@ def test_a_later_stage_interrupted_resumes_with_its_bounded_epochs(tmp_path, sta
             raise Interrupt
 
     run = tmp_path / "run"
-    config = RunConfig.for_method("ranpac", {**SMALL, "schedule": {"later_epochs": 2}}, preset="carried")
-    init_run(run, ptm=TINY_PTM, random_init=True, ptm_kwargs=TINY_PTM_KWARGS, config=config)
+    _init(run, later_epochs=2)
     learn_stage(run, data_dir=stage_folders[0][0], device="cpu")
     with pytest.raises(Interrupt):
         learn_stage(run, data_dir=stage_folders[1][0], device="cpu", progress=stop)
